@@ -1,0 +1,41 @@
+"""Per-family adapters and the registry keyed by ``model_type``."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .base import MoEAdapter
+from .deepseek import DeepSeekAdapter
+from .minimax import MiniMaxAdapter
+from .mixtral import GptOssAdapter, MixtralAdapter
+from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
+
+_ADAPTERS: tuple[type[MoEAdapter], ...] = (
+    MiniMaxAdapter,
+    DeepSeekAdapter,
+    Qwen3MoeAdapter,
+    Qwen3NextAdapter,
+    Qwen2MoeAdapter,
+    OlmoeAdapter,
+    MixtralAdapter,
+    GptOssAdapter,
+)
+
+REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def get_adapter(model, config: dict) -> MoEAdapter:
+    """The adapter for ``config['model_type']``; an unsupported type is a ``UserError`` listing the supported."""
+    model_type = config.get("model_type")
+    cls = REGISTRY.get(model_type)
+    if cls is None:
+        raise UserError(
+            f"model_type '{model_type}' is not supported; supported types: {', '.join(supported_model_types())}."
+        )
+    return cls(model, config)
+
+
+__all__ = ["MoEAdapter", "REGISTRY", "get_adapter", "supported_model_types"]

@@ -1,0 +1,148 @@
+"""The adapter protocol: everything the toolkit needs to know about one MoE family.
+
+Routing is written once per family, here in ``mlx_fun/adapters``; every feature (collect, steer, prune,
+merge, serve) goes through ``route`` and ``combine`` and never re-implements them. With no bias, ``route``
+reproduces the block's own expert indices bit for bit: it runs the same MLX operations in the same order as
+the block's ``__call__`` in mlx-lm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+
+class MoEAdapter:
+    """Base adapter. Subclasses set the class attributes and implement ``route`` and ``combine``."""
+
+    #: model_type values this adapter serves (the registry key)
+    model_types: tuple[str, ...] = ()
+    #: attribute of a decoder layer that holds the MoE block
+    block_attr: str = "mlp"
+    #: attribute of the MoE block that holds the experts (an mlx-lm ``SwitchGLU``)
+    experts_attr: str = "switch_mlp"
+    #: attribute of the MoE block that holds the router
+    router_attr: str = "gate"
+    #: config keys of the routed-expert count and of top-k
+    num_experts_key: str = "num_experts"
+    top_k_key: str = "num_experts_per_tok"
+    #: block parameters (besides experts and router) whose leading axis is the expert axis
+    extra_expert_params: tuple[str, ...] = ()
+    #: how the experts compute: "swiglu" (GEMM3_SWIGLU) or "swiglu_oai" (GEMM2_BIAS_SWIGLU_CLAMP, gpt-oss)
+    expert_type: str = "swiglu"
+
+    def __init__(self, model, config: dict):
+        self.model = model
+        self.config = config
+        self._moe_layers = [
+            i for i, layer in enumerate(self.decoder_layers()) if self._is_moe(getattr(layer, self.block_attr, None))
+        ]
+        if not self._moe_layers:
+            raise ValueError(f"no MoE blocks found in this {self.model_type} model (looked for .{self.block_attr})")
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", self.model_types[0])
+
+    @property
+    def text_config(self) -> dict:
+        """The dict that holds the text model's settings (``text_config`` for multimodal wrappers)."""
+        return self.config.get("text_config", self.config)
+
+    def config_keys(self) -> list[tuple[str, ...]]:
+        """Paths in config.json of the routed-expert count (rewrites update each one that exists)."""
+        if "text_config" in self.config:
+            return [("text_config", self.num_experts_key)]
+        return [(self.num_experts_key,)]
+
+    def decoder_layers(self) -> list:
+        return list(self.model.layers)
+
+    def _is_moe(self, block) -> bool:
+        return block is not None and hasattr(block, self.experts_attr)
+
+    def moe_layers(self) -> list[int]:
+        """Decoder-layer indices that hold an MoE block, in order."""
+        return list(self._moe_layers)
+
+    def block(self, layer: int):
+        return getattr(self.decoder_layers()[layer], self.block_attr)
+
+    def blocks(self) -> list:
+        return [self.block(i) for i in self._moe_layers]
+
+    def experts(self, block):
+        """The block's ``SwitchGLU``: called as ``experts(x, inds)`` it returns (..., k, D) unweighted outputs."""
+        return getattr(block, self.experts_attr)
+
+    def router(self, block):
+        return getattr(block, self.router_attr)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.experts(self.block(self._moe_layers[0])).up_proj.num_experts)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.text_config[self.top_k_key])
+
+    @property
+    def groups(self) -> tuple[int, int] | None:
+        """(n_group, topk_group) when the router is group-limited, else None."""
+        return None
+
+    def prepare(self, block, x: mx.array) -> mx.array:
+        """The input as the block hands it to its router and experts (olmoe flattens tokens)."""
+        return x
+
+    # ----------------------------------------------------------------- routing
+    def route(self, block, x: mx.array, logit_bias: mx.array | None = None):
+        """Return ``(inds, weights, logits)`` exactly as the block computes them.
+
+        ``logit_bias`` (shape (E,)) is added to the router logits before selection; ``logits`` returned are the
+        raw, unbiased router logits.
+        """
+        raise NotImplementedError
+
+    def combine(self, block, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        """Weighted sum of expert outputs ``y`` (..., k, D) plus shared experts, as the block does it."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- weights
+    def expert_tensors(self, block) -> list[str]:
+        """Parameter paths (relative to the block) whose leading axis is the routed-expert axis.
+
+        Router rows (weight/scales/biases/bias), correction biases and every projection tensor of the experts
+        (weight/scales/biases/bias); never the shared experts.
+        """
+        E = self.experts(block).up_proj.num_experts
+        names = []
+        for name, value in tree_flatten(block.parameters()):
+            head = name.split(".", 1)[0]
+            if head in (self.experts_attr, self.router_attr) or name in self.extra_expert_params:
+                if value.ndim >= 1 and value.shape[0] == E:
+                    names.append(name)
+        return names
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "adapter": type(self).__name__,
+            "moe_layers": self.moe_layers(),
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "groups": self.groups,
+        }
+
+
+def topk_desc(scores: mx.array, k: int) -> mx.array:
+    """``argpartition(-scores, kth=k-1)[..., :k]``: the idiom of mixtral, qwen2_moe, olmoe, minimax."""
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
+def topk_tail(scores: mx.array, k: int) -> mx.array:
+    """``argpartition(scores, kth=-k)[..., -k:]``: the idiom of qwen3_moe, qwen3_next and gpt_oss."""
+    return mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]

@@ -1,0 +1,69 @@
+"""DeepSeek-style MoEGate routers: deepseek_v3 (kimi_k2, kimi_k25), deepseek_v32, glm4_moe, glm4_moe_lite,
+glm_moe_dsa, dots1.
+
+Sigmoid scores plus a selection-only correction bias, group-limited top-k when n_group > 1, optional
+renormalisation and a routed scaling factor. Selection calls the ``group_expert_select`` of the very module
+that defines the block's gate, so it is the same compiled function the block runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .base import MoEAdapter
+
+
+class DeepSeekAdapter(MoEAdapter):
+    model_types = (
+        "deepseek_v3",
+        "kimi_k2",
+        "kimi_k25",
+        "deepseek_v32",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "dots1",
+    )
+    num_experts_key = "n_routed_experts"
+
+    def _is_moe(self, block) -> bool:
+        if block is None:
+            return False
+        # dots1 names its SwitchGLU `experts`; the others `switch_mlp`
+        return hasattr(block, "switch_mlp") or (hasattr(block, "experts") and hasattr(block, "gate"))
+
+    def experts(self, block):
+        return block.switch_mlp if hasattr(block, "switch_mlp") else block.experts
+
+    @property
+    def experts_attr(self) -> str:  # type: ignore[override]
+        return "switch_mlp" if hasattr(self.block(self._moe_layers[0]), "switch_mlp") else "experts"
+
+    @property
+    def groups(self):
+        n_group = int(self.text_config.get("n_group") or 1)
+        if n_group > 1:
+            return n_group, int(self.text_config.get("topk_group") or n_group)
+        return None
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        select = sys.modules[type(gate).__module__].group_expert_select
+        logits = x @ gate.weight.T
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds, scores = select(
+            gates,
+            gate.e_score_correction_bias,
+            gate.top_k,
+            gate.n_group,
+            gate.topk_group,
+            gate.routed_scaling_factor,
+            gate.norm_topk_prob,
+        )
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        if getattr(block, "shared_experts", None) is not None:
+            y = y + block.shared_experts(x)
+        return y

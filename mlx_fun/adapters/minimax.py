@@ -1,0 +1,28 @@
+"""MiniMax (and MiniMax-M2, which mlx-lm maps onto it): sigmoid router with a selection-only correction bias."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import MoEAdapter, topk_desc
+
+
+class MiniMaxAdapter(MoEAdapter):
+    model_types = ("minimax", "minimax_m2")
+    block_attr = "block_sparse_moe"
+    num_experts_key = "num_local_experts"
+    extra_expert_params = ("e_score_correction_bias",)
+
+    def route(self, block, x, logit_bias=None):
+        logits = block.gate(x.astype(mx.float32))
+        gates = logits if logit_bias is None else logits + logit_bias
+        scores = mx.sigmoid(gates)
+        orig_scores = scores
+        scores = scores + block.e_score_correction_bias
+        inds = mx.stop_gradient(topk_desc(scores, self.top_k))
+        scores = mx.take_along_axis(orig_scores, inds, axis=-1)
+        scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)
+        return inds, scores.astype(x.dtype), logits
+
+    def combine(self, block, x, y, weights):
+        return (y * weights[..., None]).sum(axis=-2)

@@ -1,0 +1,5 @@
+"""Fast BLAS on Linux CPU (placeholder: being written)."""
+
+
+def blas_status() -> str:
+    return "blas: unknown"

@@ -1,0 +1,2 @@
+"""collect (placeholder: being written)."""
+COMMANDS: list = []

@@ -1,0 +1,2 @@
+"""doctor (placeholder: being written)."""
+COMMANDS: list = []

@@ -1,0 +1,2 @@
+"""stats-diff, stats-merge, stats-purge (placeholder: being written)."""
+COMMANDS: list = []

@@ -1,0 +1,92 @@
+"""Loading models and writing outputs atomically.
+
+Every file or directory the toolkit writes goes to a temporary sibling first and is renamed into place only
+when complete, so an interrupted run never leaves a half-written output behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, suffix: str = ""):
+    """Yield a temporary path next to ``path``; rename it onto ``path`` when the block succeeds.
+
+    ``suffix`` is appended to the temporary name (``np.savez`` insists on a ``.npz`` ending).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp" + suffix, dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write JSON atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
+    """Yield a temporary directory beside ``path``; move it to ``path`` when the block succeeds.
+
+    An existing non-empty ``path`` is an error unless ``overwrite``; then it is replaced only after the new
+    directory is complete.
+    """
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{target} exists and is not a directory; choose another output path.")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise UserError(f"output directory {target} exists and is not empty; pass --force or pick another path.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_config(model_path: str | os.PathLike) -> dict:
+    """``config.json`` of a local model directory, with friendly errors."""
+    path = Path(model_path)
+    if not path.exists():
+        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory to --model.")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{path} has no config.json; --model must be an mlx-lm model directory.")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download the model.")
+
+
+def load_model(model_path: str | os.PathLike, lazy: bool = False):
+    """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads."""
+    from mlx_lm import load
+
+    config = read_config(model_path)
+    model, tokenizer = load(str(model_path), lazy=lazy)
+    return model, tokenizer, config

@@ -1,0 +1,206 @@
+"""Per-layer × per-expert routing statistics, the saliency metrics computed from them, and ``.npz`` I/O.
+
+Accumulators are numpy float64, fed once per layer per batch with ``np.add.at`` scatter-adds:
+
+- ``freq``               number of routed (token, expert) pairs
+- ``weighted_freq_sum``  Σ router weight
+- ``reap_sum``           Σ ‖y_e(x)‖ · w_e(x)   (REAP numerator)
+- ``ean_sum``            Σ ‖y_e(x)‖            (EAN numerator)
+- ``reap_count``         number of routed pairs that carried an output norm (REAP / EAN denominator)
+- ``max_activation_norm`` max ‖y_e(x)‖ seen
+
+Metrics (higher = more important): ``reap`` = reap_sum / reap_count, ``ean`` = ean_sum / reap_count,
+``freq`` = freq, ``weighted_freq`` = weighted_freq_sum.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+METRICS = ("reap", "ean", "freq", "weighted_freq")
+ARRAY_KEYS = ("freq", "weighted_freq_sum", "reap_sum", "ean_sum", "reap_count", "max_activation_norm")
+FORMAT_VERSION = 1
+
+
+class SaliencyAccumulator:
+    """Routing statistics of one model: arrays of shape (num_layers, num_experts), float64."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        *,
+        model_type: str = "unknown",
+        moe_layer_indices: list[int] | None = None,
+        top_k: int = 0,
+    ):
+        self.num_layers = int(num_layers)
+        self.num_experts = int(num_experts)
+        self.model_type = model_type
+        self.moe_layer_indices = list(moe_layer_indices) if moe_layer_indices is not None else list(range(num_layers))
+        self.top_k = int(top_k)
+        self.total_tokens = 0
+        self.extra: dict[str, np.ndarray] = {}  # e.g. rank_sum of a stats-merge result
+        for key in ARRAY_KEYS:
+            setattr(self, key, np.zeros((self.num_layers, self.num_experts), dtype=np.float64))
+
+    @classmethod
+    def for_adapter(cls, adapter) -> "SaliencyAccumulator":
+        return cls(
+            len(adapter.moe_layers()),
+            adapter.num_experts,
+            model_type=adapter.model_type,
+            moe_layer_indices=adapter.moe_layers(),
+            top_k=adapter.top_k,
+        )
+
+    # ------------------------------------------------------------------ feeding
+    def update(self, layer: int, inds, weights, norms=None) -> None:
+        """Add one batch of routing decisions of MoE layer ``layer`` (position in ``moe_layer_indices``).
+
+        ``inds`` and ``weights`` are (N, k); ``norms`` (N, k) output norms or None (frequency-only counting).
+        """
+        inds = np.asarray(inds).reshape(-1)
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        np.add.at(self.freq[layer], inds, 1.0)
+        np.add.at(self.weighted_freq_sum[layer], inds, w)
+        if norms is not None:
+            n = np.asarray(norms, dtype=np.float64).reshape(-1)
+            np.add.at(self.reap_sum[layer], inds, n * w)
+            np.add.at(self.ean_sum[layer], inds, n)
+            np.add.at(self.reap_count[layer], inds, 1.0)
+            np.maximum.at(self.max_activation_norm[layer], inds, n)
+
+    def add(self, other: "SaliencyAccumulator") -> None:
+        """Sum another accumulator of the same model into this one (e.g. from another process)."""
+        self.check_compatible(other, what="accumulator")
+        for key in ARRAY_KEYS:
+            if key == "max_activation_norm":
+                np.maximum(self.max_activation_norm, other.max_activation_norm, out=self.max_activation_norm)
+            else:
+                getattr(self, key)[...] += getattr(other, key)
+        self.total_tokens += other.total_tokens
+
+    def reset(self) -> None:
+        for key in ARRAY_KEYS:
+            getattr(self, key)[...] = 0.0
+        self.total_tokens = 0
+
+    # ------------------------------------------------------------------ metrics
+    def scores(self, metric: str = "reap") -> np.ndarray:
+        """(num_layers, num_experts) saliency; higher means more important. Unseen experts score 0."""
+        if metric not in METRICS:
+            raise UserError(f"unknown metric '{metric}'; choose one of {', '.join(METRICS)}.")
+        rank_key = f"rank_sum_{metric}"
+        if rank_key in self.extra:
+            # a rank-merged file: rank 1 is best, so invert into "higher is better"
+            n_files = float(self.extra.get("rank_files", np.array(1.0)))
+            return n_files * (self.num_experts + 1) - self.extra[rank_key]
+        if metric == "freq":
+            return self.freq.copy()
+        if metric == "weighted_freq":
+            return self.weighted_freq_sum.copy()
+        num = self.reap_sum if metric == "reap" else self.ean_sum
+        out = np.zeros_like(num)
+        np.divide(num, self.reap_count, out=out, where=self.reap_count > 0)
+        return out
+
+    compute_scores = scores  # the seed's name
+
+    @property
+    def has_norms(self) -> bool:
+        return bool(self.reap_count.sum() > 0)
+
+    # ------------------------------------------------------------------ identity
+    def identity(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "moe_layer_indices": self.moe_layer_indices,
+        }
+
+    def check_compatible(self, other: "SaliencyAccumulator", what: str = "file") -> None:
+        a, b = self.identity(), other.identity()
+        for key in ("num_layers", "num_experts", "moe_layer_indices", "model_type"):
+            if a[key] != b[key] and "unknown" not in (a[key], b[key]):
+                raise UserError(
+                    f"saliency {what}s do not match: {key} is {a[key]} in one and {b[key]} in the other; "
+                    "only statistics of the same model can be combined."
+                )
+
+    def check_matches(self, adapter, source: str = "saliency file") -> None:
+        """Raise a ``UserError`` when these statistics were not collected on ``adapter``'s model."""
+        want = {
+            "num_layers": len(adapter.moe_layers()),
+            "num_experts": adapter.num_experts,
+            "moe_layer_indices": adapter.moe_layers(),
+        }
+        for key, value in want.items():
+            have = getattr(self, key)
+            if have != value:
+                raise UserError(
+                    f"{source} does not match the model: {key} is {have} in the file but {value} in the model "
+                    f"({adapter.model_type}); re-run `mlx-fun collect` on this model."
+                )
+
+    # ------------------------------------------------------------------ I/O
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        out = {key: getattr(self, key) for key in ARRAY_KEYS}
+        out.update(self.extra)
+        out.update(
+            model_type=np.array(self.model_type),
+            num_layers=np.array(self.num_layers),
+            num_experts=np.array(self.num_experts),
+            moe_layer_indices=np.array(self.moe_layer_indices, dtype=np.int64),
+            top_k=np.array(self.top_k),
+            total_tokens=np.array(self.total_tokens, dtype=np.int64),
+            format_version=np.array(FORMAT_VERSION),
+        )
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write an ``.npz`` atomically (temp file beside it, then rename)."""
+        from .io import atomic_file
+
+        path = Path(path)
+        with atomic_file(path, suffix=".npz") as tmp:
+            np.savez(tmp, **self.to_arrays())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SaliencyAccumulator":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"saliency file {path} does not exist; create it with `mlx-fun collect`.")
+        try:
+            data = dict(np.load(path, allow_pickle=False))
+        except Exception as e:  # zipfile/ValueError/OSError: not an npz
+            raise UserError(f"{path} is not a readable .npz saliency file ({type(e).__name__}: {e}).") from None
+        if "freq" not in data:
+            raise UserError(f"{path} has no 'freq' array; it is not a saliency file written by `mlx-fun collect`.")
+        freq = data["freq"]
+        if freq.ndim != 2:
+            raise UserError(f"{path}: 'freq' has shape {freq.shape}, expected (num_layers, num_experts).")
+        L, E = freq.shape
+        acc = cls(
+            L,
+            E,
+            model_type=str(data.get("model_type", "unknown")),
+            moe_layer_indices=[int(i) for i in data["moe_layer_indices"]] if "moe_layer_indices" in data else None,
+            top_k=int(data.get("top_k", 0)),
+        )
+        for key in ARRAY_KEYS:
+            if key in data:
+                arr = np.asarray(data[key], dtype=np.float64)
+                if arr.shape != (L, E):
+                    raise UserError(f"{path}: '{key}' has shape {arr.shape}, expected {(L, E)}.")
+                setattr(acc, key, arr)
+        acc.total_tokens = int(data.get("total_tokens", 0))
+        acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
+        return acc

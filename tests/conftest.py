@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random MoE models of every supported family, built offline once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from mlx_fun.adapters import supported_model_types  # noqa: E402
+
+FAMILIES = supported_model_types()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from mlx_fun.tiny import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tokenizer_dir):
+    """``make_model(model_type, bits=None, mode='affine', **overrides) -> Path``, cached per arguments."""
+    from mlx_fun.tiny import make_tiny_model
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def factory(model_type: str, bits: int | None = None, mode: str = "affine", **overrides):
+        key = (model_type, bits, mode, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = f"{model_type}-{bits or 'f'}-{mode}-{len(cache)}"
+            cache[key] = make_tiny_model(
+                model_type, root / name, bits=bits, mode=mode, tokenizer_dir=tokenizer_dir, **overrides
+            )
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def qwen_model(make_model):
+    """A tiny float qwen3_moe directory (the default family for pipeline tests)."""
+    return make_model("qwen3_moe")
