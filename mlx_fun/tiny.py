@@ -136,7 +136,8 @@ def _randomize_zero_router_params(model, seed: int) -> None:
         is_expert_bias = leaf == "bias" and value.ndim == 2  # SwitchLinear bias (E, out)
         if (is_router or is_expert_bias) and not mx.any(value != 0).item():
             key, sub = mx.random.split(key)
-            scale = 0.5 if leaf != "e_score_correction_bias" else 0.05
+            # router logits of unit scale (sigmoid routers unsaturated), small biases
+            scale = value.shape[-1] ** -0.5 if leaf == "weight" else 0.05 if is_router else 0.5
             updates.append((name, (mx.random.normal(value.shape, key=sub) * scale).astype(value.dtype)))
     if updates:
         model.update(tree_unflatten(updates))

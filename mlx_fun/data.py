@@ -1,0 +1,385 @@
+"""Calibration datasets → lists of token ids, and padded batches of them.
+
+``--dataset`` is either a JSONL file or a directory.
+
+**JSONL file** (any path that is not a directory is read as JSONL; blank lines are skipped). The format is
+detected per line, so one file may mix them. When a line has the keys of several formats, the first one in
+this list wins:
+
+1. ``{"messages": [{"role": "user", "content": "..."}, ...]}`` — a chat, tokenized with the tokenizer's chat
+   template (``tokenizer.apply_chat_template(messages, tokenize=True)``, no generation prompt). Every message
+   needs a string ``role`` and a string ``content`` (``content`` may be null/absent in a message that has
+   ``tool_calls``).
+2. ``{"prompt": "...", "completion": "..."}`` — tokenized as the single text ``prompt + completion`` (the two
+   strings are joined as they are; put any separating space or newline in the data itself).
+3. ``{"content": "..."}`` — plain text under ``text_key`` (``--text-key``, default ``content``), tokenized
+   with ``tokenizer.encode(text)``.
+
+Plain texts are encoded with the tokenizer's own special tokens (a BOS for tokenizers that use one), once: a
+text that already starts with the BOS token string is encoded without adding another. Chat templates already
+write their special tokens, so they are never added twice either.
+
+A line that is not valid JSON, not a JSON object, or that has none of these keys (or a value of the wrong
+type) is a ``UserError`` naming the file and the 1-based line number.
+
+**Directory**: every file below it (recursively, in sorted path order; hidden directories such as ``.git``
+are skipped) whose suffix is in ``extensions`` (case-insensitive, default ``.sol`` and ``.txt``) is one
+plain-text sample, read as UTF-8 (undecodable bytes are replaced).
+
+Samples that tokenize to no tokens are skipped; a dataset left with none is a ``UserError``. ``max_samples``
+keeps a random subset (``random.Random(seed)``) in the dataset's order; ``max_tokens`` truncates every sample.
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import UserError
+
+DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
+DEFAULT_TEXT_KEY = "content"
+
+__all__ = [
+    "DEFAULT_EXTENSIONS",
+    "DEFAULT_TEXT_KEY",
+    "Sample",
+    "count_tokens",
+    "iter_batches",
+    "load_dataset",
+    "load_samples",
+]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized sample and where it came from (``file:line`` for JSONL, the file path for directories)."""
+
+    tokens: list[int]
+    source: str
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A parsed, validated, not yet tokenized sample."""
+
+    source: str
+    kind: str  # "messages" | "text" | "file"
+    payload: Any  # list of messages | str | Path
+    where: str  # prefix for error messages, e.g. "data.jsonl line 7"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public API
+
+
+def load_samples(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    *,
+    max_samples: int | None = None,
+    max_tokens: int | None = 2048,
+    text_key: str = DEFAULT_TEXT_KEY,
+    seed: int | None = None,
+    extensions: Sequence[str] | str = DEFAULT_EXTENSIONS,
+) -> list[list[int]]:
+    """Token ids of every sample of the dataset at ``path`` (see the module docstring for the formats).
+
+    ``max_samples``: when the dataset has more non-empty samples, a random subset of that size chosen with
+    ``random.Random(seed)`` (``seed=None``: a different subset each run), kept in the dataset's order. Every
+    JSONL line is parsed and validated, so a malformed line is always reported, but only the chosen lines
+    (files, for a directory) are tokenized (read): keeping 128 samples of a 100k-line file is fast. Errors
+    that only tokenization can find (a chat template rejecting a conversation) are therefore reported for
+    the chosen lines only.
+
+    ``max_tokens``: every sample is truncated to at most this many tokens (``None``: no truncation).
+    ``text_key``: the JSON key of plain-text lines. ``extensions``: the file suffixes read from a directory.
+    """
+    samples = load_dataset(
+        path,
+        tokenizer,
+        max_samples=max_samples,
+        max_tokens=max_tokens,
+        text_key=text_key,
+        seed=seed,
+        extensions=extensions,
+    )
+    return [s.tokens for s in samples]
+
+
+def load_dataset(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    *,
+    max_samples: int | None = None,
+    max_tokens: int | None = 2048,
+    text_key: str = DEFAULT_TEXT_KEY,
+    seed: int | None = None,
+    extensions: Sequence[str] | str = DEFAULT_EXTENSIONS,
+) -> list[Sample]:
+    """Like :func:`load_samples`, but each sample also carries its source (``file:line`` or file path)."""
+    if max_samples is not None and max_samples < 1:
+        raise UserError(f"max samples must be at least 1, got {max_samples}; pass --max-samples 1 or more")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"max tokens must be at least 1, got {max_tokens}; pass --max-tokens 1 or more")
+    p = Path(path)
+    if not p.exists():
+        raise UserError(
+            f"dataset {p} does not exist; pass --dataset a JSONL file or a directory of text files"
+        )
+    if p.is_dir():
+        exts = _normalize_extensions(extensions)
+        items = _directory_items(p, exts)
+    else:
+        items = _jsonl_items(p, text_key)
+        if not items:
+            raise UserError(
+                f"dataset {p} is empty (no non-blank lines); write one JSON object per line, "
+                f'e.g. {{"{text_key}": "..."}}'
+            )
+
+    order = list(range(len(items)))
+    limit = len(items) if max_samples is None else max_samples
+    if limit < len(items):
+        random.Random(seed).shuffle(order)
+
+    chosen: list[tuple[int, list[int]]] = []
+    for index in order:
+        if len(chosen) >= limit:
+            break
+        tokens = _tokenize(items[index], tokenizer)
+        if not tokens:
+            continue  # nothing to route
+        if max_tokens is not None:
+            tokens = tokens[:max_tokens]
+        chosen.append((index, tokens))
+
+    if not chosen:
+        raise UserError(
+            f"dataset {p} has no samples: all {len(items)} tokenize to 0 tokens; add non-empty text to it"
+        )
+    chosen.sort(key=lambda pair: pair[0])  # the dataset's order
+    return [Sample(tokens=tokens, source=items[i].source) for i, tokens in chosen]
+
+
+def iter_batches(
+    samples: Sequence[Sequence[int]], batch_size: int, pad_id: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield ``(tokens, lengths)``: ``tokens`` int32 of shape ``(B, Lmax)`` right-padded with ``pad_id``,
+    ``lengths`` int32 of shape ``(B,)``.
+
+    Samples are sorted by length, longest first (ties keep their order), so each batch holds samples of
+    similar length and padding is minimal. Every sample with at least one token appears in exactly one
+    batch; the last batch may be smaller. Samples with no tokens are skipped (they have nothing to route).
+    """
+    if batch_size < 1:
+        raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
+    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples]
+    order = sorted((i for i, a in enumerate(arrays) if a.size), key=lambda i: -arrays[i].size)
+    for start in range(0, len(order), batch_size):
+        batch = [arrays[i] for i in order[start : start + batch_size]]
+        lengths = np.array([a.size for a in batch], dtype=np.int32)
+        tokens = np.full((len(batch), int(lengths.max())), pad_id, dtype=np.int32)
+        for row, a in enumerate(batch):
+            tokens[row, : a.size] = a
+        yield tokens, lengths
+
+
+def count_tokens(samples: Sequence[Sequence[int]]) -> int:
+    """Total number of tokens of ``samples``."""
+    return int(sum(len(s) for s in samples))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# directories
+
+
+def _normalize_extensions(extensions: Sequence[str] | str) -> tuple[str, ...]:
+    if isinstance(extensions, str):
+        extensions = (extensions,)
+    exts = tuple(sorted({("." + e.lstrip(".")).lower() for e in extensions if e.strip(".")}))
+    if not exts:
+        raise UserError("no file extensions given for a dataset directory; pass e.g. extensions=('.txt',)")
+    return exts
+
+
+def _directory_items(root: Path, exts: tuple[str, ...]) -> list[_Item]:
+    files: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            file = Path(dirpath) / name
+            if file.suffix.lower() in exts and file.is_file():
+                files.append((file.relative_to(root).as_posix(), file))
+    if not files:
+        raise UserError(
+            f"dataset directory {root} has no files ending in {', '.join(exts)} (searched recursively); "
+            f"add such files or pass --dataset a JSONL file"
+        )
+    files.sort(key=lambda pair: pair[0])
+    return [_Item(source=str(f), kind="file", payload=f, where=str(f)) for _, f in files]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# JSONL
+
+
+def _jsonl_items(path: Path, text_key: str) -> list[_Item]:
+    items: list[_Item] = []
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path} line {lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(
+                        f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}); save the file as UTF-8"
+                    ) from None
+                if lineno == 1:
+                    line = line.lstrip("\ufeff")
+                if not line.strip():
+                    continue
+                items.append(_parse_line(line, where, f"{path}:{lineno}", text_key, path))
+    except OSError as e:
+        raise UserError(f"cannot read dataset {path} ({e.strerror or e}); check the path and permissions")
+    return items
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -> _Item:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        hint = "" if path.suffix.lower() in (".jsonl", ".json") else " (for plain-text files, pass a directory)"
+        raise UserError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object{hint}") from None
+    if not isinstance(obj, dict):
+        raise UserError(
+            f"{where}: expected a JSON object, got {_type_name(obj)}; each line must be one JSON object "
+            f'such as {{"{text_key}": "..."}}'
+        )
+
+    if "messages" in obj:
+        return _Item(source=source, kind="messages", payload=_check_messages(obj["messages"], where), where=where)
+
+    if "prompt" in obj and "completion" in obj:
+        prompt, completion = obj["prompt"], obj["completion"]
+        for key, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise UserError(f"{where}: '{key}' must be a string, got {_type_name(value)}; fix the line")
+        return _Item(source=source, kind="text", payload=prompt + completion, where=where)
+
+    if text_key in obj:
+        text = obj[text_key]
+        if not isinstance(text, str):
+            raise UserError(
+                f"{where}: '{text_key}' must be a string, got {_type_name(text)}; fix the line or pass "
+                f"--text-key with the key that holds the text"
+            )
+        return _Item(source=source, kind="text", payload=text, where=where)
+
+    keys = list(obj)
+    shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+    raise UserError(
+        f"{where}: no 'messages', 'prompt'+'completion' or '{text_key}' key (found: {shown or 'none'}); "
+        f"use one of these formats, or pass --text-key with the key that holds the text"
+    )
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    expected = 'a non-empty list of {"role": ..., "content": ...} objects'
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else _type_name(messages)
+        raise UserError(f"{where}: 'messages' must be {expected}, got {got}; fix the line")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise UserError(
+                f"{where}: 'messages'[{i}] must be an object with 'role' and 'content', "
+                f"got {_type_name(message)}; 'messages' must be {expected}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise UserError(
+                f"{where}: 'messages'[{i}] needs a string 'role', got {_type_name(role)}; "
+                f"'messages' must be {expected}"
+            )
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise UserError(
+                f"{where}: 'messages'[{i}] needs a string 'content', got {_type_name(content)}; "
+                f"'messages' must be {expected}"
+            )
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tokenization
+
+
+def _tokenize(item: _Item, tokenizer: Any) -> list[int]:
+    if item.kind == "messages":
+        return _apply_chat_template(tokenizer, item.payload, item.where)
+    if item.kind == "file":
+        try:
+            text = Path(item.payload).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UserError(f"cannot read {item.payload} ({e.strerror or e}); check its permissions") from None
+        return _encode_text(tokenizer, text)
+    return _encode_text(tokenizer, item.payload)
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text)`` with the tokenizer's special tokens, without doubling a BOS the text has."""
+    if not text:
+        return []
+    bos = getattr(tokenizer, "bos_token", None)
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        return _as_ids(tokenizer.encode(text, add_special_tokens=False))
+    return _as_ids(tokenizer.encode(text))
+
+
+def _apply_chat_template(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
+    if getattr(tokenizer, "has_chat_template", True) is False:
+        raise UserError(
+            f"{where}: 'messages' needs a chat template, but the tokenizer has none; "
+            f"use prompt/completion or plain-text lines instead"
+        )
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True)
+    except Exception as e:  # jinja errors, "no chat template", role-order checks of templates, ...
+        detail = " ".join(str(e).split())[:200]
+        raise UserError(
+            f"{where}: the tokenizer's chat template failed on these messages ({type(e).__name__}: {detail}); "
+            f"fix the messages or use prompt/completion lines"
+        ) from None
+    return _as_ids(out)
+
+
+def _as_ids(out: Any) -> list[int]:
+    """A plain ``list[int]`` from whatever a tokenizer returned (list, dict/BatchEncoding, array, batch of 1)."""
+    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
+        if "input_ids" not in out:
+            raise TypeError(f"tokenizer returned a mapping without 'input_ids': {sorted(out.keys())}")
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if isinstance(out, int):
+        return [out]
+    out = list(out)
+    if len(out) == 1 and not isinstance(out[0], (int, np.integer)) and hasattr(out[0], "__len__"):
+        out = list(out[0].tolist() if hasattr(out[0], "tolist") else out[0])  # a batch of one
+    return [int(t) for t in out]

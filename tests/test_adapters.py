@@ -1,0 +1,196 @@
+"""Adapters replay each family's routing exactly; the hooked MoE call equals the unhooked one."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_fun import moe_hook
+from mlx_fun.adapters import get_adapter, supported_model_types
+from mlx_fun.errors import UserError
+from mlx_fun.io import load_model
+
+from .conftest import FAMILIES
+
+REQUIRED = {
+    "minimax", "minimax_m2", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v3", "kimi_k2",
+    "deepseek_v32", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe",
+}  # fmt: skip
+
+# (prompt batch, whether it is large enough for SwitchGLU to take its sorted path: indices.size >= 64)
+SMALL = [[5, 17, 99, 3, 250]]  # 5 tokens × k=2 = 10 indices: unsorted gather path
+LARGE = [list(range(7, 47)), list(range(300, 340))]  # 80 tokens × 2 = 160 indices: sorted path
+
+
+def _load(make_model, model_type, bits, **overrides):
+    model, tok, config = load_model(make_model(model_type, bits=bits, **overrides))
+    return model, config, get_adapter(model, config)
+
+
+class _Recorder:
+    """Swap a module's class for a subclass that records its inputs/outputs (test-only spy)."""
+
+    def __init__(self, module, log):
+        self.module, self.original = module, type(module)
+
+        def call(this, *args):
+            out = self.original.__call__(this, *args)
+            log.append((args, out))
+            return out
+
+        module.__class__ = type("Rec" + self.original.__name__, (self.original,), {"__call__": call})
+
+    def undo(self):
+        self.module.__class__ = self.original
+
+
+def _record_blocks(model, adapter, tokens):
+    """Run the unhooked model; return per MoE block (x_in, block_out, expert_inds, expert_y)."""
+    block_logs, expert_logs, recs = [], [], []
+    for block in adapter.blocks():
+        block_logs.append([])
+        expert_logs.append([])
+        recs.append(_Recorder(block, block_logs[-1]))
+        recs.append(_Recorder(adapter.experts(block), expert_logs[-1]))
+    try:
+        mx.eval(model(mx.array(tokens)))
+    finally:
+        for r in recs:
+            r.undo()
+    out = []
+    for blog, elog in zip(block_logs, expert_logs):
+        (x,), block_out = blog[0]
+        (_, inds), y = elog[0]
+        out.append((x, block_out, inds, y))
+    return out
+
+
+def test_registry_covers_required_families():
+    assert REQUIRED <= set(supported_model_types())
+
+
+def test_unsupported_model_type_lists_supported():
+    with pytest.raises(UserError) as e:
+        get_adapter(None, {"model_type": "llama"})
+    msg = str(e.value)
+    assert "llama" in msg and "qwen3_moe" in msg and "gpt_oss" in msg
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_route_replays_block_exactly(make_model, model_type, bits):
+    model, config, adapter = _load(make_model, model_type, bits)
+    for tokens in (SMALL, LARGE):
+        for pos, (x, block_out, inds_ref, y_ref) in enumerate(_record_blocks(model, adapter, tokens)):
+            block = adapter.blocks()[pos]
+            h = adapter.prepare(block, x)
+            inds, weights, logits = adapter.route(block, h)
+            assert inds.shape == inds_ref.shape
+            assert np.array_equal(np.array(inds), np.array(inds_ref)), f"layer {pos}: indices differ"
+            assert logits.shape[-1] == adapter.num_experts
+            # the combine with our weights reproduces the block output bit for bit
+            out = adapter.combine(block, h, y_ref, weights).reshape(block_out.shape)
+            assert np.array_equal(np.array(out), np.array(block_out)), f"layer {pos}: combine differs"
+            # weights, checked independently: solve block_out - shared = Σ_k w_k y_k per token
+            shared = adapter.combine(block, h, y_ref, mx.zeros_like(weights)).reshape(-1, x.shape[-1])
+            target = np.array(block_out.reshape(-1, x.shape[-1]) - shared, dtype=np.float64)
+            Y = np.array(y_ref.reshape(-1, adapter.top_k, x.shape[-1]), dtype=np.float64)
+            W = np.array(weights.reshape(-1, adapter.top_k), dtype=np.float64)
+            for t in range(0, len(Y), 7):
+                sol, *_ = np.linalg.lstsq(Y[t].T, target[t], rcond=None)
+                np.testing.assert_allclose(sol, W[t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+def test_group_limited_routing_with_correction_bias(make_model, model_type):
+    """n_group > 1 (only topk_group groups may be chosen) and a non-zero e_score_correction_bias."""
+    model, config, adapter = _load(make_model, model_type, None, n_group=4, topk_group=2)
+    assert adapter.groups == (4, 2)
+    block = adapter.blocks()[0]
+    assert np.abs(np.array(block.gate.e_score_correction_bias)).max() > 0
+    (x, _, inds_ref, _), *_ = _record_blocks(model, adapter, LARGE)
+    inds, _, _ = adapter.route(block, x)
+    assert np.array_equal(np.array(inds), np.array(inds_ref))
+    groups = np.array(inds) // (adapter.num_experts // 4)
+    assert max(len(set(row)) for row in groups.reshape(-1, adapter.top_k)) <= 2
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_hooked_equals_unhooked_and_remove_restores(make_model, model_type, bits):
+    model, config, adapter = _load(make_model, model_type, bits)
+    classes = [type(b) for b in adapter.blocks()]
+    for tokens in (SMALL, LARGE):
+        ids = mx.array(tokens)
+        ref = model(ids)
+        seen = []
+        with moe_hook.hooked(adapter, [lambda layer, i, w, lg, y: seen.append((layer, i.shape, y.shape))]):
+            assert all(moe_hook.is_hooked(b) for b in adapter.blocks())
+            out = model(ids)
+        assert np.array_equal(np.array(ref), np.array(out))
+        assert [s[0] for s in seen] == list(range(len(adapter.moe_layers())))
+        assert all(s[2][-2] == adapter.top_k for s in seen)
+    assert [type(b) for b in adapter.blocks()] == classes
+    assert not any(moe_hook.is_hooked(b) for b in adapter.blocks())
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_logit_bias_steers_selection(make_model, model_type):
+    model, config, adapter = _load(make_model, model_type, None)
+    E = adapter.num_experts
+    boost = mx.zeros((E,)).at[3].add(1e4)
+    if adapter.groups:  # group-limited: a group is chosen by its top-2 sum, so boost expert 3's whole group
+        size = E // adapter.groups[0]
+        boost = mx.zeros((E,)).at[mx.arange(3 // size * size, 3 // size * size + size)].add(1e4)
+    chosen = []
+    bias = {pos: boost for pos in range(len(adapter.moe_layers()))}
+    with moe_hook.hooked(adapter, [lambda layer, i, w, lg, y: chosen.append(np.array(i))], bias=bias):
+        mx.eval(model(mx.array(SMALL)))
+    assert len(chosen) == len(adapter.moe_layers())
+    for inds in chosen:
+        assert (inds.reshape(-1, adapter.top_k) == 3).any(axis=-1).all()
+    # a second install replaces the state without wrapping twice; set_bias swaps biases in place
+    original = type(adapter.blocks()[0])
+    moe_hook.install(adapter, [])
+    moe_hook.install(adapter, [])
+    assert type(adapter.blocks()[0]).__bases__ == (original,)
+    ref = model(mx.array(SMALL))
+    moe_hook.set_bias(adapter, bias)
+    steered = model(mx.array(SMALL))
+    moe_hook.set_bias(adapter, None)
+    unsteered = model(mx.array(SMALL))
+    moe_hook.remove(adapter)
+    assert not np.array_equal(np.array(ref), np.array(steered))
+    assert np.array_equal(np.array(ref), np.array(unsteered))
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_expert_tensors_have_expert_axis(make_model, model_type, bits):
+    model, config, adapter = _load(make_model, model_type, bits)
+    block = adapter.blocks()[0]
+    names = adapter.expert_tensors(block)
+    params = dict(__import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(block.parameters()))
+    E = adapter.num_experts
+    assert all(params[n].shape[0] == E for n in names)
+    assert not any("shared" in n for n in names)
+    router = adapter.router_attr
+    assert f"{router}.weight" in names
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"{adapter.experts_attr}.{proj}.weight" in names
+        if bits:
+            assert f"{adapter.experts_attr}.{proj}.scales" in names
+    if model_type == "gpt_oss":
+        assert f"{adapter.experts_attr}.down_proj.bias" in names and f"{router}.bias" in names
+
+
+def test_moe_layer_rules(make_model):
+    _, _, ad = _load(make_model, "glm4_moe", None, first_k_dense_replace=2, num_hidden_layers=4)
+    assert ad.moe_layers() == [2, 3]
+    _, _, ad = _load(make_model, "qwen3_moe", None, decoder_sparse_step=2, num_hidden_layers=4)
+    assert ad.moe_layers() == [1, 3]
+    _, _, ad = _load(make_model, "qwen3_moe", None, mlp_only_layers=[0], num_hidden_layers=3)
+    assert ad.moe_layers() == [1, 2]
+    _, cfg, ad = _load(make_model, "qwen3_5_moe", None)
+    assert ad.config_keys() == [("text_config", "num_experts")] and ad.num_experts == 8
