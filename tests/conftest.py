@@ -33,7 +33,7 @@ def make_model(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("models")
 
     def factory(model_type: str, bits: int | None = None, mode: str = "affine", **overrides):
-        key = (model_type, bits, mode, tuple(sorted(overrides.items())))
+        key = (model_type, bits, mode, repr(sorted(overrides.items())))
         if key not in cache:
             name = f"{model_type}-{bits or 'f'}-{mode}-{len(cache)}"
             cache[key] = make_tiny_model(
