@@ -101,3 +101,19 @@ def test_console_script_collect_help():
 def test_collect_rejects_bad_numbers(tmp_path, bad_args, needle):
     result = run("collect", "--model", tmp_path, "--dataset", SAMPLE, "--output", tmp_path / "x.npz", *bad_args)
     assert result.exit_code == 2 and needle in result.output
+
+
+def test_readme_python_api_runs(tmp_path, make_model, monkeypatch):
+    """The README's Python example runs as written (against a tiny model at its quick-start path)."""
+    import re
+    import shutil
+
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    shutil.copytree(make_model("qwen3_moe"), tmp_path / "quickstart" / "model")
+    (tmp_path / "data").mkdir()
+    shutil.copy(SAMPLE, tmp_path / "data" / SAMPLE.name)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    acc = SaliencyAccumulator.load(tmp_path / "saliency.npz")
+    assert acc.scores("reap").shape == (2, 8) and acc.total_tokens > 0
