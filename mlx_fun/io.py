@@ -90,3 +90,47 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False):
     config = read_config(model_path)
     model, tokenizer = load(str(model_path), lazy=lazy)
     return model, tokenizer, config
+
+
+_WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def dir_size(path: str | os.PathLike) -> int:
+    """Bytes of all files below ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def check_output_dir(output: str | os.PathLike, source: str | os.PathLike, force: bool = False) -> Path:
+    """Refuse to write into the input model (or inside it), and into a non-empty directory without --force."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    if out == src or src in out.parents:
+        raise UserError(f"--output {output} is the input model directory (or inside it); write the result elsewhere.")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {output} exists and is not a directory; choose another path.")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"output directory {output} exists and is not empty; pass --force to replace it.")
+    return Path(output)
+
+
+def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False) -> Path:
+    """Save ``model`` as an mlx-lm directory at ``output``, atomically (temp dir beside it, then rename).
+
+    Weights and config.json are written with mlx-lm's own ``save_model`` / ``save_config``; every other file of
+    the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied; ``metadata``
+    maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them.
+    """
+    import copy as _copy
+
+    from mlx_lm.utils import save_config, save_model
+
+    out = check_output_dir(output, source, force)
+    src = Path(source)
+    with atomic_dir(out, overwrite=force) as tmp:
+        save_model(tmp, model)
+        save_config(_copy.deepcopy(config), config_path=tmp / "config.json")
+        for f in src.iterdir():
+            if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
+                shutil.copy2(f, tmp / f.name)
+        for name, obj in (metadata or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    return out

@@ -1,0 +1,1 @@
+"""Weight surgery: prune (REAP); merge, abliterate, amplify and quantize come later."""
