@@ -24,7 +24,9 @@ def main():
 
 from . import collect as _collect  # noqa: E402
 from . import doctor as _doctor  # noqa: E402
+from . import generate as _generate  # noqa: E402
+from . import prune as _prune  # noqa: E402
 from . import stats as _stats  # noqa: E402
 
-for _cmd in (*_collect.COMMANDS, *_stats.COMMANDS, *_doctor.COMMANDS):
+for _cmd in (*_collect.COMMANDS, *_prune.COMMANDS, *_generate.COMMANDS, *_stats.COMMANDS, *_doctor.COMMANDS):
     main.add_command(_cmd)

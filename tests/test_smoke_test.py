@@ -1,0 +1,190 @@
+"""Generation with mlx-lm's KV cache and our sampler: parity with mlx_lm.generate, and the `smoke-test` CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mlx_fun.cli import main
+from mlx_fun.cli.generate import DEFAULT_PROMPT
+from mlx_fun.io import load_model
+from mlx_fun.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
+
+N_TOKENS = 24
+MODELS = [("qwen3_moe", None), ("qwen3_moe", 4), ("gpt_oss", None), ("gpt_oss", 4)]
+STATS = re.compile(r"Prompt: (\d+) tokens, [\d,.]+ tok/s \| Generation: (\d+) tokens, [\d,.]+ tok/s")
+
+_LOADED: dict = {}
+
+
+@pytest.fixture
+def loaded(make_model):
+    def get(model_type, bits=None):
+        key = (model_type, bits)
+        if key not in _LOADED:
+            path = make_model(model_type, bits=bits)
+            model, tokenizer, _ = load_model(path)
+            _LOADED[key] = (path, model, tokenizer)
+        return _LOADED[key]
+
+    return get
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _mlx_lm_tokens(model, tokenizer, prompt, max_tokens, **kw) -> list[int]:
+    from mlx_lm.generate import stream_generate
+
+    return [int(r.token) for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw)]
+
+
+# ----------------------------------------------------------------------------------------------- library parity
+
+
+@pytest.mark.parametrize("model_type, bits", MODELS)
+def test_greedy_matches_mlx_lm_generate(loaded, model_type, bits):
+    from mlx_lm.generate import generate
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    _, model, tokenizer = loaded(model_type, bits)
+    for prompt in (DEFAULT_PROMPT, "The quick brown fox"):
+        ours = generate_tokens(model, tokenizer, prompt, max_tokens=N_TOKENS)
+        assert 0 < len(ours) <= N_TOKENS
+        assert ours == _mlx_lm_tokens(model, tokenizer, prompt, N_TOKENS)
+        assert ours == _mlx_lm_tokens(model, tokenizer, prompt, N_TOKENS, sampler=mlx_lm_make_sampler(temp=0))
+        res = run_generation(model, tokenizer, prompt, max_tokens=N_TOKENS, temp=0.0, seed=5, top_k=3, top_p=0.5)
+        assert res.tokens == ours  # masks and seed do not change greedy decoding
+        assert res.text == generate(model, tokenizer, prompt, max_tokens=N_TOKENS)
+        assert res.prompt_tokens == len(tokenizer.encode(prompt)) and res.generation_tps > 0
+
+
+def test_seeded_sampling_is_gumbel_max_of_mlx_lm_logprobs(loaded):
+    """Step n samples argmax(logprobs / T + g(key(seed + n))) from the logprobs mlx-lm's generate_step hands us."""
+    from mlx_lm.generate import generate_step
+
+    _, model, tokenizer = loaded("qwen3_moe")
+    prompt = mx.array(tokenizer.encode(DEFAULT_PROMPT))
+    seed, temp = 11, 1.0
+    steps = list(generate_step(prompt, model, max_tokens=N_TOKENS, sampler=GumbelSampler(temp, seed=seed)))
+    for n, (token, logprobs) in enumerate(steps):
+        g = gumbel_noise((1, logprobs.shape[-1]), mx.random.key(seed + n))
+        want = int(np.argmax(np.array(logprobs, dtype=np.float32) / temp + np.array(g)[0]))
+        assert int(token) == want, n
+    toks = [int(t) for t, _ in steps]
+    assert toks == generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS, temp=temp, seed=seed)[
+        : len(toks)
+    ]
+
+
+@pytest.mark.parametrize("model_type, bits", [("qwen3_moe", 4), ("gpt_oss", None)])
+def test_seeded_generation_is_reproducible(loaded, model_type, bits):
+    _, model, tokenizer = loaded(model_type, bits)
+    kw = dict(max_tokens=N_TOKENS, temp=1.0)
+    a = generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=3, **kw)
+    assert a == generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=3, **kw)
+    assert a != generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=4, **kw)
+    assert a != generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)  # not greedy
+    vocab = model.args.vocab_size if hasattr(model, "args") else 512
+    assert all(0 <= t < vocab for t in a)
+
+
+def test_top_k_one_sampling_is_greedy(loaded):
+    _, model, tokenizer = loaded("qwen3_moe")
+    greedy = generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
+    assert generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS, temp=2.0, seed=1, top_k=1) == greedy
+
+
+def test_chat_template(loaded):
+    _, model, tokenizer = loaded("qwen3_moe")
+    res = run_generation(model, tokenizer, "Hello", max_tokens=4, chat=True)
+    assert res.prompt_tokens == len(
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                          add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+    )
+    assert res.prompt_tokens > len(tokenizer.encode("Hello"))
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+def test_help():
+    result = run("--help")
+    assert result.exit_code == 0
+    assert [ln for ln in result.output.splitlines() if ln.strip().startswith("smoke-test ")]
+    result = run("smoke-test", "--help")
+    assert result.exit_code == 0
+    for flag in ("--model", "--prompt", "--max-tokens", "--temp", "--seed", "--top-k", "--top-p", "--chat"):
+        assert flag in result.output
+    assert "pragma solidity" in result.output and "greedy" in result.output
+
+
+@pytest.mark.parametrize("model_type, bits", [("qwen3_moe", None), ("gpt_oss", 4)])
+def test_cli_greedy_prints_mlx_lm_text_and_speeds(loaded, model_type, bits):
+    from mlx_lm.generate import generate
+
+    path, model, tokenizer = loaded(model_type, bits)
+    result = run("smoke-test", "--model", path, "--max-tokens", N_TOKENS)
+    assert result.exit_code == 0, result.output
+    text, stats = result.stdout.rsplit("\n", 2)[:2]
+    assert text == generate(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
+    m = STATS.fullmatch(stats)
+    assert m, stats
+    ours = generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
+    assert int(m.group(1)) == len(tokenizer.encode(DEFAULT_PROMPT)) and int(m.group(2)) == len(ours)
+    assert "tok/s" in result.output and "greedy" in result.stderr
+
+
+def test_cli_same_seed_same_output(loaded):
+    path, _, _ = loaded("qwen3_moe")
+    args = ("smoke-test", "--model", path, "--max-tokens", N_TOKENS, "--temp", 1, "--prompt", "Hello world")
+    a = run(*args, "--seed", 7)
+    b = run(*args, "--seed", 7)
+    c = run(*args, "--seed", 8)
+    for r in (a, b, c):
+        assert r.exit_code == 0, r.output
+    text = lambda r: r.stdout.rsplit("\n", 2)[0]  # noqa: E731
+    assert text(a) == text(b) and text(a) != text(c)
+    assert "seed=7" in a.stderr
+    d = run(*args, "--seed", 7, "--top-k", 5, "--top-p", 0.9, "--chat")
+    assert d.exit_code == 0 and STATS.search(d.stdout)
+
+
+def _one_error_line(result, *needles):
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_cli_missing_model_dir(tmp_path):
+    _one_error_line(run("smoke-test", "--model", tmp_path / "nope"), "does not exist")
+
+
+def test_cli_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "definitely_not_a_model"}))
+    _one_error_line(run("smoke-test", "--model", tmp_path), "definitely_not_a_model", "not supported")
+
+
+def test_cli_missing_weights(tmp_path, make_model):
+    cfg = json.loads((make_model("qwen3_moe") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = run("smoke-test", "--model", tmp_path)
+    _one_error_line(result, str(tmp_path))
+
+
+@pytest.mark.parametrize("bad", [["--temp", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-2"],
+                                 ["--max-tokens", "0"], ["--seed", "-1"]])
+def test_cli_rejects_bad_numbers(tmp_path, bad):
+    result = run("smoke-test", "--model", tmp_path, *bad)
+    assert result.exit_code == 2 and bad[0] in result.output
