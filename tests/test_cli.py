@@ -104,16 +104,21 @@ def test_collect_rejects_bad_numbers(tmp_path, bad_args, needle):
 
 
 def test_readme_python_api_runs(tmp_path, make_model, monkeypatch):
-    """The README's Python example runs as written (against a tiny model at its quick-start path)."""
+    """The README's Python example (load → hooks → accumulate → select → prune → save) runs as written."""
     import re
     import shutil
 
     readme = (ROOT / "README.md").read_text()
-    code = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    code = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S).group(1)
     shutil.copytree(make_model("qwen3_moe"), tmp_path / "quickstart" / "model")
     (tmp_path / "data").mkdir()
     shutil.copy(SAMPLE, tmp_path / "data" / SAMPLE.name)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     acc = SaliencyAccumulator.load(tmp_path / "saliency.npz")
-    assert acc.scores("reap").shape == (2, 8) and acc.total_tokens > 0
+    assert acc.scores("reap").shape == (2, 8) and acc.freq.sum() > 0
+    import mlx_lm
+
+    pruned, _ = mlx_lm.load(str(tmp_path / "quickstart" / "pruned"))
+    assert json.loads((tmp_path / "quickstart" / "pruned" / "config.json").read_text())["num_experts"] == 6
+    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 6

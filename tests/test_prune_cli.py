@@ -79,3 +79,24 @@ def test_prune_cli_errors(tmp_path, make_model):
     assert not out.exists()
     result = run("prune", "--model", model, "--saliency", sal, "--n-prune", 6, "--output", out)
     assert result.exit_code == 0 and "Warning" in result.output
+
+
+def test_greedy_smoke_test_on_model_pruned_by_nothing_matches_mlx_lm(tmp_path, make_model):
+    """prune --n-prune 0 writes a model whose greedy smoke-test tokens equal mlx_lm's generation on the original."""
+    from mlx_lm.generate import stream_generate
+
+    from mlx_fun.sampling import generate_tokens
+
+    model = make_model("qwen3_moe", bits=4)
+    sal = _saliency(tmp_path, model)
+    out = tmp_path / "same"
+    assert run("prune", "--model", model, "--saliency", sal, "--n-prune", 0, "--output", out).exit_code == 0
+    original, tok = mlx_lm.load(str(model))
+    pruned, tok2 = mlx_lm.load(str(out))
+    prompt = "def fibonacci(n):"
+    ref = [int(r.token) for r in stream_generate(original, tok, prompt, max_tokens=24)]
+    ours = generate_tokens(pruned, tok2, prompt, max_tokens=24, temp=0.0)
+    assert ours == ref and len(ref) > 0
+    result = run("smoke-test", "--model", out, "--prompt", prompt, "--max-tokens", 24)
+    text = tok.decode(ref[:-1] if ref[-1] in tok.eos_token_ids else ref)
+    assert result.exit_code == 0 and text in result.output
