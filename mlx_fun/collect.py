@@ -8,7 +8,6 @@ the taps' arrays are), so collect does no work that routing statistics do not ne
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import mlx.core as mx
@@ -83,7 +82,6 @@ def collect(
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="collect", dynamic_ncols=True)
-    start = time.perf_counter()
     try:
         with moe_hook.hooked(adapter, [tap]):
             for tokens, lengths in iter_batches(samples, batch_size, pad_id=pad_id):
@@ -93,8 +91,7 @@ def collect(
                 n = int(np.sum(lengths))
                 acc.total_tokens += n
                 if bar is not None:
-                    bar.update(n)
-                    bar.set_postfix_str(f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f} tok/s")
+                    bar.update(n)  # tqdm shows the rate in tok/s
     finally:
         if bar is not None:
             bar.close()
