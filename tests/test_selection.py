@@ -11,13 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_fun.errors import UserError
+from mlx_fun.expert_files import load_expert_list, load_report_experts, merge_expert_sets, save_expert_list
 from mlx_fun.selection import (
     check_keep_counts,
-    load_expert_list,
-    load_report_experts,
-    merge_expert_sets,
     parse_expert_ranges,
-    save_expert_list,
     select_bottom,
     select_experts,
     select_strided,

@@ -61,14 +61,8 @@ def prune_cmd(model, saliency, expert_list, output, n_prune, metric, strategy, m
     from ..io import check_output_dir, dir_size, load_model, save_model_dir
     from ..rewrite.prune import prune_model
     from ..saliency import SaliencyAccumulator
-    from ..selection import (
-        check_keep_counts,
-        load_expert_list,
-        load_report_experts,
-        merge_expert_sets,
-        parse_expert_ranges,
-        select_experts,
-    )
+    from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
+    from ..selection import check_keep_counts, parse_expert_ranges, select_experts
 
     check_supported(model)
     check_output_dir(output, model, force)
