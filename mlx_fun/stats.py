@@ -196,12 +196,7 @@ def rank_merge(
     rank_sum = np.zeros((first.num_layers, first.num_experts), dtype=np.float64)
     for acc in accs:
         rank_sum += layer_ranks(acc.scores(metric))
-        for key in ARRAY_KEYS:
-            if key == "max_activation_norm":
-                np.maximum(merged.max_activation_norm, acc.max_activation_norm, out=merged.max_activation_norm)
-            else:
-                getattr(merged, key)[...] += getattr(acc, key)
-        merged.total_tokens += acc.total_tokens
+        merged.add(acc)  # raw arrays summed, max norm maxed, tokens added
 
     merged.extra = {
         f"rank_sum_{metric}": rank_sum,

@@ -47,8 +47,7 @@ def blas_lines(text: str) -> list[str]:
 
 def test_version_shows_blas_line():
     exe = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
-    if not os.path.exists(exe):
-        pytest.skip("mlx-fun console script not installed")
+    assert os.path.exists(exe), "the mlx-fun console script is installed by `pip install -e .`"
     out = run([exe, "--version"], clean_env())
     assert "mlx-fun " in out
     lines = blas_lines(out)
