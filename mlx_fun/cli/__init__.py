@@ -22,11 +22,17 @@ def main():
     """
 
 
-from . import collect as _collect  # noqa: E402
-from . import doctor as _doctor  # noqa: E402
-from . import generate as _generate  # noqa: E402
-from . import prune as _prune  # noqa: E402
-from . import stats as _stats  # noqa: E402
+def _register_commands() -> None:
+    """Add every ``COMMANDS`` list found in this package's modules (one module per command family)."""
+    import importlib
+    import pkgutil
 
-for _cmd in (*_collect.COMMANDS, *_prune.COMMANDS, *_generate.COMMANDS, *_stats.COMMANDS, *_doctor.COMMANDS):
-    main.add_command(_cmd)
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "common":
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for cmd in getattr(module, "COMMANDS", ()):
+            main.add_command(cmd)
+
+
+_register_commands()
