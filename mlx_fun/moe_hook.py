@@ -9,7 +9,8 @@ computes exactly what the block computes: the same routing (the adapter replays 
 A tap is any callable ``tap(layer, inds, weights, logits, y)``: ``layer`` is the position of the block in
 ``adapter.moe_layers()``, ``inds``/``weights`` are (..., k), ``logits`` (..., E) raw router logits and ``y`` the
 (..., k, D) unweighted expert outputs. Taps must not change their inputs; they keep lazy arrays and let the
-caller evaluate them together with the forward pass.
+caller evaluate them together with the forward pass. A tap that also needs the block's input defines
+``on_input(layer, h)``; it is called with the prepared input (what router and experts see) before routing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _hooked_call(self, x):
     state: HookState = object.__getattribute__(self, _STATE)
     adapter = state.adapter
     h = adapter.prepare(self, x)
+    for tap in state.taps:
+        on_input = getattr(tap, "on_input", None)
+        if on_input is not None:  # taps that also need the block's input (REAM capture)
+            on_input(state.layer, h)
     inds, weights, logits = adapter.route(self, h, state.bias)
     y = adapter.experts(self)(h, inds)
     for tap in state.taps:

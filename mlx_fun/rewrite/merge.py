@@ -1,0 +1,614 @@
+"""REAM: merge every MoE layer's experts into fewer centroids instead of dropping them.
+
+Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
+
+1. **Centroids** — the experts that stay: the ``E − n_prune`` most salient (:func:`select_centroids`, the
+   ``bottom`` strategy of :mod:`mlx_fun.selection`, so model-wide selection, ``--ignore-experts`` and group
+   balance work as in prune) or the kept experts of an expert list.
+2. **Capture** — calibration tokens reach the layer through the already merged layers before it (see
+   *Sequential* below). A :class:`ReamCaptureTap` on the hooked MoE call (``moe_hook``; routing is never
+   re-implemented) keeps the block's input ``x``, raw router logits and routing of a fixed random subset of
+   tokens (``max_similarity_tokens``; the first ``max_alignment_tokens`` of them also serve alignment).
+3. **Similarity** (E × E) — every expert is run on the captured tokens with the block's own ``SwitchGLU``
+   (quantized or not) giving ``y[t, e]``; ``p = softmax(logits)`` of the raw router logits is the router's
+   probability of every expert (for sigmoid routers — DeepSeek, MiniMax — the same normalised preference; no
+   selection is replayed, the hooked call has already routed).
+
+   - ``gated``:   ½ · (cos(mean_t p[t,e]·y[t,e], mean_t p[t,f]·y[t,f]) + corr(logits[:, e], logits[:, f]))
+   - ``average``: ½ · (cos(mean_t y[t,e], mean_t y[t,f]) + corr(logits[:, e], logits[:, f]))
+
+   ``corr`` is the cosine of the token-centred logit columns (Pearson correlation over the tokens): how alike
+   the router treats the two experts.
+4. **Grouping** (:func:`group_experts`) — centroids in descending saliency each claim their most similar
+   unassigned non-centroid experts until the group (centroid included) has ``max_group_size`` members;
+   experts still unassigned (only possible when ``E > centroids × max_group_size``) join their most similar
+   centroid. Every expert ends in exactly one group.
+5. **Alignment** — each member's intermediate neurons are permuted onto the centroid's before averaging.
+   Cost of pairing centroid neuron ``a`` with member neuron ``b`` = squared distance of their unit-normalised
+   intermediate activations over the alignment tokens + squared distance of their unit-normalised weight
+   features (gate row ‖ up row ‖ down column), i.e. ``(2 − 2·cos_act) + (2 − 2·cos_feat)``. ``hungarian``
+   solves the assignment exactly (``scipy.optimize.linear_sum_assignment``); ``greedy`` lets neurons in
+   order of their best cost take their cheapest free partner (O(I²)); ``none`` keeps the identity.
+6. **Merge** — saliency-weighted average of the aligned gate / up / down weights and, where the family has
+   them (gpt-oss), of the gate / up / down biases (gate and up biases are permuted with their rows). mlx-lm
+   stores gpt-oss's interleaved ``gate_up_proj`` as separate ``gate_proj`` / ``up_proj`` (its ``sanitize``
+   de-interleaves ``[..., ::2, :]`` / ``[..., 1::2, :]``), so neuron ``j`` of the fused layer is row ``j`` of
+   both halves and one permutation moves the pair together; the saved model keeps mlx-lm's split layout,
+   which ``mlx_lm.load`` reads as is. Weights are ``saliency / Σ saliency`` of the group (uniform when the
+   whole group scores 0); a member with weight 0 contributes nothing, and a group whose only weighted
+   member is its centroid keeps the centroid's tensors untouched (bit for bit, quantized or not).
+7. **Router** — the centroid keeps its own router row (and correction bias); the members' rows are dropped,
+   exactly as prune drops them. The group was formed from experts the router already treats alike (the
+   logit-correlation half of the similarity), so the centroid's row routes the group's tokens; averaging
+   rows would instead shift the logit scale that top-k selection, group-limited selection and correction
+   biases were trained against, moving tokens between experts that were never merged. Keeping the row also
+   makes "groups of one" exactly prune.
+
+**Sequential, linear in depth.** Hidden states of all calibration samples are pushed through the model one
+decoder layer at a time (:mod:`mlx_fun.layerwise` replays the arguments the model's own forward gives each
+layer, so masks of every family are right). For a MoE layer the layer is run once with its original experts
+— only the tap's arrays are evaluated, i.e. attention and router — then merged, then run again to produce the
+next layer's input from the merged layer. Cost: about one forward pass over the calibration set (plus the
+attention of MoE layers once more) and the per-layer merge work; never a full forward per layer.
+
+**Quantization kept.** A quantized projection is dequantized one expert at a time for merging and the merged
+expert is re-quantized with the tensor's own bits, group size and mode (affine, mxfp4, nvfp4, with a fresh
+per-expert global scale where the tensor has them). Experts not merged are sliced, never re-quantized. The
+merged model has exactly the tensor shapes and dtypes of a pruned model with the same expert count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .. import layerwise, moe_hook
+from ..adapters.base import MoEAdapter
+from ..errors import UserError
+from .prune import check_keep_map, prune_block, pruned_config
+
+SIMILARITY_MODES = ("gated", "average")
+ALIGNMENTS = ("hungarian", "greedy", "none")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EPS = 1e-12
+
+
+# ================================================================================================ selection
+def select_centroids(
+    adapter: MoEAdapter,
+    scores,
+    n_prune: int,
+    *,
+    model_wide: bool = False,
+    min_experts_per_layer: int = 1,
+    ignore_experts=None,
+    protected=None,
+) -> dict[int, list[int]]:
+    """The ``E − n_prune`` most salient experts of every MoE layer: ``{position: sorted centroids}``.
+
+    The ``bottom`` strategy of :func:`mlx_fun.selection.select_experts` with all its checks (≥ top_k kept,
+    model-wide column sums, ignored / protected experts, group balance of group-limited routers).
+    """
+    from ..selection import select_experts
+
+    return select_experts(
+        scores,
+        n_prune,
+        top_k=adapter.top_k,
+        strategy="bottom",
+        model_wide=model_wide,
+        min_experts_per_layer=min_experts_per_layer,
+        ignore_experts=ignore_experts,
+        protected=protected,
+        groups=adapter.groups,
+        moe_layer_indices=adapter.moe_layers(),
+    )
+
+
+# ================================================================================================ capture
+class ReamCaptureTap:
+    """Keeps the MoE input, raw router logits and routing of the selected tokens of one layer (lazily).
+
+    ``layer`` is the block position to capture (``None``: capture nothing); ``select`` the flat token
+    positions (into the block's ``(N, D)`` view of its input) of the current batch.
+    """
+
+    def __init__(self):
+        self.layer: int | None = None
+        self.select: mx.array | None = None
+        self.records: list[tuple[mx.array, mx.array, mx.array, mx.array]] = []
+        self._x = None
+
+    def on_input(self, layer, h):
+        if layer == self.layer:
+            self._x = h
+
+    def __call__(self, layer, inds, weights, logits, y):
+        if layer != self.layer or self.select is None:
+            return
+        x, self._x = self._x, None
+        sel = self.select
+        self.records.append(
+            (
+                x.reshape(-1, x.shape[-1])[sel],
+                logits.reshape(-1, logits.shape[-1])[sel].astype(mx.float32),
+                inds.reshape(-1, inds.shape[-1])[sel],
+                weights.reshape(-1, weights.shape[-1])[sel].astype(mx.float32),
+            )
+        )
+
+    def take(self):
+        """``(x, logits, inds, weights)`` of everything captured since the last call, concatenated and evaluated."""
+        records, self.records = self.records, []
+        if not records:
+            raise RuntimeError("the MoE block was not called on any selected token")
+        out = tuple(mx.concatenate([r[i] for r in records], axis=0) for i in range(4))
+        mx.eval(out)
+        return out
+
+
+# ================================================================================================ similarity
+def _unit_rows(a: np.ndarray) -> np.ndarray:
+    return a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), _EPS)
+
+
+def cosine_matrix(vectors: np.ndarray) -> np.ndarray:
+    """(E, E) cosine similarity of the rows of ``vectors`` (a zero row is similar to nothing)."""
+    u = _unit_rows(np.asarray(vectors, dtype=np.float64))
+    return u @ u.T
+
+
+def logit_similarity(logits: np.ndarray) -> np.ndarray:
+    """(E, E) correlation of the router's logit columns over the tokens (cosine of the centred columns)."""
+    L = np.asarray(logits, dtype=np.float64)
+    L = L - L.mean(axis=0, keepdims=True)
+    return cosine_matrix(L.T)
+
+
+def expert_similarity(mean_outputs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """½ (cosine of the per-expert mean outputs + logit-column correlation); see the module docstring."""
+    return 0.5 * (cosine_matrix(mean_outputs) + logit_similarity(logits))
+
+
+@dataclass
+class DenseStats:
+    mean_output: np.ndarray  # (E, D) mean_t y[t, e]
+    mean_gated_output: np.ndarray  # (E, D) mean_t p[t, e] y[t, e]
+    norms: np.ndarray  # (N, E) ‖y[t, e]‖
+
+
+def dense_expert_stats(experts, x: mx.array, logits: mx.array, chunk_elems: int = 1 << 24) -> DenseStats:
+    """Run every expert on every token of ``x`` (N, D) with the block's own SwitchGLU, a few experts at a time."""
+    N, D = x.shape
+    E = logits.shape[-1]
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    step = max(1, min(E, chunk_elems // max(1, N * D)))
+    mean_y, mean_py, norms = [], [], []
+    for start in range(0, E, step):
+        ids = mx.arange(start, min(E, start + step), dtype=mx.uint32)
+        idx = mx.broadcast_to(ids[None, :], (N, ids.size))
+        y = experts(x, idx).astype(mx.float32)  # (N, c, D)
+        p = probs[:, start : start + ids.size, None]
+        parts = (y.mean(axis=0), (p * y).mean(axis=0), mx.linalg.norm(y, axis=-1))
+        mx.eval(parts)
+        mean_y.append(np.array(parts[0]))
+        mean_py.append(np.array(parts[1]))
+        norms.append(np.array(parts[2]))
+    return DenseStats(np.concatenate(mean_y), np.concatenate(mean_py), np.concatenate(norms, axis=1))
+
+
+def routed_saliency(norms: np.ndarray, inds: np.ndarray, weights: np.ndarray, num_experts: int) -> np.ndarray:
+    """REAP of the captured tokens: mean over the tokens routed to ``e`` of router weight × ‖y[t, e]‖."""
+    inds = np.asarray(inds).astype(np.int64)
+    w = np.asarray(weights, dtype=np.float64)
+    rows = np.broadcast_to(np.arange(inds.shape[0])[:, None], inds.shape)
+    total = np.zeros(num_experts)
+    count = np.zeros(num_experts)
+    np.add.at(total, inds.reshape(-1), (w * norms[rows, inds]).reshape(-1))
+    np.add.at(count, inds.reshape(-1), 1.0)
+    out = np.zeros(num_experts)
+    np.divide(total, count, out=out, where=count > 0)
+    return out
+
+
+# ================================================================================================ grouping
+def _desc_order(values: np.ndarray, candidates) -> list[int]:
+    """``candidates`` sorted by descending value (ties: lower index first)."""
+    cand = np.asarray(list(candidates), dtype=np.int64)
+    if cand.size == 0:
+        return []
+    return cand[np.lexsort((cand, -np.asarray(values, dtype=np.float64)[cand]))].tolist()
+
+
+def group_experts(
+    similarity: np.ndarray, saliency: np.ndarray, centroids: Sequence[int], max_group_size: int
+) -> dict[int, list[int]]:
+    """``{centroid: [centroid, members...]}`` covering every expert exactly once (see the module docstring).
+
+    Centroids claim in descending saliency; each claims its most similar unassigned non-centroid experts
+    until its group has ``max_group_size`` members; leftovers join their most similar centroid.
+    """
+    S = np.asarray(similarity, dtype=np.float64)
+    E = S.shape[0]
+    if max_group_size < 1:
+        raise UserError(f"--max-group-size must be at least 1, got {max_group_size}.")
+    cents = [int(c) for c in centroids]
+    if len(set(cents)) != len(cents) or any(not 0 <= c < E for c in cents) or not cents:
+        raise ValueError(f"centroids must be distinct experts in [0, {E}), got {cents}")
+    groups = {c: [c] for c in _desc_order(saliency, cents)}
+    unassigned = set(range(E)) - set(cents)
+    for c, members in groups.items():
+        room = max_group_size - 1
+        if room <= 0 or not unassigned:
+            continue
+        take = _desc_order(S[c], unassigned)[:room]
+        members.extend(take)
+        unassigned.difference_update(take)
+    for e in sorted(unassigned):  # only when every group is full
+        best = _desc_order(S[e], cents)[0]
+        groups[best].append(e)
+    return groups
+
+
+# ================================================================================================ alignment
+def alignment_cost(act_c: np.ndarray, act_m: np.ndarray, feat_c: np.ndarray, feat_m: np.ndarray) -> np.ndarray:
+    """(I, I) cost of pairing centroid neuron ``a`` (row) with member neuron ``b`` (column).
+
+    ``act_*`` are (N, I) intermediate activations on the same tokens, ``feat_*`` (I, F) weight features;
+    both are unit-normalised per neuron, and the cost is the sum of the two squared distances.
+    """
+    ac = _unit_rows(np.asarray(act_c, dtype=np.float64).T)
+    am = _unit_rows(np.asarray(act_m, dtype=np.float64).T)
+    fc = _unit_rows(np.asarray(feat_c, dtype=np.float64))
+    fm = _unit_rows(np.asarray(feat_m, dtype=np.float64))
+    return (2.0 - 2.0 * ac @ am.T) + (2.0 - 2.0 * fc @ fm.T)
+
+
+def align_permutation(cost: np.ndarray, method: str = "hungarian") -> np.ndarray:
+    """``perm`` with ``perm[a]`` = the member neuron placed at centroid neuron ``a`` (a permutation of 0..I-1)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    n = cost.shape[0]
+    if method == "none":
+        return np.arange(n)
+    if method == "hungarian":
+        from scipy.optimize import linear_sum_assignment
+
+        rows, cols = linear_sum_assignment(cost)
+        perm = np.empty(n, dtype=np.int64)
+        perm[rows] = cols
+        return perm
+    if method == "greedy":
+        perm = np.full(n, -1, dtype=np.int64)
+        free = np.ones(n, dtype=bool)
+        for a in np.lexsort((np.arange(n), cost.min(axis=1))):  # most confident neurons first
+            row = np.where(free, cost[a], np.inf)
+            b = int(np.argmin(row))
+            perm[a] = b
+            free[b] = False
+        return perm
+    raise UserError(f"unknown alignment '{method}'; choose one of {', '.join(ALIGNMENTS)}.")
+
+
+# ================================================================================================ expert weights
+def _dense(lin, e: int) -> mx.array:
+    """Expert ``e`` of a (Quantized)SwitchLinear as a float32 (out, in) matrix."""
+    if "scales" in lin:
+        gs = getattr(lin, "global_scale", None)
+        return mx.dequantize(
+            lin["weight"][e],
+            lin["scales"][e],
+            lin["biases"][e] if "biases" in lin else None,
+            group_size=lin.group_size,
+            bits=lin.bits,
+            mode=lin.mode,
+            global_scale=None if gs is None else gs[e],
+            dtype=mx.float32,
+        )
+    return lin["weight"][e].astype(mx.float32)
+
+
+def expert_weights(experts, e: int) -> dict[str, mx.array | None]:
+    """float32 ``gate`` / ``up`` (I, D), ``down`` (D, I) and their biases (``None`` where absent) of expert ``e``."""
+    out: dict[str, mx.array | None] = {}
+    for name in PROJECTIONS:
+        lin = getattr(experts, name)
+        key = name.split("_")[0]
+        out[key] = _dense(lin, e)
+        out[key + "_bias"] = lin["bias"][e].astype(mx.float32) if "bias" in lin else None
+    return out
+
+
+def intermediate_activations(experts, w: dict, x: mx.array) -> mx.array:
+    """(N, I) activations of one expert on ``x`` (N, D), through the family's own activation function."""
+    up = x @ w["up"].T
+    gate = x @ w["gate"].T
+    if w["up_bias"] is not None:
+        up = up + w["up_bias"]
+    if w["gate_bias"] is not None:
+        gate = gate + w["gate_bias"]
+    return experts.activation(up, gate)
+
+
+def weight_features(w: dict) -> mx.array:
+    """(I, 3D): gate row ‖ up row ‖ down column of every intermediate neuron."""
+    return mx.concatenate([w["gate"], w["up"], w["down"].T], axis=1)
+
+
+def permute_expert(w: dict, perm: np.ndarray) -> dict:
+    """Expert weights with intermediate neuron ``perm[a]`` moved to position ``a``."""
+    p = mx.array(perm.astype(np.int32))
+    out = dict(w)
+    for key in ("gate", "up"):
+        out[key] = w[key][p]
+        if w[key + "_bias"] is not None:
+            out[key + "_bias"] = w[key + "_bias"][p]
+    out["down"] = w["down"][:, p]
+    return out
+
+
+def merge_group(
+    experts, members: Sequence[int], weights: Sequence[float], x_align: mx.array | None, alignment: str
+) -> dict:
+    """Saliency-weighted average of the members (``members[0]`` is the centroid) after aligning each onto it."""
+    base = expert_weights(experts, members[0])
+    need_align = alignment != "none"
+    if need_align:
+        act_c = np.array(intermediate_activations(experts, base, x_align))
+        feat_c = np.array(weight_features(base))
+    merged = {k: (None if v is None else v * float(weights[0])) for k, v in base.items()}
+    for m, wt in zip(members[1:], weights[1:]):
+        w = expert_weights(experts, m)
+        if need_align:
+            cost = alignment_cost(
+                act_c, np.array(intermediate_activations(experts, w, x_align)), feat_c, np.array(weight_features(w))
+            )
+            w = permute_expert(w, align_permutation(cost, alignment))
+        for k, v in w.items():
+            if v is not None:
+                merged[k] = merged[k] + v * float(wt)
+        mx.eval([v for v in merged.values() if v is not None])
+    return merged
+
+
+# ================================================================================================ writing
+def _quantize_expert(lin, w: mx.array) -> dict[str, mx.array]:
+    """One expert's (out, in) float matrix quantized like ``lin`` (same bits, group size, mode, scale dtype)."""
+    if lin.mode == "affine":
+        w = w.astype(lin["scales"].dtype)
+    gs = getattr(lin, "global_scale", None)
+    if gs is not None:
+        g = mx.max(mx.abs(w)).astype(gs.dtype)
+        q, s = mx.quantize(w, lin.group_size, lin.bits, mode=lin.mode, global_scale=g)[:2]
+        return {"weight": q, "scales": s, "global_scale": g}
+    q, s, *b = mx.quantize(w, lin.group_size, lin.bits, mode=lin.mode)
+    out = {"weight": q, "scales": s}
+    if b and "biases" in lin:
+        out["biases"] = b[0]
+    return out
+
+
+def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, dict]) -> None:
+    """Slice ``block`` to ``kept`` (sorted centroids; router rows of the centroids stay) and put the merged
+    experts in place; experts not in ``merged`` keep their sliced tensors untouched."""
+    prune_block(adapter, block, kept)
+    if not merged:
+        return
+    experts = adapter.experts(block)
+    pos_of = {e: j for j, e in enumerate(kept)}
+    for name in PROJECTIONS:
+        lin = getattr(experts, name)
+        key = name.split("_")[0]
+        new_parts: dict[int, dict[str, mx.array]] = {}
+        for e, w in merged.items():
+            parts = _quantize_expert(lin, w[key]) if "scales" in lin else {"weight": w[key].astype(lin["weight"].dtype)}
+            if w[key + "_bias"] is not None and "bias" in lin:
+                parts["bias"] = w[key + "_bias"].astype(lin["bias"].dtype)
+            new_parts[pos_of[e]] = parts
+        updates = {}
+        for tensor in ("weight", "scales", "biases", "global_scale", "bias"):
+            if tensor not in lin or lin[tensor] is None or not any(tensor in p for p in new_parts.values()):
+                continue
+            old = lin[tensor]
+            rows = [new_parts[j][tensor] if j in new_parts else old[j] for j in range(len(kept))]
+            updates[tensor] = mx.stack(rows).astype(old.dtype)
+        lin.update(updates)
+    mx.eval(experts.parameters())
+
+
+# ================================================================================================ the whole model
+@dataclass
+class _Batch:
+    h: mx.array
+    calls: layerwise.LayerCalls
+    select: mx.array | None  # flat positions of captured tokens in this batch
+
+
+def _token_subsets(batches_valid: list[np.ndarray], n_capture: int, rng: np.random.Generator):
+    """Pick ``n_capture`` random valid tokens; return their flat positions per batch and how many were picked."""
+    flat = [np.flatnonzero(v.reshape(-1)) for v in batches_valid]
+    total = sum(len(f) for f in flat)
+    chosen = np.sort(rng.permutation(total)[:n_capture]) if n_capture < total else np.arange(total)
+    out, offset = [], 0
+    for f in flat:
+        local = chosen[(chosen >= offset) & (chosen < offset + len(f))] - offset
+        out.append(f[local])
+        offset += len(f)
+    return out, len(chosen)
+
+
+def merge_model(
+    model,
+    adapter: MoEAdapter,
+    samples: Sequence[Sequence[int]],
+    *,
+    keep_map: dict[int, list[int]] | None = None,
+    saliency=None,
+    n_prune: int | None = None,
+    metric: str = "reap",
+    similarity_mode: str = "gated",
+    alignment: str = "hungarian",
+    max_group_size: int = 16,
+    max_similarity_tokens: int = 512,
+    max_alignment_tokens: int = 256,
+    seed: int | None = None,
+    batch_size: int = 8,
+    pad_id: int = 0,
+    progress: bool = False,
+) -> dict:
+    """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
+
+    Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − n_prune`` most
+    salient experts of ``saliency`` ((L, E) scores, higher = more important). ``saliency`` also orders the
+    centroids and weights the averages; without it the REAP score of the captured calibration tokens is used.
+    ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
+    """
+    from ..data import iter_batches
+
+    t_start = time.perf_counter()
+    if similarity_mode not in SIMILARITY_MODES:
+        raise UserError(f"unknown similarity mode '{similarity_mode}'; choose one of {', '.join(SIMILARITY_MODES)}.")
+    if alignment not in ALIGNMENTS:
+        raise UserError(f"unknown alignment '{alignment}'; choose one of {', '.join(ALIGNMENTS)}.")
+    if max_group_size < 1:
+        raise UserError(f"--max-group-size must be at least 1, got {max_group_size}.")
+    if max_similarity_tokens < 1 or max_alignment_tokens < 1:
+        raise UserError("--max-similarity-tokens and --max-alignment-tokens must be at least 1.")
+    moe_layers = adapter.moe_layers()
+    L, E = len(moe_layers), adapter.num_experts
+    scores = None
+    if saliency is not None:
+        scores = np.asarray(saliency, dtype=np.float64)
+        if scores.shape != (L, E):
+            raise UserError(
+                f"saliency scores have shape {scores.shape} but the model has {L} MoE layers × {E} experts; "
+                "collect them on this model."
+            )
+    if keep_map is None:
+        if scores is None or n_prune is None:
+            raise ValueError("give keep_map, or saliency and n_prune")
+        keep_map = select_centroids(adapter, scores, n_prune)
+    keep_map = {p: sorted(int(e) for e in keep_map.get(p, range(E))) for p in range(L)}
+    n_kept = check_keep_map(adapter, keep_map)
+    if adapter.groups and n_kept % adapter.groups[0]:
+        raise UserError(
+            f"this router picks experts in {adapter.groups[0]} groups, so the centroid count ({n_kept}) must be "
+            f"divisible by {adapter.groups[0]}; merge the same number of experts in every group."
+        )
+    samples = [list(s) for s in samples if len(s)]
+    if not samples:
+        raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
+
+    # ---- calibration batches: the first layer's input and every layer's call arguments
+    layers = adapter.decoder_layers()
+    last_moe = moe_layers[-1]
+    n_capture = max(max_similarity_tokens, max_alignment_tokens)
+    rng = np.random.default_rng(seed)
+    raw = list(iter_batches(samples, batch_size, pad_id=pad_id))
+    valid = [np.arange(t.shape[1])[None, :] < np.asarray(n)[:, None] for t, n in raw]
+    selects, n_cap = _token_subsets(valid, n_capture, rng)
+    order = rng.permutation(n_cap)  # random rank of every captured token (they arrive in batch order)
+    sim_rows = mx.array(np.sort(order[:max_similarity_tokens]).astype(np.int32))
+    align_rows = mx.array(np.sort(order[:max_alignment_tokens]).astype(np.int32))
+    batches = []
+    for (tokens, _), sel in zip(raw, selects):
+        calls = layerwise.record_layer_calls(model, layers, mx.array(tokens))
+        mx.eval(calls.h)
+        h, calls.h = calls.h, None  # one reference only: replaced layer after layer
+        batches.append(_Batch(h, calls, mx.array(sel.astype(np.int32)) if len(sel) else None))
+    n_tokens = int(sum(int(np.sum(n)) for _, n in raw))
+
+    tap = ReamCaptureTap()
+    centroid_map, group_map, layer_seconds = {}, {}, {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=last_moe + 1, unit="layer", desc="merge", dynamic_ncols=True)
+    try:
+        moe_hook.install(adapter, [tap])
+        for i in range(last_moe + 1):
+            layer = layers[i]
+            t0 = time.perf_counter()
+            if i in moe_layers:
+                pos = moe_layers.index(i)
+                block = adapter.block(i)
+                # 1. capture the block's input / logits / routing of the selected tokens (attention + router only)
+                tap.layer = pos
+                for b in batches:
+                    if b.select is not None:
+                        tap.select = b.select
+                        layerwise.run_layer(layer, b.h, b.calls, i)  # lazy; only the tap's arrays are evaluated
+                tap.layer, tap.select = None, None
+                x, logits, inds, rweights = tap.take()
+                groups = _merge_block(
+                    adapter, block, keep_map[pos], x, logits, inds, rweights,
+                    None if scores is None else scores[pos], sim_rows, align_rows,
+                    similarity_mode, alignment, max_group_size,
+                )  # fmt: skip
+                centroid_map[str(i)] = keep_map[pos]
+                group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
+            # 2. propagate through the (merged) layer; nothing after the last MoE layer is needed
+            if i < last_moe:
+                for b in batches:
+                    b.h = layerwise.run_layer(layer, b.h, b.calls, i)
+                    mx.eval(b.h)
+            if i in moe_layers:
+                layer_seconds[str(i)] = round(time.perf_counter() - t0, 4)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        moe_hook.remove(adapter)
+        if bar is not None:
+            bar.close()
+    for b in batches:  # free the hidden states
+        b.h = None
+    adapter.config = pruned_config(adapter, adapter.config, n_kept)
+    return {
+        "method": "ream",
+        "original_num_experts": E,
+        "merged_num_experts": n_kept,
+        "metric": metric if scores is not None else "reap (calibration tokens)",
+        "centroid_map": centroid_map,
+        "group_map": group_map,
+        "similarity_mode": similarity_mode,
+        "alignment": alignment,
+        "max_group_size": max_group_size,
+        "calibration_samples": len(samples),
+        "calibration_tokens": n_tokens,
+        "similarity_tokens": min(max_similarity_tokens, n_cap),
+        "alignment_tokens": min(max_alignment_tokens, n_cap),
+        "seed": seed,
+        "layer_seconds": layer_seconds,
+        "seconds": round(time.perf_counter() - t_start, 3),
+    }
+
+
+def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_row, sim_rows, align_rows,
+                 similarity_mode, alignment, max_group_size) -> dict[int, list[int]]:  # fmt: skip
+    """Similarity → groups → aligned weighted averages → write; returns the groups."""
+    experts = adapter.experts(block)
+    E = logits.shape[-1]
+    xs, ls = x[sim_rows], logits[sim_rows]
+    stats = dense_expert_stats(experts, xs, ls)
+    mean_out = stats.mean_gated_output if similarity_mode == "gated" else stats.mean_output
+    similarity = expert_similarity(mean_out, np.array(ls))
+    if scores_row is None:
+        sal = routed_saliency(stats.norms, np.array(inds[sim_rows]), np.array(rweights[sim_rows]), E)
+    else:
+        sal = np.asarray(scores_row, dtype=np.float64)
+    groups = group_experts(similarity, sal, centroids, max_group_size)
+    x_align = x[align_rows].astype(mx.float32)
+    merged: dict[int, dict] = {}
+    for c, members in groups.items():
+        w = np.clip(sal[members], 0.0, None)
+        w = w / w.sum() if w.sum() > 0 else np.full(len(members), 1.0 / len(members))
+        use = [(m, float(wt)) for m, wt in zip(members, w) if wt > 0 or m == c]
+        if len(use) == 1 and use[0][0] == c and abs(use[0][1] - 1.0) < 1e-12:
+            continue  # nothing merged into this centroid: keep its tensors as they are
+        merged[c] = merge_group(experts, [m for m, _ in use], [wt for _, wt in use], x_align, alignment)
+    write_merged(adapter, block, sorted(centroids), merged)
+    return groups

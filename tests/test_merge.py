@@ -1,0 +1,359 @@
+"""REAM merging: grouping, alignment, merge == prune where it must be, every family float and quantized,
+the layer-by-layer runner, cost linear in depth, and the `mlx-fun merge` command."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from mlx_fun import layerwise
+from mlx_fun.adapters import get_adapter
+from mlx_fun.cli import main
+from mlx_fun.io import load_model, save_model_dir
+from mlx_fun.rewrite.merge import (
+    _dense,
+    _quantize_expert,
+    align_permutation,
+    alignment_cost,
+    group_experts,
+    merge_model,
+)
+from mlx_fun.rewrite.prune import prune_model
+from mlx_fun.tiny import build_model, tiny_config
+
+from .conftest import FAMILIES
+from .test_cli import SAMPLE, _error
+
+RNG = np.random.default_rng(7)
+SAMPLES = [RNG.integers(3, 500, n).tolist() for n in (20, 11)]
+BATCH = [SAMPLES[0][:11], SAMPLES[1]]  # logits of both samples, cut to one length
+SMALL = dict(max_similarity_tokens=24, max_alignment_tokens=16, seed=0)
+NO_GROUPS = ("deepseek_v3", "deepseek_v32")  # 8 experts in 4 router groups cannot lose any: use n_group=1
+
+
+def _logits(model, tokens=SAMPLES[:1]):
+    out = model(mx.array(tokens))
+    mx.eval(out)
+    return np.array(out)
+
+
+def _weights_bytes(path):
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _check_groups(meta, E, n_kept, max_group_size):
+    for layer, groups in meta["group_map"].items():
+        members = [e for g in groups.values() for e in g]
+        assert sorted(members) == list(range(E)), f"layer {layer}: every expert exactly once"
+        assert sorted(int(c) for c in groups) == meta["centroid_map"][layer] and len(groups) == n_kept
+        assert all(g[0] == int(c) for c, g in groups.items())
+        if n_kept * max_group_size >= E:
+            assert max(len(g) for g in groups.values()) <= max_group_size
+
+
+# ---------------------------------------------------------------------------------------------- grouping
+def test_grouping_respects_max_size_and_covers_every_expert_once():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        E = int(rng.integers(2, 40))
+        k = int(rng.integers(1, E + 1))
+        C = int(rng.integers(1, 8))
+        sim = rng.normal(size=(E, E))
+        sim = (sim + sim.T) / 2
+        sal = rng.random(E)
+        cents = sorted(rng.choice(E, k, replace=False).tolist())
+        groups = group_experts(sim, sal, cents, C)
+        members = [e for g in groups.values() for e in g]
+        assert sorted(members) == list(range(E)) and sorted(groups) == cents
+        assert all(g[0] == c for c, g in groups.items())
+        if k * C >= E:
+            assert max(len(g) for g in groups.values()) <= C
+        else:  # every group is full, the leftovers went to their most similar centroid
+            assert min(len(g) for g in groups.values()) >= C
+        # the most salient centroid claimed its most similar non-centroids first
+        top = max(cents, key=lambda c: (sal[c], -c))
+        others = [e for e in range(E) if e not in cents]
+        want = sorted(others, key=lambda e: (-sim[top, e], e))[: C - 1]
+        assert groups[top][1 : 1 + len(want)] == want
+
+
+def test_leftovers_join_their_most_similar_centroid():
+    sim = np.array([[1, 0, .9, .1], [0, 1, .2, .8], [.9, .2, 1, 0], [.1, .8, 0, 1]], dtype=float)  # fmt: skip
+    assert group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 1) == {0: [0, 2], 1: [1, 3]}
+    assert group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 16) == {0: [0, 2, 3], 1: [1]}
+
+
+# ---------------------------------------------------------------------------------------------- alignment
+@pytest.mark.parametrize("method", ["hungarian", "greedy"])
+def test_alignment_recovers_a_neuron_permutation(method):
+    rng = np.random.default_rng(1)
+    I, D, N = 48, 16, 40
+    gate, up, down = rng.normal(size=(I, D)), rng.normal(size=(I, D)), rng.normal(size=(D, I))
+    x = rng.normal(size=(N, D))
+    act = lambda g, u: (x @ g.T) / (1 + np.exp(-(x @ g.T))) * (x @ u.T)  # noqa: E731
+    feats = lambda g, u, d: np.concatenate([g, u, d.T], axis=1)  # noqa: E731
+    perm = rng.permutation(I)
+    g2, u2, d2 = gate[perm], up[perm], down[:, perm]
+    cost = alignment_cost(act(gate, up), act(g2, u2), feats(gate, up, down), feats(g2, u2, d2))
+    found = align_permutation(cost, method)
+    assert np.array_equal(g2[found], gate) and np.array_equal(d2[:, found], down)
+    assert np.array_equal(align_permutation(cost, "none"), np.arange(I))
+    assert sorted(align_permutation(rng.random((I, I)), method).tolist()) == list(range(I))
+
+
+def _shuffled_copy_model(model_type, seed=0):
+    """A float model in which expert 1 of every MoE layer is a neuron permutation of expert 0."""
+    cfg = tiny_config(model_type)
+    model = build_model(cfg, seed=seed)
+    adapter = get_adapter(model, cfg)
+    rng = np.random.default_rng(seed)
+    for block in adapter.blocks():
+        ex = adapter.experts(block)
+        perm = mx.array(rng.permutation(ex.up_proj.weight.shape[1]).astype(np.int32))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(ex, name)
+            upd = {}
+            for key in ("weight", "bias"):
+                if key not in lin:
+                    continue
+                t = lin[key]
+                if name == "down_proj":
+                    src = t[0][:, perm] if key == "weight" else t[0]
+                else:
+                    src = t[0][perm]
+                upd[key] = mx.concatenate([t[:1], src[None], t[2:]])
+            lin.update(upd)
+    mx.eval(model.parameters())
+    return model, adapter, cfg
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("alignment", ["hungarian", "greedy", "none"])
+def test_merging_a_shuffled_copy_gives_back_the_original(model_type, alignment):
+    """Experts 0 and 1 compute the same function with permuted neurons; merging 1 into 0 must give expert 0 back
+    (so the merged model equals the model pruned of expert 1) when the neurons are aligned — and not without."""
+    model, adapter, cfg = _shuffled_copy_model(model_type)
+    ref_model, ref_adapter, _ = _shuffled_copy_model(model_type)
+    L, E = len(adapter.moe_layers()), adapter.num_experts
+    keep = {p: [e for e in range(E) if e != 1] for p in range(L)}
+    sal = np.tile(np.array([10.0, 5.0] + [1.0] * (E - 2)), (L, 1))
+    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, alignment=alignment,
+                       max_group_size=2, **SMALL)  # fmt: skip
+    assert all(g["0"] == [0, 1] and all(len(m) == 1 for c, m in g.items() if c != "0")
+               for g in meta["group_map"].values())  # fmt: skip
+    prune_model(ref_adapter, keep)
+    e0 = np.array(adapter.experts(adapter.blocks()[0]).down_proj.weight[0])
+    r0 = np.array(ref_adapter.experts(ref_adapter.blocks()[0]).down_proj.weight[0])
+    if alignment == "none":
+        assert np.abs(e0 - r0).max() > 1e-3
+    else:
+        np.testing.assert_allclose(e0, r0, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_logits(model, BATCH), _logits(ref_model, BATCH), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- merge == prune
+@pytest.mark.parametrize("model_type,bits", [("qwen3_moe", None), ("qwen3_moe", 4), ("gpt_oss", 4)])
+def test_groups_of_one_equal_prune_bitwise(make_model, model_type, bits):
+    src = make_model(model_type, bits=bits)
+    model, _, config = load_model(src)
+    adapter = get_adapter(model, config)
+    L, E = len(adapter.moe_layers()), adapter.num_experts
+    original = _logits(model, BATCH)
+
+    # nothing to merge: n_prune 0 with groups of one changes nothing
+    meta = merge_model(model, adapter, SAMPLES, saliency=np.ones((L, E)), n_prune=0, max_group_size=1,
+                       alignment="none", **SMALL)  # fmt: skip
+    assert all(len(m) == 1 for g in meta["group_map"].values() for m in g.values())
+    assert np.array_equal(_logits(model, BATCH), original)
+
+    # members that carry no saliency leave every centroid alone: exactly prune, quantized or not
+    keep = {p: [0, 2, 3, 5, 6, 7] for p in range(L)}
+    sal = np.zeros((L, E))
+    sal[:, keep[0]] = np.arange(1, 7)
+    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, alignment="none", **SMALL)
+    assert sum(len(m) for m in meta["group_map"]["0"].values()) == E  # 1 and 4 did join a group
+    pruned, _, pconfig = load_model(src)
+    padapter = get_adapter(pruned, pconfig)
+    assert prune_model(padapter, keep) == adapter.config
+    assert np.array_equal(_logits(model, BATCH), _logits(pruned, BATCH))
+
+
+# ---------------------------------------------------------------------------------------------- every family
+def _src(make_model, model_type, bits, mode="affine"):
+    if model_type in NO_GROUPS:
+        return make_model(model_type, bits=bits, mode=mode, n_group=1, topk_group=1)
+    return make_model(model_type, bits=bits, mode=mode)
+
+
+CASES = [(mt, None, "affine") for mt in FAMILIES] + [(mt, 4, "affine") for mt in FAMILIES] + [
+    ("qwen3_moe", None, "mxfp4"), ("gpt_oss", None, "mxfp4"), ("qwen3_moe", None, "nvfp4"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type,bits,mode", CASES, ids=lambda v: str(v))
+def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make_model, model_type, bits, mode):
+    src = _src(make_model, model_type, bits, mode)
+    model, _, config = load_model(src)
+    adapter = get_adapter(model, config)
+    L, E = len(adapter.moe_layers()), adapter.num_experts
+    sal = np.random.default_rng(3).random((L, E))
+    meta = merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, max_group_size=3, **SMALL)
+    _check_groups(meta, E, E - 2, 3)
+    assert meta["method"] == "ream" and meta["merged_num_experts"] == E - 2 == adapter.num_experts
+    merged_logits = _logits(model)
+    assert np.isfinite(merged_logits).all()
+    out = save_model_dir(model, adapter.config, tmp_path / "merged", source=src,
+                         metadata={"ream_metadata.json": meta})  # fmt: skip
+    reloaded, _ = mlx_lm.load(str(out))
+    assert np.array_equal(_logits(reloaded), merged_logits)
+
+    keep = {p: meta["centroid_map"][str(layer)] for p, layer in enumerate(adapter.moe_layers())}
+    pruned, _, pconfig = load_model(src)
+    pconfig = prune_model(get_adapter(pruned, pconfig), keep)
+    assert pconfig == adapter.config
+    assert not np.array_equal(_logits(pruned), merged_logits)  # the merge did change experts
+    pout = save_model_dir(pruned, pconfig, tmp_path / "pruned", source=src)
+    assert _weights_bytes(out) == _weights_bytes(pout) > 0
+
+
+@pytest.mark.parametrize("mode,group_size,bits,global_scale", [
+    ("affine", 32, 4, False), ("affine", 64, 8, False), ("mxfp4", 32, 4, False), ("nvfp4", 16, 4, False),
+    ("nvfp4", 16, 4, True),
+])  # fmt: skip
+def test_requantized_expert_keeps_the_format_and_the_values(mode, group_size, bits, global_scale):
+    mx.random.seed(0)
+    q = SwitchLinear(64, 32, 3, bias=False).to_quantized(group_size=group_size, bits=bits, mode=mode,
+                                                         global_scale=global_scale)  # fmt: skip
+    w = 0.5 * (_dense(q, 0) + _dense(q, 2))
+    parts = _quantize_expert(q, w)
+    assert set(parts) == {k for k in ("weight", "scales", "biases", "global_scale") if k in q}
+    for k, v in parts.items():
+        assert v.shape == q[k][0].shape and v.dtype == q[k].dtype, k
+    q.update({k: mx.concatenate([q[k][:1], v[None], q[k][2:]]) for k, v in parts.items()})
+    top = float(mx.abs(w).max())
+    step = 2 * top / (2**bits - 1) if mode == "affine" else top / 3  # one affine step / fp4's widest gap (4 → 6)
+    err = _dense(q, 1) - w
+    assert float(mx.abs(err).max()) <= step
+    assert float(mx.linalg.norm(err) / mx.linalg.norm(w)) < (0.02 if bits == 8 else 0.2)
+
+
+# ---------------------------------------------------------------------------------------------- sequential
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_layer_by_layer_runner_equals_the_full_forward(model_type):
+    cfg = tiny_config(model_type)
+    model = build_model(cfg)
+    adapter = get_adapter(model, cfg)
+    layers = adapter.decoder_layers()
+    # 24 tokens: longer than gpt-oss's sliding window (16) and the DSA indexer's top-k (4)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 500, (2, 24)))
+    last, classes = {}, [type(layer) for layer in layers]
+
+    def grab(i):
+        def fn(x, *a, **k):
+            out = classes[i].__call__(layers[i], x, *a, **k)
+            if i == len(layers) - 1:
+                last["h"] = out
+            return out
+
+        return fn
+
+    with layerwise.swap_layer_calls(layers, grab):
+        ref = model(tokens)
+    mx.eval(ref, last["h"])
+    h = layerwise.run_layers(model, layers, tokens)
+    assert np.array_equal(np.array(h), np.array(last["h"]))
+    assert np.array_equal(np.array(layerwise.final_logits(model, layers, tokens, h)), np.array(ref))
+
+
+def test_merge_runs_each_layer_once_per_batch_plus_once_per_moe_layer():
+    """Linear in depth: layer i is called once to capture its MoE input and once to propagate — never a forward
+    of the whole model per merged layer."""
+    cfg = tiny_config("deepseek_v3", n_group=1, topk_group=1, num_hidden_layers=4)
+    model = build_model(cfg)
+    adapter = get_adapter(model, cfg)
+    layers = adapter.decoder_layers()
+    calls = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        cls = type(layer)
+
+        def counted(self, *a, _i=i, _cls=cls, **k):
+            calls[_i] += 1
+            return _cls.__call__(self, *a, **k)
+
+        layer.__class__ = type(f"Counted{i}", (cls,), {"__call__": counted})
+    merge_model(model, adapter, SAMPLES, saliency=np.ones((3, 8)), n_prune=2, batch_size=1,
+                max_similarity_tokens=100, max_alignment_tokens=8, seed=0)  # fmt: skip
+    n = len(SAMPLES)  # every token is captured, so every batch runs the capture pass
+    assert adapter.moe_layers() == [1, 2, 3]
+    assert calls == [n, 2 * n, 2 * n, n]  # dense 0: propagate; MoE 1, 2: capture + propagate; last: capture only
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def saliency_file(tmp_path_factory, make_model):
+    out = tmp_path_factory.mktemp("merge") / "s.npz"
+    model = make_model("qwen3_moe", bits=4)
+    assert run("collect", "--model", model, "--dataset", SAMPLE, "--output", out, "--max-tokens", 32).exit_code == 0
+    return model, out
+
+
+def test_merge_cli_end_to_end(tmp_path, saliency_file):
+    model, sal = saliency_file
+    out = tmp_path / "merged"
+    result = run("merge", "--model", model, "--saliency", sal, "--n-prune", 3, "--dataset", SAMPLE, "--output", out,
+                 "--max-tokens", 32, "--max-samples", 6, "--max-similarity-tokens", 64, "--max-alignment-tokens", 32,
+                 "--alignment", "greedy", "--max-group-size", 3, "--seed", 1)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "8 → 5" in result.output and "size on disk" in result.output and "Wrote" in result.output
+    meta = json.loads((out / "ream_metadata.json").read_text())
+    assert meta["method"] == "ream" and meta["original_num_experts"] == 8 and meta["merged_num_experts"] == 5
+    assert meta["metric"] == "reap" and meta["alignment"] == "greedy" and meta["similarity_mode"] == "gated"
+    _check_groups(meta, 8, 5, 3)
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 5
+    reloaded, _ = mlx_lm.load(str(out))
+    assert reloaded(mx.array([[1, 2, 3]])).shape == (1, 3, 512)
+
+    lst = tmp_path / "list.json"
+    lst.write_text(json.dumps({"format": "mlx-fun-expert-list", "layers": {"0": {"keep": [0, 1, 2, 3, 4, 5]},
+                                                                           "1": {"remove": [6, 7]}}}))  # fmt: skip
+    result = run("merge", "--model", model, "--expert-list", lst, "--dataset", SAMPLE, "--output", tmp_path / "b",
+                 "--max-tokens", 16, "--max-samples", 4, "--similarity-mode", "average")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "b" / "ream_metadata.json").read_text())
+    assert meta["centroid_map"] == {"0": [0, 1, 2, 3, 4, 5], "1": [0, 1, 2, 3, 4, 5]}
+    assert meta["similarity_mode"] == "average" and meta["metric"].startswith("reap")
+
+
+def test_merge_cli_errors(tmp_path, saliency_file, make_model):
+    model, sal = saliency_file
+    out = tmp_path / "out"
+    base = ("merge", "--model", model, "--dataset", SAMPLE, "--output", out)
+    _error(run(*base, "--saliency", sal, "--n-prune", 7), "top_k is 2")
+    _error(run(*base, "--n-prune", 1), "--saliency", "--expert-list")
+    _error(run(*base, "--saliency", sal), "needs --n-prune")
+    _error(run(*base, "--saliency", tmp_path / "x.npz", "--n-prune", 1), "--saliency", "does not exist")
+    _error(run("merge", "--model", model, "--dataset", tmp_path / "d.jsonl", "--output", out, "--saliency", sal,
+               "--n-prune", 1), "--dataset", "does not exist")  # fmt: skip
+    _error(run("merge", "--model", tmp_path / "nope", "--dataset", SAMPLE, "--output", out, "--saliency", sal,
+               "--n-prune", 1), "does not exist")  # fmt: skip
+    _error(run("merge", "--model", model, "--dataset", SAMPLE, "--output", model, "--saliency", sal,
+               "--n-prune", 1), "input model")  # fmt: skip
+    _error(run(*base, "--saliency", sal, "--n-prune", 1, "--ignore-experts", "1"), "--model-wide")
+    other = make_model("qwen3_moe", num_experts=16)
+    _error(run("merge", "--model", other, "--dataset", SAMPLE, "--output", out, "--saliency", sal, "--n-prune", 1),
+           "does not match")  # fmt: skip
+    lst = tmp_path / "l.json"
+    lst.write_text(json.dumps({"format": "mlx-fun-expert-list", "layers": {"0": {"remove": [1]}}}))
+    _error(run(*base, "--expert-list", lst), "different numbers of experts")
+    _error(run(*base, "--expert-list", lst, "--n-prune", 1), "drop --n-prune")
+    assert not out.exists()
