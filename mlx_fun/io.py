@@ -136,3 +136,26 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
             text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
             (tmp / name).write_text(text)
     return out
+
+
+BUNDLED_MODEL_NAME = "tiny-moe"
+
+
+def bundled_model_dir() -> Path:
+    """The trained tiny MoE that ships in the repository's ``data/`` (``$MLX_FUN_DATA`` overrides the folder).
+
+    Looked up beside the package (a source checkout or editable install), then under ``./data``.
+    """
+    candidates = []
+    if os.environ.get("MLX_FUN_DATA"):
+        candidates.append(Path(os.environ["MLX_FUN_DATA"]) / BUNDLED_MODEL_NAME)
+    candidates += [Path(__file__).resolve().parent.parent / "data" / BUNDLED_MODEL_NAME,
+                   Path.cwd() / "data" / BUNDLED_MODEL_NAME]
+    for cand in candidates:
+        if (cand / "config.json").exists():
+            return cand
+    raise UserError(
+        f"the bundled model data/{BUNDLED_MODEL_NAME} was not found (looked in "
+        f"{', '.join(str(c) for c in candidates)}); run from a clone of mlx-fun, set MLX_FUN_DATA to its data/ "
+        f"folder, or pass --model."
+    )
