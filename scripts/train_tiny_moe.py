@@ -289,13 +289,21 @@ def main(argv=None):
                 "best_step": best[1], "final_val_loss": {d: round(v, 4) for d, v in final.items()},
                 "final_val_ppl": {d: round(math.exp(v), 2) for d, v in final.items()},
                 "routing_max_min_ratio": routing, "parameters": n_params, "device": str(mx.default_device()),
-                "mlx": mx.__version__, "python": sys.version.split()[0], "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])})
+                "mlx": mx.__version__, "python": corpus_python(data), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])})
     print(json.dumps({k: log[k] for k in ("steps", "tokens", "train_seconds", "best_step", "final_val_ppl",
                                           "routing_max_min_ratio")}, indent=1), flush=True)
     config["torch_dtype"] = "float32"
     out = save_model_dir(model, config, args.output, source=tok_dir, force=args.force,
                          metadata={"training_log.json": log, "README.md": model_card(log, config, n_params)})
     print(f"saved {out}", flush=True)
+
+
+def corpus_python(data: Path) -> str:
+    """The Python whose standard library the corpus came from (its manifest), else this interpreter's."""
+    try:
+        return json.loads((data / "manifest.json").read_text())["python"]
+    except (OSError, KeyError, ValueError):
+        return sys.version.split()[0]
 
 
 def routing_stats(model, val, domains, args):

@@ -103,22 +103,21 @@ def test_collect_rejects_bad_numbers(tmp_path, bad_args, needle):
     assert result.exit_code == 2 and needle in result.output
 
 
-def test_readme_python_api_runs(tmp_path, make_model, monkeypatch):
+def test_readme_python_api_runs(tmp_path, monkeypatch):
     """The README's Python example (load → hooks → accumulate → select → prune → save) runs as written."""
     import re
     import shutil
 
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S).group(1)
-    shutil.copytree(make_model("qwen3_moe"), tmp_path / "quickstart" / "model")
-    (tmp_path / "data").mkdir()
+    shutil.copytree(ROOT / "data" / "tiny-moe", tmp_path / "data" / "tiny-moe")
     shutil.copy(SAMPLE, tmp_path / "data" / SAMPLE.name)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     acc = SaliencyAccumulator.load(tmp_path / "saliency.npz")
-    assert acc.scores("reap").shape == (2, 8) and acc.freq.sum() > 0
+    assert acc.scores("reap").shape == (4, 32) and acc.freq.sum() > 0
     import mlx_lm
 
-    pruned, _ = mlx_lm.load(str(tmp_path / "quickstart" / "pruned"))
-    assert json.loads((tmp_path / "quickstart" / "pruned" / "config.json").read_text())["num_experts"] == 6
-    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 6
+    pruned, _ = mlx_lm.load(str(tmp_path / "my-pruned"))
+    assert json.loads((tmp_path / "my-pruned" / "config.json").read_text())["num_experts"] == 24
+    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 24
