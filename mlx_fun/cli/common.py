@@ -63,3 +63,38 @@ def dataset_options(fn):
         help="JSONL file (messages / prompt+completion / text lines, detected per line) or a directory of files.",
     )(fn)
     return fn
+
+
+def dispatch_option(fn):
+    """--dispatch [auto|mlx-lm], --dispatch-table PATH, --dequant-cache SIZE, bundled into one ``dispatch``
+    argument (a :class:`mlx_fun.dispatch.DispatchSettings`); call ``dispatch.apply(model)`` after loading.
+
+    Usage in a command: ``@dispatch_option`` among the options, a ``dispatch`` parameter, then
+    ``dispatch.apply(model, echo=lambda s: click.echo(s, err=True))``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, dispatch, dispatch_table, dequant_cache, **kwargs):
+        from ..dispatch import DispatchSettings, parse_bytes
+
+        try:
+            budget = parse_bytes(dequant_cache)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--dequant-cache") from None
+        return fn(*args, dispatch=DispatchSettings(dispatch, dispatch_table, budget), **kwargs)
+
+    wrapper = click.option(
+        "--dequant-cache", default="0", show_default=True, metavar="SIZE",
+        help="With --dispatch auto: memory allowed for keeping dequantized experts of quantized layers "
+             "(e.g. 4GiB; K/M/G are powers of 1024), used where the table says it is faster. 0 = off.",
+    )(wrapper)
+    wrapper = click.option(
+        "--dispatch-table", type=click.Path(dir_okay=False), default=None,
+        help="Extra cut-off table (JSON from `mlx-fun tune-dispatch`) over the shipped and user tables.",
+    )(wrapper)
+    wrapper = click.option(
+        "--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
+        help="MoE expert dispatch: auto picks sorted/unsorted/blocked/dequantized per token count from measured "
+             "per-backend cut-offs; mlx-lm keeps mlx-lm's fixed rule (sort when indices.size >= 64).",
+    )(wrapper)
+    return wrapper

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import UserError
-from .common import friendly_errors, model_option
+from .common import dispatch_option, friendly_errors, model_option
 
 DEFAULT_PROMPT = "pragma solidity ^0.8.0;"
 
@@ -47,8 +47,9 @@ def check_generatable(model_path: str) -> dict:
                    "probability (1 disables).")
 @click.option("--chat", is_flag=True, default=False,
               help="Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
+@dispatch_option
 @friendly_errors
-def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat):
+def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat, dispatch):
     """Load MODEL and generate up to --max-tokens tokens after --prompt, using mlx-lm's KV cache
     (`stream_generate`) with mlx-fun's Gumbel-max sampler: token = argmax(logits / T + g), g = -log(-log(u)).
 
@@ -58,6 +59,8 @@ def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat):
     mask the logits before the noise.
 
     Prints the generated text, then one line: prompt tokens, generated tokens, prompt tok/s, generation tok/s.
+    The MoE experts run with mlx-fun's runtime dispatch (--dispatch auto: sorted or not, blocked, dequantized,
+    per token count from measured cut-offs; same greedy tokens); --dispatch mlx-lm keeps mlx-lm's fixed rule.
 
     \b
     Example:
@@ -76,6 +79,7 @@ def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat):
         mdl, tokenizer, _config = load_model(model)
     except FileNotFoundError as e:
         raise UserError(f"could not load {model}: {e}") from None
+    dispatch.apply(mdl, echo=lambda line: click.echo(line, err=True))
     sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
     click.echo(f"Sampler: {sampler!r}", err=True)
 

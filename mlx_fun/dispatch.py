@@ -1,0 +1,809 @@
+"""Runtime-sorted MoE expert dispatch: pick the grouped-matmul strategy from the token count, per backend.
+
+mlx-lm's ``SwitchGLU`` sorts the (token, expert) pairs by expert whenever ``indices.size >= 64`` — one fixed
+guess for every backend, dtype and expert shape. :class:`DispatchedSwitchGLU` is a drop-in for its ``__call__``
+that decides at every call, from the token count ``M`` (the product of ``indices.shape[:-1]``) and a measured
+cut-off table keyed by ``(backend, quantization, D, H, E, k)``, among these plans:
+
+- ``mlx-lm``: whatever mlx-lm's rule picks (the band of a table where nothing was measurably faster);
+- ``unsorted``: mlx-lm's small-batch path (``gather_mm``/``gather_qmm`` straight on the routed indices);
+- ``sorted``: mlx-lm's large-batch path (``_gather_sort`` → ``sorted_indices=True`` → ``_scatter_unsort``);
+- ``blocked<R>``: sorted, then every expert's rows padded to a multiple of ``R`` so that each block of ``R``
+  rows belongs to one expert; the grouped matmul then multiplies ``R`` rows per weight fetch (a real GEMM per
+  block instead of one GEMV per row, which is what MLX's CPU ``gather_mm`` otherwise does). Shapes stay static
+  (no host sync): at most ``ceil((N + min(E, N)(R-1)) / R)`` blocks for ``N = M·k`` rows;
+- ``dequant:<layout>`` (quantized experts only): dequantize the experts, then run the layout with ``gather_mm``.
+  Without a cache the experts are dequantized at every call (worth it only for large ``M``); with
+  ``dequant_cache_bytes`` the dequantized experts are kept per layer, up to that budget (reported in bytes).
+
+The ``unsorted``/``sorted`` plans call the very same projections in the same order as mlx-lm, so their outputs
+are bit-identical to mlx-lm's; ``blocked`` and ``dequant`` compute the same products with a different
+accumulation order (float tolerance; greedy tokens are unchanged in the tests).
+
+Installation is a class swap (``obj.__class__ = DispatchedSwitchGLU``, a subclass), so parameters, weight keys
+and saved files are unchanged, and it coexists with :mod:`mlx_fun.moe_hook` (which swaps the MoE *block*). The
+per-instance state lives in the instance ``__dict__``, outside the module's parameter tree.
+
+Table lookup: an exact key; else the nearest entry of the same backend and the same weight class (float or
+quantized), by quantization mismatch and log-distance of the shapes; else mlx-lm's own rule (sort when
+``M·k >= 64``). Tables: the shipped ``mlx_fun/dispatch_table.json``, the user table written by
+``mlx-fun tune-dispatch`` (``$MLX_FUN_DISPATCH_TABLE``, default ``~/.cache/mlx-fun/dispatch_table.json``) and an
+explicit ``table_path`` — later ones take precedence for the same key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Iterable
+
+import mlx.core as mx
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
+
+MODES = ("auto", "mlx-lm")
+TABLE_VERSION = 1
+#: mlx-lm's SwitchGLU sorts when ``indices.size >= MLX_LM_SORT_SIZE``
+MLX_LM_SORT_SIZE = 64
+TABLE_ENV = "MLX_FUN_DISPATCH_TABLE"
+SHIPPED_TABLE = "dispatch_table.json"
+_STATE = "_mlxfun_dispatch"
+_PROJS = ("up_proj", "gate_proj", "down_proj")
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows), ``dequant``."""
+
+    layout: str
+    block: int = 0
+    dequant: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        s = str(text).strip()
+        if s == "mlx-lm":
+            return cls("mlx-lm")
+        dequant = s.startswith("dequant:")
+        if dequant:
+            s = s[len("dequant:"):]
+        if s in ("unsorted", "sorted"):
+            return cls(s, 0, dequant)
+        if s.startswith("blocked"):
+            try:
+                block = int(s[len("blocked"):])
+            except ValueError:
+                block = 0
+            if block >= 1:
+                return cls("blocked", block, dequant)
+        raise ValueError(
+            f"unknown dispatch plan {text!r} (mlx-lm, unsorted, sorted, blocked<R>; 'dequant:' before the last three)"
+        )
+
+    def __str__(self) -> str:
+        name = f"blocked{self.block}" if self.layout == "blocked" else self.layout
+        return f"dequant:{name}" if self.dequant else name
+
+    @property
+    def native(self) -> "Plan":
+        """The same layout on the stored (possibly quantized) weights."""
+        return Plan(self.layout, self.block, False)
+
+
+UNSORTED = Plan("unsorted")
+SORTED = Plan("sorted")
+#: follow mlx-lm's rule (resolved per call to UNSORTED or SORTED)
+MLX_LM = Plan("mlx-lm")
+
+
+def mlx_lm_plan(m: int, k: int) -> Plan:
+    """What mlx-lm's SwitchGLU does for M tokens with top-k: sort when ``M·k >= 64``."""
+    return SORTED if m * k >= MLX_LM_SORT_SIZE else UNSORTED
+
+
+def mlx_lm_bands() -> list[tuple[int, Plan]]:
+    """mlx-lm's rule as bands: one band from M = 1 that follows it."""
+    return [(1, MLX_LM)]
+
+
+def plan_for(bands: list[tuple[int, Plan]], m: int) -> Plan:
+    """The plan of the last band whose ``from`` is <= m (bands sorted by ``from``, the first from 1)."""
+    chosen = bands[0][1]
+    for start, plan in bands:
+        if m >= start:
+            chosen = plan
+        else:
+            break
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+
+
+def backend_name(device=None) -> str:
+    """``cpu``, ``cuda``, ``metal`` (or ``gpu``) for the default (or given) device."""
+    dev = device if device is not None else mx.default_device()
+    if dev.type == mx.cpu:
+        return "cpu"
+    try:
+        if mx.cuda.is_available():
+            return "cuda"
+    except Exception:
+        pass
+    try:
+        if mx.metal.is_available():
+            return "metal"
+    except Exception:
+        pass
+    return "gpu"
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def quant_key(proj) -> str:
+    """``float32``/``bfloat16``/``float16`` for float experts; quantized: ``affine<bits>-g<group_size>``, or
+    ``<mode>-g<group_size>`` for the fixed-width modes (``mxfp4-g32``, ``nvfp4-g16``, ``mxfp8-g32``)."""
+    if isinstance(proj, QuantizedSwitchLinear):
+        return quant_name(proj.mode, proj.bits, proj.group_size)
+    return dtype_name(proj.weight.dtype)
+
+
+def quant_name(mode: str, bits: int, group_size: int) -> str:
+    if mode == "affine":
+        return f"affine{bits}-g{group_size}"
+    return f"{mode}-g{group_size}"
+
+
+def is_quant_key(key: str) -> bool:
+    return not key.startswith(("float", "bfloat"))
+
+
+@dataclass(frozen=True)
+class LayerKey:
+    """What a table entry is keyed by, less the backend and k (known at call time)."""
+
+    quant: str
+    D: int
+    H: int
+    E: int
+
+    @classmethod
+    def of(cls, experts) -> "LayerKey":
+        up = experts.up_proj
+        return cls(quant_key(up), int(up.input_dims), int(up.output_dims), int(up.num_experts))
+
+
+# --------------------------------------------------------------------------------------------------- table
+
+
+def _parse_bands(raw) -> list[tuple[int, Plan]]:
+    bands = sorted(((int(b["from"]), Plan.parse(b["plan"])) for b in raw), key=lambda t: t[0])
+    if not bands:
+        raise ValueError("a table entry needs at least one band")
+    if bands[0][0] > 1:
+        raise ValueError("the first band of a table entry must start at M = 1")
+    return bands
+
+
+def bands_to_json(bands: list[tuple[int, Plan]]) -> list[dict]:
+    return [{"from": int(start), "plan": str(plan)} for start, plan in bands]
+
+
+@dataclass
+class Entry:
+    """One measured cut-off table entry (or mlx-lm's rule, ``source == "mlx-lm rule"``)."""
+
+    backend: str
+    quant: str
+    D: int
+    H: int
+    E: int
+    k: int
+    bands: list[tuple[int, Plan]]
+    bands_cached: list[tuple[int, Plan]] | None = None
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.backend, self.quant, self.D, self.H, self.E, self.k)
+
+    def plan(self, m: int, cached: bool = False) -> Plan:
+        bands = self.bands_cached if cached and self.bands_cached else self.bands
+        return plan_for(bands, m)
+
+    def uses_dequant(self, cached: bool) -> bool:
+        bands = self.bands_cached if cached and self.bands_cached else self.bands
+        return any(plan.dequant for _, plan in bands)
+
+    @classmethod
+    def from_json(cls, obj: dict, source: str = "") -> "Entry":
+        known = {"backend", "quant", "D", "H", "E", "k", "bands", "bands_cached"}
+        cached = obj.get("bands_cached")
+        return cls(
+            backend=str(obj["backend"]),
+            quant=str(obj["quant"]),
+            D=int(obj["D"]), H=int(obj["H"]), E=int(obj["E"]), k=int(obj["k"]),
+            bands=_parse_bands(obj["bands"]),
+            bands_cached=_parse_bands(cached) if cached else None,
+            source=source,
+            extra={key: v for key, v in obj.items() if key not in known},
+        )
+
+    def to_json(self) -> dict:
+        out = {"backend": self.backend, "quant": self.quant, "D": self.D, "H": self.H, "E": self.E, "k": self.k,
+               "bands": bands_to_json(self.bands)}
+        if self.bands_cached:
+            out["bands_cached"] = bands_to_json(self.bands_cached)
+        out.update(self.extra)
+        return out
+
+    def describe(self) -> str:
+        where = f" [{self.source}]" if self.source else ""
+        if self.source == "mlx-lm rule":
+            return f"mlx-lm rule (sort when M*k >= {MLX_LM_SORT_SIZE})"
+        bands = ", ".join(f"M>={s}:{p}" for s, p in self.bands)
+        return f"{self.backend} {self.quant} D{self.D} H{self.H} E{self.E} k{self.k}{where}: {bands}"
+
+
+def default_entry(backend: str, key: LayerKey, k: int) -> Entry:
+    return Entry(backend, key.quant, key.D, key.H, key.E, k, mlx_lm_bands(), None, "mlx-lm rule")
+
+
+def _log_dist(a: int, b: int) -> float:
+    return abs(math.log2(max(a, 1) / max(b, 1)))
+
+
+class Table:
+    """Cut-off entries, later-added ones taking precedence for the same key."""
+
+    def __init__(self, entries: Iterable[Entry] = (), sources: Iterable[str] = ()):
+        self._entries: dict[tuple, Entry] = {}
+        self.sources: list[str] = list(sources)
+        for e in entries:
+            self.add(e)
+
+    def add(self, entry: Entry) -> None:
+        self._entries.pop(entry.key, None)  # re-insert so that later additions rank first among ties
+        self._entries[entry.key] = entry
+
+    @property
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def backends(self) -> list[str]:
+        return sorted({e.backend for e in self._entries.values()})
+
+    def lookup(self, backend: str, key: LayerKey, k: int | None) -> tuple[Entry, str]:
+        """``(entry, how)`` with how = ``exact``, ``nearest`` or ``default`` (mlx-lm's rule)."""
+        if k is not None:
+            exact = self._entries.get((backend, key.quant, key.D, key.H, key.E, k))
+            if exact is not None:
+                return exact, "exact"
+        want_quant = is_quant_key(key.quant)
+        best, best_score = None, None
+        for rank, e in enumerate(reversed(list(self._entries.values()))):
+            if e.backend != backend or is_quant_key(e.quant) != want_quant:
+                continue
+            score = 0.0 if e.quant == key.quant else 2.0
+            score += _log_dist(e.D, key.D) + _log_dist(e.H, key.H) + _log_dist(e.E, key.E)
+            if k is not None:
+                score += _log_dist(e.k, k)
+            if best_score is None or score < best_score - 1e-12:
+                best, best_score = e, score
+        if best is None:
+            return default_entry(backend, key, k or 1), "default"
+        if k is not None and best.k == k and best.quant == key.quant and (best.D, best.H, best.E) == (key.D, key.H, key.E):
+            return best, "exact"
+        return best, "nearest"
+
+    # ----- files
+    @classmethod
+    def from_json(cls, obj: dict, source: str = "") -> "Table":
+        version = obj.get("version", TABLE_VERSION)
+        if version != TABLE_VERSION:
+            raise ValueError(f"dispatch table version {version} is not supported (expected {TABLE_VERSION})")
+        return cls((Entry.from_json(e, source) for e in obj.get("entries", [])), [source] if source else [])
+
+    def to_json(self) -> dict:
+        return {"version": TABLE_VERSION, "entries": [e.to_json() for e in self.entries]}
+
+    def merged(self, other: "Table") -> "Table":
+        """A new table: this one's entries, then ``other``'s (which win for the same key)."""
+        return Table(self.entries + other.entries, self.sources + other.sources)
+
+
+def read_table(path: str | os.PathLike) -> Table:
+    """Read a table file; a missing or malformed file raises ``ValueError`` with the reason."""
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"dispatch table {p} does not exist") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"dispatch table {p} could not be read: {e}") from None
+    try:
+        return Table.from_json(obj, source=str(p))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"dispatch table {p} is malformed: {e}") from None
+
+
+def shipped_table() -> Table:
+    text = resources.files("mlx_fun").joinpath(SHIPPED_TABLE).read_text()
+    return Table.from_json(json.loads(text), source="shipped")
+
+
+def user_table_path() -> Path:
+    """Where ``tune-dispatch`` writes by default and ``--dispatch auto`` looks: ``$MLX_FUN_DISPATCH_TABLE``,
+    else ``$XDG_CACHE_HOME/mlx-fun/dispatch_table.json`` (``~/.cache`` when unset)."""
+    env = os.environ.get(TABLE_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx-fun" / "dispatch_table.json"
+
+
+def load_table(table_path: str | os.PathLike | None = None, user: bool = True) -> Table:
+    """The shipped table, overlaid by the user table (if it exists) and by ``table_path`` (if given)."""
+    table = shipped_table()
+    if user:
+        up = user_table_path()
+        if up.is_file():
+            table = table.merged(read_table(up))
+    if table_path is not None:
+        table = table.merged(read_table(table_path))
+    return table
+
+
+def table_text(table: Table) -> str:
+    """The table as JSON text: one entry key per line, each band and each list of numbers on one line."""
+
+    def dump(value, indent: int) -> str:
+        pad, inner = " " * indent, " " * (indent + 2)
+        if isinstance(value, dict):
+            flat = all(not isinstance(v, (dict, list)) for v in value.values())
+            if flat and len(value) <= 3:
+                return json.dumps(value)
+            items = [f"{inner}{json.dumps(k)}: {dump(v, indent + 2)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        if isinstance(value, list):
+            if all(not isinstance(v, (dict, list)) for v in value):
+                return json.dumps(value)
+            items = [f"{inner}{dump(v, indent + 2)}" for v in value]
+            return "[\n" + ",\n".join(items) + f"\n{pad}]"
+        return json.dumps(value)
+
+    return dump(table.to_json(), 0) + "\n"
+
+
+def write_table(table: Table, path: str | os.PathLike) -> None:
+    """Write ``table`` to ``path`` atomically."""
+    from .io import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(table_text(table))
+
+
+def merge_table_files(sources: Iterable[str | os.PathLike], into: str | os.PathLike) -> Table:
+    """Merge the entries of ``sources`` into the table file ``into`` (created if missing), atomically."""
+    target = Path(into)
+    table = read_table(target) if target.is_file() else Table()
+    for src in sources:
+        table = table.merged(read_table(src))
+    write_table(table, target)
+    return table
+
+
+# ------------------------------------------------------------------------------------------ the dispatcher
+
+
+def _dequantize(proj, dtype=None):
+    """The (E, out, in) float weights of a ``QuantizedSwitchLinear`` (None for a float projection)."""
+    if not isinstance(proj, QuantizedSwitchLinear):
+        return None
+    kwargs = {}
+    gs = getattr(proj, "global_scale", None)
+    if gs is not None:
+        kwargs["global_scale"] = gs
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return mx.dequantize(
+        proj["weight"], proj["scales"], proj.get("biases"), proj.group_size, proj.bits, mode=proj.mode, **kwargs
+    )
+
+
+def _project(proj, w, x, idx, sorted_indices: bool):
+    """``proj(x, idx)``, or the same product on the dequantized weights ``w`` (incl. the projection's bias)."""
+    if w is None:
+        return proj(x, idx, sorted_indices=sorted_indices)
+    if w.dtype != x.dtype:
+        w = w.astype(x.dtype)
+    y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+    if "bias" in proj:
+        y = y + mx.expand_dims(proj["bias"][idx], -2)
+    return y
+
+
+def blocked_layout(flat_sorted: mx.array, num_experts: int, block: int):
+    """For expert ids sorted ascending (N,), the padded layout with blocks of ``block`` rows of one expert.
+
+    Returns ``(P, pos, block_expert)``: ``P`` blocks (static: ``ceil((N + min(E, N)(block-1)) / block)``),
+    ``pos`` (N,) the padded row of each sorted row, ``block_expert`` (P,) uint32 the (non-decreasing) expert of
+    each block; blocks past the used ones are zero padding.
+    """
+    n = flat_sorted.shape[0]
+    E, R = num_experts, block
+    P = -(-(n + min(E, n) * (R - 1)) // R)
+    ids = flat_sorted.astype(mx.int32)
+    counts = mx.zeros((E,), mx.int32).at[ids].add(mx.ones((n,), mx.int32))
+    nblocks = (counts + (R - 1)) // R
+    bstart = mx.cumsum(nblocks) - nblocks  # first block of each expert
+    cstart = mx.cumsum(counts) - counts  # first sorted row of each expert
+    pos = mx.arange(n, dtype=mx.int32) - cstart[ids] + bstart[ids] * R
+    marker = mx.zeros((P + 1,), mx.int32).at[bstart].maximum(mx.arange(E, dtype=mx.int32))
+    block_expert = mx.cummax(marker[:P]).astype(mx.uint32)
+    return P, pos, block_expert
+
+
+@dataclass
+class DispatchState:
+    """Per-instance state (kept in the instance ``__dict__``, not in the parameter tree)."""
+
+    table: Table
+    backend: str
+    key: LayerKey
+    quantized: bool
+    cache: list | None = None  # dequantized (E, out, in) weights per projection, when allowed
+    entries: dict = field(default_factory=dict)  # k -> (Entry, how)
+    plans: dict = field(default_factory=dict)  # (m, k) -> Plan (resolved: never MLX_LM)
+    calls: dict = field(default_factory=dict)  # (m, k) -> Plan, or None: mlx-lm's own call does the same
+    force: Plan | None = None  # tests / benchmarks: always this plan
+
+    def entry(self, k: int) -> tuple[Entry, str]:
+        got = self.entries.get(k)
+        if got is None:
+            got = self.entries[k] = self.table.lookup(self.backend, self.key, k)
+        return got
+
+    def resolve(self, m: int, k: int) -> Plan:
+        if self.force is not None:
+            plan = self.force
+        else:
+            plan = self.entry(k)[0].plan(m, cached=self.cache is not None)
+        if plan.layout == "mlx-lm":
+            plan = mlx_lm_plan(m, k)
+        elif plan.dequant and not self.quantized:
+            plan = plan.native
+        self.plans[(m, k)] = plan
+        self.calls[(m, k)] = None if plan == mlx_lm_plan(m, k) else plan
+        return plan
+
+
+class DispatchedSwitchGLU(SwitchGLU):
+    """mlx-lm's ``SwitchGLU`` whose call picks unsorted / sorted / blocked / dequantized per token count."""
+
+    def __call__(self, x, indices) -> mx.array:
+        state: DispatchState | None = self.__dict__.get(_STATE)
+        k = indices.shape[-1]
+        m = indices.size // k if k else 0
+        if state is None or m == 0:
+            return SwitchGLU.__call__(self, x, indices)
+        key = (m, k)
+        if key not in state.calls:
+            state.resolve(m, k)
+        plan = state.calls[key]
+        if plan is None or (plan.dequant and state.backend == "cpu" and x.dtype != mx.float32):
+            # mlx-lm's own choice (also where MLX's float32-only CPU gather_mm rules out a dequant plan)
+            return SwitchGLU.__call__(self, x, indices)
+        return run_plan(self, x, indices, plan, state.cache)
+
+
+def _experts(module, x, idx, sorted_indices: bool, weights):
+    """up, gate, down in mlx-lm's order; ``weights`` None (stored weights) or a dequantized triple."""
+    w_up, w_gate, w_down = weights if weights is not None else (None, None, None)
+    x_up = _project(module.up_proj, w_up, x, idx, sorted_indices)
+    x_gate = _project(module.gate_proj, w_gate, x, idx, sorted_indices)
+    return _project(module.down_proj, w_down, module.activation(x_up, x_gate), idx, sorted_indices)
+
+
+def run_plan(module, x, indices, plan: Plan, cache: list | None = None) -> mx.array:
+    """Run a SwitchGLU-like ``module`` on ``x`` (..., D) routed to ``indices`` (..., k) with ``plan``.
+
+    Returns (..., k, D) unweighted expert outputs, as mlx-lm's ``SwitchGLU.__call__`` does.
+    """
+    if plan.layout == "mlx-lm":
+        plan = mlx_lm_plan(indices.size // max(1, indices.shape[-1]), indices.shape[-1])
+    weights = None
+    if plan.dequant:
+        weights = cache if cache is not None else [_dequantize(getattr(module, n), x.dtype) for n in _PROJS]
+    indices = mx.stop_gradient(indices)
+    if plan.layout == "blocked":
+        return _run_blocked(module, x, indices, plan.block, weights)
+    x = mx.expand_dims(x, (-2, -3))
+    do_sort = plan.layout == "sorted"
+    idx, inv_order = indices, None
+    if do_sort:
+        x, idx, inv_order = _gather_sort(x, indices)
+    x = _experts(module, x, idx, do_sort, weights)
+    if do_sort:
+        x = _scatter_unsort(x, inv_order, indices.shape)
+    return x.squeeze(-2)
+
+
+def _run_blocked(module, x, indices, block: int, weights) -> mx.array:
+    *lead, k = indices.shape
+    d = x.shape[-1]
+    n = indices.size
+    m = n // k
+    if x.size != m * d:  # x not one row per routed token (never seen in mlx-lm): take the plain sorted path
+        return run_plan(module, x, indices, Plan("sorted", 0, weights is not None), weights)
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    num_experts = int(module.up_proj.num_experts)
+    P, pos, block_expert = blocked_layout(flat[order], num_experts, block)
+    # padded row -> source token (m = the appended zero row for padding)
+    src = mx.full((P * block,), m, dtype=mx.int32)
+    src[pos] = (order // k).astype(mx.int32)
+    rows = mx.concatenate([x.reshape(m, d), mx.zeros((1, d), dtype=x.dtype)], axis=0)
+    xp = rows[src].reshape(P, block, d)
+    y = _experts(module, xp, block_expert, True, weights)
+    y = y.reshape(P * block, -1)[pos[inv_order]]
+    return y.reshape(*lead, k, y.shape[-1])
+
+
+# ------------------------------------------------------------------------------------- install / remove
+
+_DISPATCHED: dict[type, type] = {DispatchedSwitchGLU: DispatchedSwitchGLU}
+
+
+def _dispatched_class(cls: type) -> type | None:
+    """The dispatched subclass for ``cls`` (SwitchGLU or a subclass that keeps SwitchGLU's ``__call__``)."""
+    if cls in _DISPATCHED:
+        return _DISPATCHED[cls]
+    if not (isinstance(cls, type) and issubclass(cls, SwitchGLU)) or cls.__call__ is not SwitchGLU.__call__:
+        return None
+    if cls is SwitchGLU:
+        sub = DispatchedSwitchGLU
+    else:
+        sub = type(f"Dispatched{cls.__name__}", (cls,), {"__call__": DispatchedSwitchGLU.__call__})
+    sub._mlxfun_dispatch_original = cls
+    _DISPATCHED[cls] = sub
+    _DISPATCHED[sub] = sub
+    return sub
+
+
+DispatchedSwitchGLU._mlxfun_dispatch_original = SwitchGLU
+
+
+def is_dispatched(module) -> bool:
+    return "_mlxfun_dispatch_original" in type(module).__dict__
+
+
+def expert_modules(model) -> list:
+    """Every SwitchGLU-like module of ``model`` (dispatched or not), in tree order."""
+    found = []
+    for _, mod in model.named_modules():
+        if is_dispatched(mod) or _dispatched_class(type(mod)) is not None:
+            found.append(mod)
+    return found
+
+
+def _cache_bytes(module, dtype=None) -> int:
+    total = 0
+    for name in _PROJS:
+        p = getattr(module, name)
+        if isinstance(p, QuantizedSwitchLinear):
+            n = int(p.num_experts) * int(p.output_dims) * int(p.input_dims)
+            total += n * (dtype or p.scales.dtype).size
+    return total
+
+
+@dataclass
+class DispatchReport:
+    """What :func:`install` did."""
+
+    mode: str
+    backend: str
+    layers: int = 0
+    entries: dict = field(default_factory=dict)  # LayerKey -> (Entry, how) (k-agnostic lookup)
+    cache_budget: int = 0
+    cache_bytes: int = 0
+    cached_layers: int = 0
+    quantized_layers: int = 0
+    cache_note: str = ""
+    table_sources: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.mode != "auto":
+            return "dispatch: mlx-lm (its fixed rule: sort when indices.size >= 64)"
+        parts = [f"dispatch: auto on {self.backend}, {self.layers} expert layer(s)"]
+        for key, (entry, how) in self.entries.items():
+            if how == "default":
+                parts.append(f"{key.quant} D{key.D} H{key.H} E{key.E}: no {self.backend} entry, mlx-lm rule")
+            else:
+                parts.append(f"{key.quant} D{key.D} H{key.H} E{key.E}: {how} entry "
+                             f"{entry.quant} D{entry.D} H{entry.H} E{entry.E} k{entry.k} ({entry.source})")
+        if self.cache_budget:
+            parts.append(f"dequant cache {format_bytes(self.cache_bytes)} for {self.cached_layers}/"
+                         f"{self.quantized_layers} quantized layer(s) (budget {format_bytes(self.cache_budget)})"
+                         + (f"; {self.cache_note}" if self.cache_note else ""))
+        return "; ".join(parts)
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_SIZE = re.compile(r"^([0-9]*\.?[0-9]+)([kmgt]?)(i?b)?$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``0``, ``512MB``, ``4GiB``, ``1.5G``, ``1048576`` → bytes (K/M/G/T are powers of 1024)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"a byte size must be >= 0, got {text}")
+        return text
+    match = _SIZE.match(str(text).strip().lower().replace(" ", ""))
+    if match is None:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 0, 512MB, 4GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def install(
+    model,
+    table: Table | None = None,
+    dequant_cache_bytes: int = 0,
+    backend: str | None = None,
+    force: Plan | str | None = None,
+) -> DispatchReport:
+    """Swap every SwitchGLU of ``model`` for :class:`DispatchedSwitchGLU` (re-installing replaces the state).
+
+    ``dequant_cache_bytes`` > 0 allows keeping dequantized experts of quantized layers, in layer order, while
+    they fit the budget, and only for layers whose table entry ever picks a ``dequant`` plan; they are
+    dequantized (and evaluated) here. ``force`` pins one plan for every call (tests, benchmarks).
+    """
+    table = table if table is not None else load_table()
+    backend = backend or backend_name()
+    forced = Plan.parse(force) if isinstance(force, str) else force
+    report = DispatchReport("auto", backend, cache_budget=int(dequant_cache_bytes), table_sources=table.sources)
+    budget = int(dequant_cache_bytes)
+    for module in expert_modules(model):
+        key = LayerKey.of(module)
+        quantized = any(isinstance(getattr(module, n), QuantizedSwitchLinear) for n in _PROJS)
+        old = module.__dict__.get(_STATE)
+        state = DispatchState(table, backend, key, quantized, force=forced)
+        if key not in report.entries:
+            report.entries[key] = table.lookup(backend, key, None)
+        report.layers += 1
+        if quantized:
+            report.quantized_layers += 1
+        entry = report.entries[key][0]
+        if quantized and budget > 0 and (forced is not None or entry.uses_dequant(cached=True)):
+            dtype = mx.float32 if backend == "cpu" else None
+            need = _cache_bytes(module, dtype)
+            if old is not None and old.cache is not None:
+                state.cache = old.cache
+                budget -= need
+                report.cache_bytes += need
+                report.cached_layers += 1
+            elif need <= budget:
+                state.cache = [_dequantize(getattr(module, n), dtype) for n in _PROJS]
+                mx.eval([w for w in state.cache if w is not None])
+                budget -= need
+                report.cache_bytes += need
+                report.cached_layers += 1
+        object.__setattr__(module, _STATE, state)
+        if not is_dispatched(module):
+            module.__class__ = _dispatched_class(type(module))
+    if dequant_cache_bytes and report.quantized_layers == 0:
+        report.cache_note = "no quantized expert layers"
+    elif dequant_cache_bytes and report.cached_layers == 0 and report.quantized_layers:
+        if all(not e.uses_dequant(cached=True) for e, _ in report.entries.values()):
+            report.cache_note = f"unused: the table never picks a dequantized plan for these shapes on {backend}"
+        else:
+            report.cache_note = "the budget is smaller than one layer's dequantized experts"
+    return report
+
+
+def remove(model) -> int:
+    """Restore the original class of every dispatched module and drop its state (and cache). Returns the count."""
+    n = 0
+    for _, module in model.named_modules():
+        original = type(module).__dict__.get("_mlxfun_dispatch_original")
+        if original is not None:
+            module.__class__ = original
+            n += 1
+        module.__dict__.pop(_STATE, None)
+    return n
+
+
+def apply(
+    model,
+    mode: str = "auto",
+    table_path: str | os.PathLike | None = None,
+    dequant_cache_bytes: int = 0,
+) -> DispatchReport:
+    """One call for commands: ``auto`` installs the dispatch (shipped + user + ``table_path`` tables),
+    ``mlx-lm`` leaves (or restores) mlx-lm's own SwitchGLU. Raises ``ValueError`` for a bad mode or table."""
+    if mode not in MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "mlx-lm":
+        remove(model)
+        return DispatchReport("mlx-lm", backend_name())
+    return install(model, load_table(table_path), dequant_cache_bytes=dequant_cache_bytes)
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    """What the CLI's ``--dispatch``/``--dispatch-table``/``--dequant-cache`` options ask for."""
+
+    mode: str = "auto"
+    table_path: str | None = None
+    dequant_cache_bytes: int = 0
+
+    def apply(self, model, echo=None) -> DispatchReport:
+        """:func:`apply` with these settings; a bad table becomes a ``UserError``. ``echo`` gets the summary."""
+        from .errors import UserError
+
+        try:
+            report = apply(model, self.mode, self.table_path, self.dequant_cache_bytes)
+        except ValueError as e:
+            raise UserError(f"{e}; fix the file or drop --dispatch-table.") from None
+        if echo is not None:
+            echo(report.summary())
+        return report
+
+
+def state_of(module) -> DispatchState | None:
+    return module.__dict__.get(_STATE)
+
+
+__all__ = [
+    "MODES",
+    "DispatchReport",
+    "DispatchSettings",
+    "DispatchState",
+    "DispatchedSwitchGLU",
+    "Entry",
+    "LayerKey",
+    "Plan",
+    "Table",
+    "apply",
+    "backend_name",
+    "blocked_layout",
+    "expert_modules",
+    "install",
+    "is_dispatched",
+    "load_table",
+    "merge_table_files",
+    "mlx_lm_bands",
+    "mlx_lm_plan",
+    "parse_bytes",
+    "plan_for",
+    "quant_key",
+    "read_table",
+    "remove",
+    "run_plan",
+    "shipped_table",
+    "table_text",
+    "write_table",
+    "user_table_path",
+]
