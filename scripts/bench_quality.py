@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from mlx_fun import corpus  # noqa: E402
 from mlx_fun.adapters import get_adapter  # noqa: E402
+from mlx_fun import dispatch  # noqa: E402
 from mlx_fun.collect import collect  # noqa: E402
 from mlx_fun.data import load_samples  # noqa: E402
 from mlx_fun.evaluate import ReferenceCache, evaluate  # noqa: E402
@@ -63,6 +64,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     base, tokenizer, config = load_model(model_dir)
     adapter = get_adapter(base, config)
+    dispatch.apply(base, "auto")  # runtime expert dispatch (same numbers within float tolerance, faster)
     E, top_k, L = adapter.num_experts, adapter.top_k, len(adapter.moe_layers())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -99,6 +101,10 @@ def main(argv=None):
         model, _, cfg = load_model(model_dir)
         return model, get_adapter(model, cfg)
 
+    def ready(model):
+        dispatch.apply(model, "auto")  # after pruning/merging: the table entry follows the new expert count
+        return model
+
     score(base, {"method": "original", "fraction": 0.0, "calibration": "-", "experts": E})
     for fraction in (float(f) for f in args.fractions.split(",")):
         n_prune = round(E * fraction)
@@ -109,7 +115,7 @@ def main(argv=None):
                 keep = select_experts(saliency[d].scores(metric), n_prune, top_k=top_k, groups=ad.groups,
                                       moe_layer_indices=ad.moe_layers())
                 prune_model(ad, keep)
-                score(model, {"method": metric, "fraction": fraction, "calibration": d, "experts": kept,
+                score(ready(model), {"method": metric, "fraction": fraction, "calibration": d, "experts": kept,
                               "routed_kept": routed_kept(saliency[d], keep)})
             if not args.no_merge:
                 model, ad = fresh()
@@ -117,14 +123,14 @@ def main(argv=None):
                 merge_model(model, ad, calib[d], saliency=saliency[d].scores("reap"), n_prune=n_prune,
                             seed=0, pad_id=pad)
                 print(f"  merged in {time.perf_counter() - t0:.1f} s", flush=True)
-                score(model, {"method": "ream-merge", "fraction": fraction, "calibration": d, "experts": kept})
+                score(ready(model), {"method": "ream-merge", "fraction": fraction, "calibration": d, "experts": kept})
         seeds = []
         for seed in range(args.random_seeds):
             model, ad = fresh()
             scores = np.random.default_rng(seed).random((L, E))
             keep = select_experts(scores, n_prune, top_k=top_k, groups=ad.groups, moe_layer_indices=ad.moe_layers())
             prune_model(ad, keep)
-            seeds.append(score(model, {"method": f"random-s{seed}", "fraction": fraction, "calibration": "-",
+            seeds.append(score(ready(model), {"method": f"random-s{seed}", "fraction": fraction, "calibration": "-",
                                        "experts": kept, "routed_kept": routed_kept(saliency["code"], keep)}))
         mean = {k: float(np.mean([s[k] for s in seeds])) for k in seeds[0]
                 if k.endswith(("_ppl", "_kl", "_top1", "_kept"))}

@@ -268,7 +268,17 @@ def test_eval_cli_end_to_end(tmp_path, float_model, quant_model):
     report = json.loads(out.read_text())
     assert report["model"] == str(quant_model) and report["reference"] == str(float_model)
     assert report["settings"] == {"max_samples": 8, "max_tokens": 48, "seed": 0, "text_key": "content",
-                                  "batch_size": 3, "pad_id": report["settings"]["pad_id"]}
+                                  "batch_size": 3, "pad_id": report["settings"]["pad_id"], "dispatch": "auto"}
+    # mlx-lm's own SwitchGLU scores the same numbers (float tolerance: the dispatch may block rows differently)
+    out2 = tmp_path / "res" / "eval_mlx_lm.json"
+    again = run("eval", "--model", quant_model, "--reference", float_model, "--dataset", SAMPLE, "--dataset", docs,
+                "--max-samples", 8, "--max-tokens", 48, "--batch-size", 3, "--output", out2, "--dispatch", "mlx-lm")
+    assert again.exit_code == 0, again.output
+    plain = json.loads(out2.read_text())
+    assert plain["settings"]["dispatch"] == "mlx-lm"
+    for name, d in report["datasets"].items():
+        assert d["ppl"] == pytest.approx(plain["datasets"][name]["ppl"], rel=1e-4)
+        assert d["kl"] == pytest.approx(plain["datasets"][name]["kl"], rel=1e-3, abs=1e-5)
     assert set(report["versions"]) >= {"mlx_fun", "mlx", "mlx_lm"}
     assert list(report["datasets"]) == ["calibration_sample", "prose"]
     for r in report["datasets"].values():

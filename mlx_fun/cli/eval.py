@@ -13,7 +13,7 @@ import click
 from .. import __version__
 from ..errors import UserError
 from .collect import check_output_file
-from .common import friendly_errors, model_option
+from .common import dispatch_option, friendly_errors, model_option
 
 
 def _check_model_dir(path: str, option: str) -> dict:
@@ -89,8 +89,9 @@ def _versions() -> dict:
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Samples per forward pass (length-bucketed; padding is never scored).")
 @click.option("--output", type=click.Path(), default=None, help="Also write the results as JSON to this file.")
+@dispatch_option
 @friendly_errors
-def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed, batch_size, output):
+def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed, batch_size, output, dispatch):
     """Score MODEL on held-out text: perplexity per dataset (exp of the mean next-token negative
     log-likelihood over every predicted token). With --reference (typically the original of a pruned, merged
     or quantized MODEL), also the reference's perplexity on the same tokens, the mean next-token KL divergence
@@ -125,10 +126,12 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
 
     click.echo(f"Loading {model} ...", err=True)
     mdl, tokenizer = _load(model, "--model")
+    dispatch.apply(mdl, echo=lambda line: click.echo(line, err=True))
     ref = None
     if reference is not None:
         click.echo(f"Loading reference {reference} ...", err=True)
         ref, ref_tokenizer = _load(reference, "--reference")
+        dispatch.apply(ref, echo=lambda line: click.echo(line, err=True))
         check_compatible(tokenizer, ref_tokenizer, model_config, ref_config)
 
     data = load_eval_datasets(
@@ -162,6 +165,7 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
                 "seed": seed,
                 "text_key": text_key,
                 "batch_size": batch_size,
+                "dispatch": dispatch.mode,
                 "pad_id": pad_id,
             },
             "datasets": {name: {"path": str(paths[name]), **r} for name, r in results.items()},
