@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 

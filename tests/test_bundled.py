@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from click.testing import CliRunner
 
 from mlx_fun.cli import main

@@ -9,17 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from mlx_fun.cli import main
 from mlx_fun.saliency import SaliencyAccumulator
+from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "calibration_sample.jsonl"
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def test_help_lists_every_command_with_one_line():
@@ -63,12 +60,6 @@ def test_collect_end_to_end(tmp_path, make_model):
     np.testing.assert_array_equal(SaliencyAccumulator.load(out2).freq, acc.freq)
 
 
-def _error(result, *needles):
-    assert result.exit_code == 2, result.output
-    line = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
-    assert len(line) == 1, result.output
-    for needle in needles:
-        assert needle in line[0], line[0]
 
 
 def test_collect_errors(tmp_path, make_model):

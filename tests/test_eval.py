@@ -10,9 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from mlx_fun.cli import main
 from mlx_fun.errors import UserError
 from mlx_fun.evaluate import (
     ReferenceCache,
@@ -23,21 +21,14 @@ from mlx_fun.evaluate import (
     resolve_datasets,
 )
 from mlx_fun.io import load_model
+from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "calibration_sample.jsonl"
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def _error(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,10 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from mlx_fun import layerwise
 from mlx_fun.adapters import get_adapter
-from mlx_fun.cli import main
 from mlx_fun.io import load_model, save_model_dir
 from mlx_fun.rewrite.merge import (
     _dense,
@@ -28,7 +26,8 @@ from mlx_fun.rewrite.prune import prune_model
 from mlx_fun.tiny import build_model, tiny_config
 
 from .conftest import FAMILIES
-from .test_cli import SAMPLE, _error
+from .test_cli import SAMPLE
+from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 RNG = np.random.default_rng(7)
 SAMPLES = [RNG.integers(3, 500, n).tolist() for n in (20, 11)]
@@ -295,8 +294,6 @@ def test_merge_runs_each_layer_once_per_batch_plus_once_per_moe_layer():
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")

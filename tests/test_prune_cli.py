@@ -7,16 +7,13 @@ import json
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from click.testing import CliRunner
 
-from mlx_fun.cli import main
 from mlx_fun.saliency import SaliencyAccumulator
 
-from .test_cli import SAMPLE, _error
+from .test_cli import SAMPLE
+from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def _saliency(tmp_path, model):

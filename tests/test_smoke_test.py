@@ -8,12 +8,11 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from mlx_fun.cli import main
 from mlx_fun.cli.generate import DEFAULT_PROMPT
 from mlx_fun.io import load_model
 from mlx_fun.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
+from .cli_helpers import run  # noqa: E402
 
 N_TOKENS = 24
 MODELS = [("qwen3_moe", None), ("qwen3_moe", 4), ("gpt_oss", None), ("gpt_oss", 4)]
@@ -35,8 +34,6 @@ def loaded(make_model):
     return get
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def _mlx_lm_tokens(model, tokenizer, prompt, max_tokens, **kw) -> list[int]:

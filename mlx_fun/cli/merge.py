@@ -11,7 +11,7 @@ from .. import __version__
 from ..errors import UserError
 from .collect import check_supported
 from .common import friendly_errors, metric_option, model_option
-from .prune import _fmt_size
+from .prune import echo_size_summary
 
 
 @click.command("merge", short_help="Merge experts into fewer centroids (REAM) and save an mlx-lm model.")
@@ -76,7 +76,7 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
     from ..adapters import get_adapter
     from ..data import load_samples
     from ..expert_files import load_expert_list
-    from ..io import check_output_dir, dir_size, load_model, save_model_dir
+    from ..io import check_output_dir, load_model, save_model_dir
     from ..rewrite.merge import merge_model, select_centroids
     from ..saliency import SaliencyAccumulator
     from ..selection import check_keep_counts, parse_expert_ranges
@@ -159,10 +159,7 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
         largest = max(len(m) for m in groups.values())
         secs = metadata["layer_seconds"][str(layer)]
         click.echo(f"{layer:>6} {E:>5} → {n_kept:<4}  {merged:>6}  {largest:>7}  {secs:>6.2f}")
-    before, after = dir_size(model), dir_size(output)
-    click.echo(f"size on disk: {_fmt_size(before)} → {_fmt_size(after)} ({after / max(before, 1):.0%}); "
-               f"{E} → {n_kept} experts per layer; {elapsed:.1f} s")
-    click.echo(f"Wrote {output}")
+    echo_size_summary(model, output, E, n_kept, elapsed)
 
 
 COMMANDS = [merge_cmd]

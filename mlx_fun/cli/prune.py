@@ -13,6 +13,16 @@ from .collect import check_supported
 from .common import friendly_errors, metric_option, model_option
 
 
+def echo_size_summary(model, output, n_before: int, n_after: int, elapsed: float) -> None:
+    """The closing lines of prune and merge: size on disk before → after, experts per layer, time."""
+    from ..io import dir_size
+
+    before, after = dir_size(model), dir_size(output)
+    click.echo(f"size on disk: {_fmt_size(before)} → {_fmt_size(after)} ({after / max(before, 1):.0%}); "
+               f"{n_before} → {n_after} experts per layer; {elapsed:.1f} s")
+    click.echo(f"Wrote {output}")
+
+
 def _fmt_size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -58,7 +68,7 @@ def prune_cmd(model, saliency, expert_list, output, n_prune, metric, strategy, m
     experts are kept. The result loads with plain mlx_lm.load(); reap_metadata.json records the kept experts.
     """
     from ..adapters import get_adapter
-    from ..io import check_output_dir, dir_size, load_model, save_model_dir
+    from ..io import check_output_dir, load_model, save_model_dir
     from ..rewrite.prune import prune_model
     from ..saliency import SaliencyAccumulator
     from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
@@ -144,10 +154,7 @@ def prune_cmd(model, saliency, expert_list, output, n_prune, metric, strategy, m
         removed = [e for e in range(E) if e not in kept]
         shown = ", ".join(map(str, removed[:12])) + (f", … (+{len(removed) - 12})" if len(removed) > 12 else "")
         click.echo(f"{layer:>6} {E:>5} → {len(kept):<4}  {shown}")
-    before, after = dir_size(model), dir_size(output)
-    click.echo(f"size on disk: {_fmt_size(before)} → {_fmt_size(after)} ({after / max(before, 1):.0%}); "
-               f"{E} → {n_kept} experts per layer; {elapsed:.1f} s")
-    click.echo(f"Wrote {output}")
+    echo_size_summary(model, output, E, n_kept, elapsed)
 
 
 COMMANDS = [prune_cmd]
