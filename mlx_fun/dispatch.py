@@ -33,377 +33,47 @@ explicit ``table_path`` — later ones take precedence for the same key.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
-from typing import Iterable
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
 
+from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of this module's API
+    Entry,
+    LayerKey,
+    MLX_LM,
+    MLX_LM_SORT_SIZE,
+    Plan,
+    SHIPPED_TABLE,
+    SORTED,
+    TABLE_ENV,
+    TABLE_VERSION,
+    Table,
+    UNSORTED,
+    backend_name,
+    bands_to_json,
+    default_entry,
+    dtype_name,
+    is_quant_key,
+    load_table,
+    merge_table_files,
+    mlx_lm_bands,
+    mlx_lm_plan,
+    plan_for,
+    quant_key,
+    quant_name,
+    read_table,
+    shipped_table,
+    table_text,
+    user_table_path,
+    write_table,
+)
+
 MODES = ("auto", "mlx-lm")
-TABLE_VERSION = 1
-#: mlx-lm's SwitchGLU sorts when ``indices.size >= MLX_LM_SORT_SIZE``
-MLX_LM_SORT_SIZE = 64
-TABLE_ENV = "MLX_FUN_DISPATCH_TABLE"
-SHIPPED_TABLE = "dispatch_table.json"
 _STATE = "_mlxfun_dispatch"
 _PROJS = ("up_proj", "gate_proj", "down_proj")
-
-
-# --------------------------------------------------------------------------------------------------- plans
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows), ``dequant``."""
-
-    layout: str
-    block: int = 0
-    dequant: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> "Plan":
-        s = str(text).strip()
-        if s == "mlx-lm":
-            return cls("mlx-lm")
-        dequant = s.startswith("dequant:")
-        if dequant:
-            s = s[len("dequant:"):]
-        if s in ("unsorted", "sorted"):
-            return cls(s, 0, dequant)
-        if s.startswith("blocked"):
-            try:
-                block = int(s[len("blocked"):])
-            except ValueError:
-                block = 0
-            if block >= 1:
-                return cls("blocked", block, dequant)
-        raise ValueError(
-            f"unknown dispatch plan {text!r} (mlx-lm, unsorted, sorted, blocked<R>; 'dequant:' before the last three)"
-        )
-
-    def __str__(self) -> str:
-        name = f"blocked{self.block}" if self.layout == "blocked" else self.layout
-        return f"dequant:{name}" if self.dequant else name
-
-    @property
-    def native(self) -> "Plan":
-        """The same layout on the stored (possibly quantized) weights."""
-        return Plan(self.layout, self.block, False)
-
-
-UNSORTED = Plan("unsorted")
-SORTED = Plan("sorted")
-#: follow mlx-lm's rule (resolved per call to UNSORTED or SORTED)
-MLX_LM = Plan("mlx-lm")
-
-
-def mlx_lm_plan(m: int, k: int) -> Plan:
-    """What mlx-lm's SwitchGLU does for M tokens with top-k: sort when ``M·k >= 64``."""
-    return SORTED if m * k >= MLX_LM_SORT_SIZE else UNSORTED
-
-
-def mlx_lm_bands() -> list[tuple[int, Plan]]:
-    """mlx-lm's rule as bands: one band from M = 1 that follows it."""
-    return [(1, MLX_LM)]
-
-
-def plan_for(bands: list[tuple[int, Plan]], m: int) -> Plan:
-    """The plan of the last band whose ``from`` is <= m (bands sorted by ``from``, the first from 1)."""
-    chosen = bands[0][1]
-    for start, plan in bands:
-        if m >= start:
-            chosen = plan
-        else:
-            break
-    return chosen
-
-
-# ---------------------------------------------------------------------------------------------------- keys
-
-
-def backend_name(device=None) -> str:
-    """``cpu``, ``cuda``, ``metal`` (or ``gpu``) for the default (or given) device."""
-    dev = device if device is not None else mx.default_device()
-    if dev.type == mx.cpu:
-        return "cpu"
-    try:
-        if mx.cuda.is_available():
-            return "cuda"
-    except Exception:
-        pass
-    try:
-        if mx.metal.is_available():
-            return "metal"
-    except Exception:
-        pass
-    return "gpu"
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def quant_key(proj) -> str:
-    """``float32``/``bfloat16``/``float16`` for float experts; quantized: ``affine<bits>-g<group_size>``, or
-    ``<mode>-g<group_size>`` for the fixed-width modes (``mxfp4-g32``, ``nvfp4-g16``, ``mxfp8-g32``)."""
-    if isinstance(proj, QuantizedSwitchLinear):
-        return quant_name(proj.mode, proj.bits, proj.group_size)
-    return dtype_name(proj.weight.dtype)
-
-
-def quant_name(mode: str, bits: int, group_size: int) -> str:
-    if mode == "affine":
-        return f"affine{bits}-g{group_size}"
-    return f"{mode}-g{group_size}"
-
-
-def is_quant_key(key: str) -> bool:
-    return not key.startswith(("float", "bfloat"))
-
-
-@dataclass(frozen=True)
-class LayerKey:
-    """What a table entry is keyed by, less the backend and k (known at call time)."""
-
-    quant: str
-    D: int
-    H: int
-    E: int
-
-    @classmethod
-    def of(cls, experts) -> "LayerKey":
-        up = experts.up_proj
-        return cls(quant_key(up), int(up.input_dims), int(up.output_dims), int(up.num_experts))
-
-
-# --------------------------------------------------------------------------------------------------- table
-
-
-def _parse_bands(raw) -> list[tuple[int, Plan]]:
-    bands = sorted(((int(b["from"]), Plan.parse(b["plan"])) for b in raw), key=lambda t: t[0])
-    if not bands:
-        raise ValueError("a table entry needs at least one band")
-    if bands[0][0] > 1:
-        raise ValueError("the first band of a table entry must start at M = 1")
-    return bands
-
-
-def bands_to_json(bands: list[tuple[int, Plan]]) -> list[dict]:
-    return [{"from": int(start), "plan": str(plan)} for start, plan in bands]
-
-
-@dataclass
-class Entry:
-    """One measured cut-off table entry (or mlx-lm's rule, ``source == "mlx-lm rule"``)."""
-
-    backend: str
-    quant: str
-    D: int
-    H: int
-    E: int
-    k: int
-    bands: list[tuple[int, Plan]]
-    bands_cached: list[tuple[int, Plan]] | None = None
-    source: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple:
-        return (self.backend, self.quant, self.D, self.H, self.E, self.k)
-
-    def plan(self, m: int, cached: bool = False) -> Plan:
-        bands = self.bands_cached if cached and self.bands_cached else self.bands
-        return plan_for(bands, m)
-
-    def uses_dequant(self, cached: bool) -> bool:
-        bands = self.bands_cached if cached and self.bands_cached else self.bands
-        return any(plan.dequant for _, plan in bands)
-
-    @classmethod
-    def from_json(cls, obj: dict, source: str = "") -> "Entry":
-        known = {"backend", "quant", "D", "H", "E", "k", "bands", "bands_cached"}
-        cached = obj.get("bands_cached")
-        return cls(
-            backend=str(obj["backend"]),
-            quant=str(obj["quant"]),
-            D=int(obj["D"]), H=int(obj["H"]), E=int(obj["E"]), k=int(obj["k"]),
-            bands=_parse_bands(obj["bands"]),
-            bands_cached=_parse_bands(cached) if cached else None,
-            source=source,
-            extra={key: v for key, v in obj.items() if key not in known},
-        )
-
-    def to_json(self) -> dict:
-        out = {"backend": self.backend, "quant": self.quant, "D": self.D, "H": self.H, "E": self.E, "k": self.k,
-               "bands": bands_to_json(self.bands)}
-        if self.bands_cached:
-            out["bands_cached"] = bands_to_json(self.bands_cached)
-        out.update(self.extra)
-        return out
-
-    def describe(self) -> str:
-        where = f" [{self.source}]" if self.source else ""
-        if self.source == "mlx-lm rule":
-            return f"mlx-lm rule (sort when M*k >= {MLX_LM_SORT_SIZE})"
-        bands = ", ".join(f"M>={s}:{p}" for s, p in self.bands)
-        return f"{self.backend} {self.quant} D{self.D} H{self.H} E{self.E} k{self.k}{where}: {bands}"
-
-
-def default_entry(backend: str, key: LayerKey, k: int) -> Entry:
-    return Entry(backend, key.quant, key.D, key.H, key.E, k, mlx_lm_bands(), None, "mlx-lm rule")
-
-
-def _log_dist(a: int, b: int) -> float:
-    return abs(math.log2(max(a, 1) / max(b, 1)))
-
-
-class Table:
-    """Cut-off entries, later-added ones taking precedence for the same key."""
-
-    def __init__(self, entries: Iterable[Entry] = (), sources: Iterable[str] = ()):
-        self._entries: dict[tuple, Entry] = {}
-        self.sources: list[str] = list(sources)
-        for e in entries:
-            self.add(e)
-
-    def add(self, entry: Entry) -> None:
-        self._entries.pop(entry.key, None)  # re-insert so that later additions rank first among ties
-        self._entries[entry.key] = entry
-
-    @property
-    def entries(self) -> list[Entry]:
-        return list(self._entries.values())
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def backends(self) -> list[str]:
-        return sorted({e.backend for e in self._entries.values()})
-
-    def lookup(self, backend: str, key: LayerKey, k: int | None) -> tuple[Entry, str]:
-        """``(entry, how)`` with how = ``exact``, ``nearest`` or ``default`` (mlx-lm's rule)."""
-        if k is not None:
-            exact = self._entries.get((backend, key.quant, key.D, key.H, key.E, k))
-            if exact is not None:
-                return exact, "exact"
-        want_quant = is_quant_key(key.quant)
-        best, best_score = None, None
-        for rank, e in enumerate(reversed(list(self._entries.values()))):
-            if e.backend != backend or is_quant_key(e.quant) != want_quant:
-                continue
-            score = 0.0 if e.quant == key.quant else 2.0
-            score += _log_dist(e.D, key.D) + _log_dist(e.H, key.H) + _log_dist(e.E, key.E)
-            if k is not None:
-                score += _log_dist(e.k, k)
-            if best_score is None or score < best_score - 1e-12:
-                best, best_score = e, score
-        if best is None:
-            return default_entry(backend, key, k or 1), "default"
-        if k is not None and best.k == k and best.quant == key.quant and (best.D, best.H, best.E) == (key.D, key.H, key.E):
-            return best, "exact"
-        return best, "nearest"
-
-    # ----- files
-    @classmethod
-    def from_json(cls, obj: dict, source: str = "") -> "Table":
-        version = obj.get("version", TABLE_VERSION)
-        if version != TABLE_VERSION:
-            raise ValueError(f"dispatch table version {version} is not supported (expected {TABLE_VERSION})")
-        return cls((Entry.from_json(e, source) for e in obj.get("entries", [])), [source] if source else [])
-
-    def to_json(self) -> dict:
-        return {"version": TABLE_VERSION, "entries": [e.to_json() for e in self.entries]}
-
-    def merged(self, other: "Table") -> "Table":
-        """A new table: this one's entries, then ``other``'s (which win for the same key)."""
-        return Table(self.entries + other.entries, self.sources + other.sources)
-
-
-def read_table(path: str | os.PathLike) -> Table:
-    """Read a table file; a missing or malformed file raises ``ValueError`` with the reason."""
-    p = Path(path)
-    try:
-        obj = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"dispatch table {p} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"dispatch table {p} could not be read: {e}") from None
-    try:
-        return Table.from_json(obj, source=str(p))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"dispatch table {p} is malformed: {e}") from None
-
-
-def shipped_table() -> Table:
-    text = resources.files("mlx_fun").joinpath(SHIPPED_TABLE).read_text()
-    return Table.from_json(json.loads(text), source="shipped")
-
-
-def user_table_path() -> Path:
-    """Where ``tune-dispatch`` writes by default and ``--dispatch auto`` looks: ``$MLX_FUN_DISPATCH_TABLE``,
-    else ``$XDG_CACHE_HOME/mlx-fun/dispatch_table.json`` (``~/.cache`` when unset)."""
-    env = os.environ.get(TABLE_ENV)
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx-fun" / "dispatch_table.json"
-
-
-def load_table(table_path: str | os.PathLike | None = None, user: bool = True) -> Table:
-    """The shipped table, overlaid by the user table (if it exists) and by ``table_path`` (if given)."""
-    table = shipped_table()
-    if user:
-        up = user_table_path()
-        if up.is_file():
-            table = table.merged(read_table(up))
-    if table_path is not None:
-        table = table.merged(read_table(table_path))
-    return table
-
-
-def table_text(table: Table) -> str:
-    """The table as JSON text: one entry key per line, each band and each list of numbers on one line."""
-
-    def dump(value, indent: int) -> str:
-        pad, inner = " " * indent, " " * (indent + 2)
-        if isinstance(value, dict):
-            flat = all(not isinstance(v, (dict, list)) for v in value.values())
-            if flat and len(value) <= 3:
-                return json.dumps(value)
-            items = [f"{inner}{json.dumps(k)}: {dump(v, indent + 2)}" for k, v in value.items()]
-            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
-        if isinstance(value, list):
-            if all(not isinstance(v, (dict, list)) for v in value):
-                return json.dumps(value)
-            items = [f"{inner}{dump(v, indent + 2)}" for v in value]
-            return "[\n" + ",\n".join(items) + f"\n{pad}]"
-        return json.dumps(value)
-
-    return dump(table.to_json(), 0) + "\n"
-
-
-def write_table(table: Table, path: str | os.PathLike) -> None:
-    """Write ``table`` to ``path`` atomically."""
-    from .io import atomic_file
-
-    with atomic_file(path) as tmp:
-        tmp.write_text(table_text(table))
-
-
-def merge_table_files(sources: Iterable[str | os.PathLike], into: str | os.PathLike) -> Table:
-    """Merge the entries of ``sources`` into the table file ``into`` (created if missing), atomically."""
-    target = Path(into)
-    table = read_table(target) if target.is_file() else Table()
-    for src in sources:
-        table = table.merged(read_table(src))
-    write_table(table, target)
-    return table
 
 
 # ------------------------------------------------------------------------------------------ the dispatcher
