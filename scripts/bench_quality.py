@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--random-seeds", type=int, default=3)
     p.add_argument("--no-merge", action="store_true", help="Skip the REAM rows")
+    p.add_argument("--merge-group-sizes", default="16,4",
+                   help="REAM --max-group-size values to run (16 is the default of `mlx-fun merge`)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--output", default="docs/benchmarks/quality.md")
     p.add_argument("--json", default=None, help="Also write the raw numbers as JSON")
@@ -117,13 +119,14 @@ def main(argv=None):
                 prune_model(ad, keep)
                 score(ready(model), {"method": metric, "fraction": fraction, "calibration": d, "experts": kept,
                               "routed_kept": routed_kept(saliency[d], keep)})
-            if not args.no_merge:
+            for size in ([] if args.no_merge else [int(c) for c in args.merge_group_sizes.split(",")]):
                 model, ad = fresh()
                 t0 = time.perf_counter()
                 merge_model(model, ad, calib[d], saliency=saliency[d].scores("reap"), n_prune=n_prune,
-                            seed=0, pad_id=pad)
+                            max_group_size=size, seed=0, pad_id=pad)
                 print(f"  merged in {time.perf_counter() - t0:.1f} s", flush=True)
-                score(ready(model), {"method": "ream-merge", "fraction": fraction, "calibration": d, "experts": kept})
+                name = "ream-merge" if size == 16 else f"ream-merge C={size}"
+                score(ready(model), {"method": name, "fraction": fraction, "calibration": d, "experts": kept})
         seeds = []
         for seed in range(args.random_seeds):
             model, ad = fresh()
@@ -201,8 +204,15 @@ def interpretation(rows) -> list[str]:
         out.append(
             f"- REAM merging (default `--max-group-size 16`, REAP centroids) lands next to REAP pruning with the "
             f"same centroids ({m['code_ppl']:.2f} vs {reap['code_ppl']:.2f} code perplexity at {top:.0%}): with "
-            "16 or fewer experts to fold in, the first centroid claims them all, so one expert becomes the "
-            "average of many while the rest stay as they were.")
+            "C = 16 and at most 16 experts to fold in, the most salient centroid claims all or all but one of "
+            "them, and the saliency-weighted average keeps it close to itself, so the result is close to pruning.")
+        small = sorted({r["method"] for r in rows if r["method"].startswith("ream-merge C=")})
+        if small:
+            out.append(
+                "- Smaller groups spread the merging over more centroids and cost more here: "
+                + "; ".join(f"{name} gives {get(name, top, 'code')['code_ppl']:.2f}" for name in small)
+                + f" code perplexity at {top:.0%}. Averaging experts of similar saliency moves the centroid "
+                "further than folding low-saliency experts into a strong one.")
     return out
 
 
