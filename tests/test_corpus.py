@@ -116,3 +116,16 @@ def test_prepare_dataset_script(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--list"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:2] == ["code", "yes"]
+
+
+def test_jargon_entries_are_split_into_documents(tmp_path):
+    import gzip
+
+    entries = "".join(f"   :term{i}: n.\n\n   Meaning number {i}, with ‘quotes’ and more words.\n\n" for i in range(45))
+    path = tmp_path / "jargon.txt.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(("   The Jargon File, front matter.\n\n" + entries).encode("utf-8"))
+    docs = list(corpus.jargon_documents([path]))
+    assert [d.doc_id for d in docs] == ["jargon:0:front", "jargon:1:term19", "jargon:2:term39"]
+    assert docs[1].text.startswith(":term19: n.\n\nMeaning number 19, with ‘quotes’")
+    assert sum(d.text.count(":term") for d in docs) == 45
