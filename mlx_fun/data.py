@@ -56,6 +56,7 @@ __all__ = [
     "iter_batches",
     "load_dataset",
     "load_samples",
+    "pad_id",
 ]
 
 
@@ -79,6 +80,12 @@ class _Item:
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else 0 (padding is never scored or counted)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else 0
 
 
 def load_samples(

@@ -30,7 +30,7 @@ from mlx_fun import corpus  # noqa: E402
 from mlx_fun.adapters import get_adapter  # noqa: E402
 from mlx_fun import dispatch  # noqa: E402
 from mlx_fun.collect import collect  # noqa: E402
-from mlx_fun.data import load_samples  # noqa: E402
+from mlx_fun.data import load_samples, pad_id  # noqa: E402
 from mlx_fun.evaluate import ReferenceCache, evaluate  # noqa: E402
 from mlx_fun.io import bundled_model_dir, load_model, write_json  # noqa: E402
 from mlx_fun.rewrite.merge import merge_model  # noqa: E402
@@ -68,7 +68,7 @@ def main(argv=None):
     adapter = get_adapter(base, config)
     dispatch.apply(base, "auto")  # runtime expert dispatch (same numbers within float tolerance, faster)
     E, top_k, L = adapter.num_experts, adapter.top_k, len(adapter.moe_layers())
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
 
     def samples(domain, split, n):
         return [list(s) for s in load_samples(str(corpus.domain_file(args.data, domain, split)), tokenizer,

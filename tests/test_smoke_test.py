@@ -12,7 +12,7 @@ import pytest
 from mlx_fun.cli.generate import DEFAULT_PROMPT
 from mlx_fun.io import load_model
 from mlx_fun.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
-from .cli_helpers import run  # noqa: E402
+from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 N_TOKENS = 24
 MODELS = [("qwen3_moe", None), ("qwen3_moe", 4), ("gpt_oss", None), ("gpt_oss", 4)]
@@ -156,28 +156,20 @@ def test_cli_same_seed_same_output(loaded):
     assert d.exit_code == 0 and STATS.search(d.stdout)
 
 
-def _one_error_line(result, *needles):
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 def test_cli_missing_model_dir(tmp_path):
-    _one_error_line(run("smoke-test", "--model", tmp_path / "nope"), "does not exist")
+    _error(run("smoke-test", "--model", tmp_path / "nope"), "does not exist")
 
 
 def test_cli_unsupported_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "definitely_not_a_model"}))
-    _one_error_line(run("smoke-test", "--model", tmp_path), "definitely_not_a_model", "not supported")
+    _error(run("smoke-test", "--model", tmp_path), "definitely_not_a_model", "not supported")
 
 
 def test_cli_missing_weights(tmp_path, make_model):
     cfg = json.loads((make_model("qwen3_moe") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     result = run("smoke-test", "--model", tmp_path)
-    _one_error_line(result, str(tmp_path))
+    _error(result, str(tmp_path))
 
 
 @pytest.mark.parametrize("bad", [["--temp", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-2"],

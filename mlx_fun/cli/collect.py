@@ -59,6 +59,7 @@ def collect_cmd(model, dataset, max_samples, max_tokens, text_key, seed, output,
     from ..adapters import get_adapter
     from ..collect import collect
     from ..data import load_samples
+    from ..data import pad_id as batch_pad_id
     from ..io import load_model
 
     check_supported(model)
@@ -78,7 +79,7 @@ def collect_cmd(model, dataset, max_samples, max_tokens, text_key, seed, output,
         f"top-{adapter.top_k}; {len(samples)} samples, {n_tokens:,} tokens",
         err=True,
     )
-    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    pad_id = batch_pad_id(tokenizer)
     start = time.perf_counter()
     acc = collect(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id, progress=True)
     elapsed = time.perf_counter() - start

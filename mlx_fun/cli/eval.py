@@ -140,7 +140,9 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
     summary = ", ".join(f"{name}: {len(s)} samples" for name, s in data.items())
     click.echo(f"{model_config['model_type']}: {summary}", err=True)
 
-    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    from ..data import pad_id as batch_pad_id
+
+    pad_id = batch_pad_id(tokenizer)
     start = time.perf_counter()
     results = evaluate(mdl, data, reference=ref, batch_size=batch_size, pad_id=pad_id, progress=True)
     elapsed = time.perf_counter() - start

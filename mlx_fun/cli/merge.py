@@ -75,6 +75,7 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
     """
     from ..adapters import get_adapter
     from ..data import load_samples
+    from ..data import pad_id as batch_pad_id
     from ..expert_files import load_expert_list
     from ..io import check_output_dir, load_model, save_model_dir
     from ..rewrite.merge import merge_model, select_centroids
@@ -133,7 +134,7 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
         f"{len(samples)} samples, {n_tokens:,} tokens; similarity {similarity_mode}, alignment {alignment}",
         err=True,
     )
-    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    pad_id = batch_pad_id(tokenizer)
     metadata = merge_model(
         mdl, adapter, samples, keep_map=keep_map, saliency=scores, metric=metric,
         similarity_mode=similarity_mode, alignment=alignment, max_group_size=max_group_size,
