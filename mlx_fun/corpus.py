@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .io import atomic_file, write_json
+from .writer import write_json, write_text
 
 SPLITS = ("train", "validation", "test")
 ALWAYS = ("code", "prose")
@@ -393,8 +393,7 @@ def prepare(
                 raise UserError(f"{source}/{split} came out empty; lower --min-tokens or raise --max-chars.")
             body = "".join(json.dumps({"content": s}, ensure_ascii=False) + "\n" for s in chosen)
             rel = f"{source}/{split}.jsonl"
-            with atomic_file(out / rel) as tmp:
-                tmp.write_text(body, encoding="utf-8")
+            write_text(out / rel, body)
             entry["splits"][split] = {
                 "file": rel,
                 "samples": len(chosen),

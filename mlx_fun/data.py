@@ -224,7 +224,7 @@ def _directory_items(root: Path, exts: tuple[str, ...]) -> list[_Item]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             file = Path(dirpath) / name
-            if file.suffix.lower() in exts and file.is_file():
+            if file.suffix.lower() in exts and (file.is_file() or file.is_symlink()):  # a dangling link: an error
                 files.append((file.relative_to(root).as_posix(), file))
     if not files:
         raise UserError(

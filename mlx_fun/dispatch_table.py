@@ -323,8 +323,9 @@ def user_table_path() -> Path:
     env = os.environ.get(TABLE_ENV)
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx-fun" / "dispatch_table.json"
+    from .io import cache_root
+
+    return cache_root() / "dispatch_table.json"
 
 
 def load_table(table_path: str | os.PathLike | None = None, user: bool = True) -> Table:
@@ -362,10 +363,9 @@ def table_text(table: Table) -> str:
 
 def write_table(table: Table, path: str | os.PathLike) -> None:
     """Write ``table`` to ``path`` atomically."""
-    from .io import atomic_file
+    from .writer import write_text
 
-    with atomic_file(path) as tmp:
-        tmp.write_text(table_text(table))
+    write_text(path, table_text(table))
 
 
 def merge_table_files(sources: Iterable[str | os.PathLike], into: str | os.PathLike) -> Table:

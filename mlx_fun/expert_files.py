@@ -267,7 +267,7 @@ def save_expert_list(
     mode: str = "prune",
 ) -> Path:
     """Write a kept map as an expert list (``remove`` lists), atomically. ``.csv`` suffix → CSV, else JSON."""
-    from .io import atomic_file, write_json
+    from .writer import write_json, write_text
 
     path = Path(path)
     names = lambda p: int(moe_layer_indices[p]) if moe_layer_indices is not None else int(p)  # noqa: E731
@@ -279,8 +279,7 @@ def save_expert_list(
         for pos in sorted(removed):
             for e in removed[pos]:
                 w.writerow([names(pos), e, "remove"])
-        with atomic_file(path) as tmp:
-            tmp.write_text(buf.getvalue(), encoding="utf-8")
+        write_text(path, buf.getvalue())
         return path
     obj: dict = {"format": EXPERT_LIST_FORMAT, "version": EXPERT_LIST_VERSION, "mode": mode}
     if model_type is not None:

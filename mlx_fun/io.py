@@ -1,72 +1,13 @@
-"""Loading models and writing outputs atomically.
-
-Every file or directory the toolkit writes goes to a temporary sibling first and is renamed into place only
-when complete, so an interrupted run never leaves a half-written output behind.
-"""
+"""Loading models, and writing them as mlx-lm directories through the one atomic writer (:mod:`.writer`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from .errors import UserError
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, suffix: str = ""):
-    """Yield a temporary path next to ``path``; rename it onto ``path`` when the block succeeds.
-
-    ``suffix`` is appended to the temporary name (``np.savez`` insists on a ``.npz`` ending).
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp" + suffix, dir=target.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        os.replace(tmp_path, target)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON atomically."""
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False):
-    """Yield a temporary directory beside ``path``; move it to ``path`` when the block succeeds.
-
-    An existing non-empty ``path`` is an error unless ``overwrite``; then it is replaced only after the new
-    directory is complete.
-    """
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise UserError(f"{target} exists and is not a directory; choose another output path.")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise UserError(f"output directory {target} exists and is not empty; pass --force or pick another path.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_config(model_path: str | os.PathLike) -> dict:
@@ -83,12 +24,18 @@ def read_config(model_path: str | os.PathLike) -> dict:
         raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download the model.")
 
 
-def load_model(model_path: str | os.PathLike, lazy: bool = False):
-    """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads."""
+def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str = "--model"):
+    """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
+    cannot load (a missing or truncated shard, an unknown model type) is a one-line ``UserError`` naming ``flag``."""
     from mlx_lm import load
 
     config = read_config(model_path)
-    model, tokenizer = load(str(model_path), lazy=lazy)
+    try:
+        model, tokenizer = load(str(model_path), lazy=lazy)
+    except (OSError, ValueError, RuntimeError) as e:  # a missing/corrupt shard, an unknown model type, ...
+        detail = " ".join(str(e).split())[:240]
+        raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
+                        f"a complete mlx-lm model directory (an interrupted download or copy?).") from None
     return model, tokenizer, config
 
 
@@ -100,42 +47,69 @@ def dir_size(path: str | os.PathLike) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def check_output_dir(output: str | os.PathLike, source: str | os.PathLike, force: bool = False) -> Path:
-    """Refuse to write into the input model (or inside it), and into a non-empty directory without --force."""
-    out, src = Path(output).resolve(), Path(source).resolve()
-    if out == src or src in out.parents:
-        raise UserError(f"--output {output} is the input model directory (or inside it); write the result elsewhere.")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output {output} exists and is not a directory; choose another path.")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"output directory {output} exists and is not empty; pass --force to replace it.")
-    return Path(output)
+def context_length(config: dict) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``, also under ``text_config``)."""
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
-def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False) -> Path:
-    """Save ``model`` as an mlx-lm directory at ``output``, atomically (temp dir beside it, then rename).
+def params_nbytes(model) -> int:
+    """Bytes of every parameter of ``model`` as they would be saved (lazy arrays are not evaluated)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def write_model_dir(res, model, config: dict, *, source, metadata: dict | None = None) -> None:
+    """Write ``model`` as an mlx-lm directory into a :func:`mlx_fun.writer.output` reservation (``res.tmp``).
 
     Weights and config.json are written with mlx-lm's own ``save_model`` / ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied; ``metadata``
     maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them (a ``str``
-    is written as it is, e.g. a ``README.md`` model card).
+    is written as it is, e.g. a ``README.md`` model card). A failing write (a full disk: MLX raises
+    ``RuntimeError: [write] Unable to write``) becomes a one-line ``UserError``.
     """
     import copy as _copy
 
     from mlx_lm.utils import save_config, save_model
 
-    out = check_output_dir(output, source, force)
-    src = Path(source)
-    with atomic_dir(out, overwrite=force) as tmp:
-        save_model(tmp, model)
-        save_config(_copy.deepcopy(config), config_path=tmp / "config.json")
+    dest, src = Path(res.tmp), Path(source)
+    try:
+        save_model(dest, model)
+        save_config(_copy.deepcopy(config), config_path=dest / "config.json")
         for f in src.iterdir():
             if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
-                shutil.copy2(f, tmp / f.name)
+                shutil.copyfile(f, dest / f.name)  # new files get the user's umask, not the source's mode
         for name, obj in (metadata or {}).items():
             text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
-            (tmp / name).write_text(text)
-    return out
+            (dest / name).write_text(text)
+    except OSError as e:
+        raise res.write_failed(e) from None
+    except RuntimeError as e:
+        if "write" not in str(e).lower():
+            raise
+        raise res.write_failed(e) from None
+
+
+def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False,
+                   inputs: dict | None = None) -> Path:
+    """Save ``model`` as an mlx-lm directory at ``output`` atomically, refusing to touch ``source`` (and
+    ``inputs``, flag → path): the library form of what ``prune`` and ``merge`` write."""
+    from .writer import output as reserve
+
+    with reserve(output, kind="dir", inputs={"--model": source, **(inputs or {})}, force=force) as res:
+        res.require_space(params_nbytes(model))
+        write_model_dir(res, model, config, source=source, metadata=metadata)
+    return Path(output)
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/mlx-fun`` (``~/.cache/mlx-fun`` when unset): the user dispatch table, the prepared BLAS."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx-fun"
 
 
 BUNDLED_MODEL_NAME = "tiny-moe"

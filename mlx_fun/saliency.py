@@ -24,6 +24,8 @@ from .errors import UserError
 
 METRICS = ("reap", "ean", "freq", "weighted_freq")
 ARRAY_KEYS = ("freq", "weighted_freq_sum", "reap_sum", "ean_sum", "reap_count", "max_activation_norm")
+#: what names the model a file was collected on; all of it is checked before a file is used or combined
+IDENTITY_KEYS = ("model_type", "top_k", "num_layers", "num_experts", "moe_layer_indices")
 FORMAT_VERSION = 1
 
 
@@ -78,7 +80,7 @@ class SaliencyAccumulator:
 
     def add(self, other: "SaliencyAccumulator") -> None:
         """Sum another accumulator of the same model into this one (e.g. from another process)."""
-        self.check_compatible(other, what="accumulator")
+        check_same_model([self, other], ["this accumulator", "the other"])
         for key in ARRAY_KEYS:
             if key == "max_activation_norm":
                 np.maximum(self.max_activation_norm, other.max_activation_norm, out=self.max_activation_norm)
@@ -118,36 +120,26 @@ class SaliencyAccumulator:
 
     # ------------------------------------------------------------------ identity
     def identity(self) -> dict:
-        return {
-            "model_type": self.model_type,
-            "num_layers": self.num_layers,
-            "num_experts": self.num_experts,
-            "moe_layer_indices": self.moe_layer_indices,
-        }
+        return {key: getattr(self, key) for key in IDENTITY_KEYS}
 
-    def check_compatible(self, other: "SaliencyAccumulator", what: str = "file") -> None:
-        a, b = self.identity(), other.identity()
-        for key in ("num_layers", "num_experts", "moe_layer_indices", "model_type"):
-            if a[key] != b[key] and "unknown" not in (a[key], b[key]):
-                raise UserError(
-                    f"saliency {what}s do not match: {key} is {a[key]} in one and {b[key]} in the other; "
-                    "only statistics of the same model can be combined."
-                )
-
-    def check_matches(self, adapter, source: str = "saliency file") -> None:
-        """Raise a ``UserError`` when these statistics were not collected on ``adapter``'s model."""
-        want = {
-            "num_layers": len(adapter.moe_layers()),
-            "num_experts": adapter.num_experts,
-            "moe_layer_indices": adapter.moe_layers(),
-        }
+    def check_matches(self, adapter, source: str = "saliency file") -> list[str]:
+        """Raise a ``UserError`` unless these statistics were collected on ``adapter``'s model: model_type, top_k,
+        MoE layer indices and expert count must all agree. Returns warnings (a file without model_type / top_k,
+        written by another tool, is checked on what it has)."""
+        want = {"model_type": adapter.model_type, "top_k": adapter.top_k, "num_layers": len(adapter.moe_layers()),
+                "num_experts": adapter.num_experts, "moe_layer_indices": adapter.moe_layers()}
         for key, value in want.items():
             have = getattr(self, key)
-            if have != value:
+            if have != value and not _unknown(key, have):
                 raise UserError(
                     f"{source} does not match the model: {key} is {have} in the file but {value} in the model "
                     f"({adapter.model_type}); re-run `mlx-fun collect` on this model."
                 )
+        missing = [key for key in ("model_type", "top_k") if _unknown(key, getattr(self, key))]
+        if missing:
+            return [f"{source} records no {' or '.join(missing)} (written by another tool?); only its shape and "
+                    f"layer indices could be checked against the model."]
+        return []
 
     # ------------------------------------------------------------------ I/O
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -164,14 +156,17 @@ class SaliencyAccumulator:
         )
         return out
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write an ``.npz`` atomically (temp file beside it, then rename)."""
-        from .io import atomic_file
+    def write_npz(self, path: str | os.PathLike) -> None:
+        """Write the ``.npz`` to ``path`` as it is (a reservation's temp file; :meth:`save` reserves one)."""
+        np.savez(path, **self.to_arrays())
 
-        path = Path(path)
-        with atomic_file(path, suffix=".npz") as tmp:
-            np.savez(tmp, **self.to_arrays())
-        return path
+    def save(self, path: str | os.PathLike, *, inputs: dict | None = None) -> Path:
+        """Write an ``.npz`` atomically through :func:`mlx_fun.writer.output`."""
+        from .writer import output
+
+        with output(path, kind="file", suffix=".npz", inputs=inputs) as res:
+            self.write_npz(res.tmp)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SaliencyAccumulator":
@@ -204,3 +199,25 @@ class SaliencyAccumulator:
         acc.total_tokens = int(data.get("total_tokens", 0))
         acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
         return acc
+
+
+def _unknown(key: str, value) -> bool:
+    """A file written without this identity key (another tool's format): ``model_type`` unknown, ``top_k`` 0."""
+    return (key == "model_type" and value == "unknown") or (key == "top_k" and value == 0)
+
+
+def check_same_model(accs, labels=None) -> None:
+    """Raise a ``UserError`` naming the first identity mismatch (:data:`IDENTITY_KEYS`) between ``accs[0]`` and
+    the others; ``labels`` name them in the message (file paths in the CLI). A key a file does not record
+    (model_type ``unknown``, top_k 0) matches anything."""
+    labels = list(labels) if labels is not None else [f"file {i + 1}" for i in range(len(accs))]
+    first = accs[0].identity()
+    for acc, label in zip(accs[1:], labels[1:]):
+        other = acc.identity()
+        for key in IDENTITY_KEYS:
+            a, b = first[key], other[key]
+            if a != b and not (_unknown(key, a) or _unknown(key, b)):
+                raise UserError(
+                    f"{labels[0]} and {label} do not match: {key} is {a} in {labels[0]} but {b} in {label}; "
+                    "only statistics of the same model can be compared or combined."
+                )

@@ -40,6 +40,8 @@ counter: ``mlx_lm.generate.generate_step(prompt, model, sampler=GumbelSampler(te
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
@@ -233,8 +235,8 @@ class GumbelSampler:
         step: int = 0,
         compiled: bool | None = None,
     ):
-        if float(temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not math.isfinite(float(temperature)) or float(temperature) < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         _check_masks(top_k, top_p)
         if seed is not None and int(seed) < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed}")

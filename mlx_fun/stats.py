@@ -29,10 +29,9 @@ from typing import Sequence
 import numpy as np
 
 from .errors import UserError
-from .saliency import ARRAY_KEYS, METRICS, SaliencyAccumulator
+from .saliency import ARRAY_KEYS, METRICS, SaliencyAccumulator, check_same_model
 
 TOP_N = 10
-_IDENTITY_KEYS = ("num_layers", "num_experts", "moe_layer_indices", "model_type")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -41,23 +40,15 @@ def _check_metric(metric: str) -> None:
         raise UserError(f"unknown metric '{metric}'; choose one of {', '.join(METRICS)}.")
 
 
-def check_same_model(accs: Sequence[SaliencyAccumulator], labels: Sequence[str] | None = None) -> None:
-    """Raise a ``UserError`` naming the first mismatch (num_layers, num_experts, MoE layers, model type).
-
-    ``labels`` name the inputs in the message (file paths in the CLI); default ``file 1``, ``file 2``, ...
-    A model type of ``unknown`` matches any model type, as in ``SaliencyAccumulator.check_compatible``.
-    """
-    labels = list(labels) if labels is not None else [f"file {i + 1}" for i in range(len(accs))]
-    first = accs[0].identity()
-    for acc, label in zip(accs[1:], labels[1:]):
-        other = acc.identity()
-        for key in _IDENTITY_KEYS:
-            a, b = first[key], other[key]
-            if a != b and "unknown" not in (a, b):
-                raise UserError(
-                    f"{labels[0]} and {label} do not match: {key} is {a} in {labels[0]} but {b} in {label}; "
-                    "only statistics of the same model can be compared or combined."
-                )
+def check_distinct(accs: Sequence[SaliencyAccumulator], labels: Sequence[str]) -> None:
+    """Raise a ``UserError`` when two inputs hold exactly the same statistics (the same file given twice, or a
+    copy): a diff of it is zero and a rank merge would count one dataset twice."""
+    for i in range(len(accs)):
+        for j in range(i):
+            a, b = accs[j], accs[i]
+            if a.total_tokens == b.total_tokens and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ARRAY_KEYS):
+                raise UserError(f"{labels[i]} holds exactly the same statistics as {labels[j]} (the same file twice?); "
+                                "give saliency files of different runs.")
 
 
 def _norm_warnings(accs, labels, metric: str) -> list[str]:
@@ -115,6 +106,7 @@ def diff(
     """
     _check_metric(metric)
     check_same_model([a, b], labels)
+    check_distinct([a, b], labels)
     s1, s2 = a.scores(metric), b.scores(metric)
     d = s1 - s2
     flat = d.reshape(-1)
@@ -183,6 +175,7 @@ def rank_merge(
         )
     labels = list(labels) if labels is not None else [f"file {i + 1}" for i in range(len(accs))]
     check_same_model(accs, labels)
+    check_distinct(accs, labels)
 
     first = accs[0]
     model_type = next((x.model_type for x in accs if x.model_type != "unknown"), "unknown")

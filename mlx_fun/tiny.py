@@ -183,19 +183,20 @@ def make_tiny_model(
     """
     from mlx_lm.utils import save_config, save_model
 
-    from .io import atomic_dir
+    from .writer import output as reserve
 
     config = tiny_config(model_type, vocab_size=vocab_size, **overrides)
     model = build_model(config, seed=seed)
     if bits is not None or mode != "affine":
         model, config = quantize(model, config, bits=bits or 4, group_size=group_size, mode=mode)
     out = Path(output)
-    with atomic_dir(out, overwrite=True) as tmp:
+    with reserve(out, kind="dir", force=True) as res:
+        tmp = res.tmp
         save_model(tmp, model, donate_model=True)
         save_config(config, config_path=tmp / "config.json")
         if tokenizer_dir is not None:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
         else:
             train_tokenizer(tmp, vocab_size=vocab_size)
     return out

@@ -146,12 +146,10 @@ def main() -> int:
     text = render(rows, args, device, blas, dtype, (D, H, E, k), entries_used, mx.__version__)
     print(text, flush=True)
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out)
-        log(f"wrote {out}")
+        from mlx_fun.writer import write_text
+
+        write_text(args.output, text)
+        log(f"wrote {args.output}")
     speedups = [r["x:ours"] for r in rows]
     print(f"min_speedup={min(speedups):.3f} max_speedup={max(speedups):.3f}", flush=True)
     return 0

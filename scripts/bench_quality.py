@@ -23,6 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlx_fun.blas import blas_status, maybe_reexec  # noqa: E402
+
+maybe_reexec()  # Linux CPU: a fast BLAS preloaded, as the `mlx-fun` launcher does (before mlx is imported)
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -32,7 +36,8 @@ from mlx_fun import dispatch  # noqa: E402
 from mlx_fun.collect import collect  # noqa: E402
 from mlx_fun.data import load_samples, pad_id  # noqa: E402
 from mlx_fun.evaluate import ReferenceCache, evaluate  # noqa: E402
-from mlx_fun.io import bundled_model_dir, load_model, write_json  # noqa: E402
+from mlx_fun.io import bundled_model_dir, load_model  # noqa: E402
+from mlx_fun.writer import write_json, write_text  # noqa: E402
 from mlx_fun.rewrite.merge import merge_model  # noqa: E402
 from mlx_fun.rewrite.prune import prune_model  # noqa: E402
 from mlx_fun.selection import select_experts  # noqa: E402
@@ -76,6 +81,7 @@ def main(argv=None):
 
     calib = {d: samples(d, "train", args.calib_samples) for d in DOMAINS}
     test = {d: samples(d, "test", args.max_eval_samples) for d in DOMAINS}
+    print(blas_status(), flush=True)
     print(f"{config['model_type']}: {L} MoE layers × {E} experts (top-{top_k}); calibration "
           + ", ".join(f"{d} {sum(map(len, s)):,} tok" for d, s in calib.items()) + "; test "
           + ", ".join(f"{d} {sum(map(len, s)):,} tok" for d, s in test.items()), flush=True)
@@ -270,11 +276,7 @@ def write_report(args, rows, config, model_dir, elapsed, calib, test, saliency):
     lines += ["", "Rank correlation between REAP and freq scores (mean over layers): "
               + ", ".join(f"{d} calibration {v:.2f}" for d, v in rho.items()) + "."]
     lines += ["", "## Reading", "", *interpretation(rows)]
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    from mlx_fun.io import atomic_file
-
-    with atomic_file(args.output) as tmp:
-        tmp.write_text("\n".join(lines) + "\n")
+    write_text(args.output, "\n".join(lines) + "\n")
     print(f"wrote {args.output}", flush=True)
     print(json.dumps({"elapsed_s": round(elapsed, 1)}))
 

@@ -25,6 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlx_fun.blas import maybe_reexec  # noqa: E402
+
+maybe_reexec()  # Linux CPU: a fast BLAS preloaded, as the `mlx-fun` launcher does (before mlx is imported)
+
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
@@ -145,16 +149,19 @@ def main(argv=None):
     from tokenizers import Tokenizer
     from mlx_lm.utils import _get_classes
 
-    from mlx_fun.io import check_output_dir, save_model_dir
+    from mlx_fun.io import save_model_dir
+    from mlx_fun.writer import check_output_path
 
-    check_output_dir(args.output, args.data, args.force)
+    check_output_path(args.output, kind="dir", inputs={"--data": args.data}, force=args.force)
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     domains = args.domains.split(",")
     weights = [float(w) for w in args.weights.split(",")]
     assert len(weights) == len(domains), "--weights needs one number per domain"
     data = Path(args.data)
-    print(f"MLX {mx.__version__} on {mx.default_device()}", flush=True)
+    from mlx_fun.blas import blas_status
+
+    print(f"MLX {mx.__version__} on {mx.default_device()}; {blas_status()}", flush=True)
 
     tok_dir = Path(args.tokenizer) if args.tokenizer else Path(args.output + ".tokenizer")
     if not args.tokenizer:
@@ -292,7 +299,7 @@ def main(argv=None):
     print(json.dumps({k: log[k] for k in ("steps", "tokens", "train_seconds", "best_step", "final_val_ppl",
                                           "routing_max_min_ratio")}, indent=1), flush=True)
     config["torch_dtype"] = "float32"
-    out = save_model_dir(model, config, args.output, source=tok_dir, force=args.force,
+    out = save_model_dir(model, config, args.output, source=tok_dir, force=args.force, inputs={"--data": args.data},
                          metadata={"training_log.json": log, "README.md": model_card(log, config, n_params)})
     print(f"saved {out}", flush=True)
 

@@ -48,3 +48,13 @@ def make_model(tmp_path_factory, tokenizer_dir):
 def qwen_model(make_model):
     """A tiny float qwen3_moe directory (the default family for pipeline tests)."""
     return make_model("qwen3_moe")
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_leaks():
+    """A test must not leave MLX_FUN_* / LD_PRELOAD changes behind: a leaked MLX_FUN_BLAS_REEXEC silently put every
+    later subprocess on the slow reference BLAS."""
+    watched = lambda: {k: v for k, v in os.environ.items() if k.startswith("MLX_FUN_") or k == "LD_PRELOAD"}  # noqa: E731
+    before = watched()
+    yield
+    assert watched() == before, "this test changed MLX_FUN_* / LD_PRELOAD in os.environ without restoring it"

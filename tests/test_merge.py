@@ -344,7 +344,7 @@ def test_merge_cli_errors(tmp_path, saliency_file, make_model):
     _error(run("merge", "--model", tmp_path / "nope", "--dataset", SAMPLE, "--output", out, "--saliency", sal,
                "--n-prune", 1), "does not exist")  # fmt: skip
     _error(run("merge", "--model", model, "--dataset", SAMPLE, "--output", model, "--saliency", sal,
-               "--n-prune", 1), "input model")  # fmt: skip
+               "--n-prune", 1), "is the input given to --model")  # fmt: skip
     _error(run(*base, "--saliency", sal, "--n-prune", 1, "--ignore-experts", "1"), "--model-wide")
     other = make_model("qwen3_moe", num_experts=16)
     _error(run("merge", "--model", other, "--dataset", SAMPLE, "--output", out, "--saliency", sal, "--n-prune", 1),

@@ -109,10 +109,12 @@ def test_keep_map_must_be_uniform_and_valid(make_model):
 def test_save_refuses_input_and_nonempty_dirs(tmp_path, make_model):
     src = make_model("mixtral")
     model, _, config = load_model(src)
-    with pytest.raises(UserError, match="input model directory"):
+    with pytest.raises(UserError, match="is the input given to --model"):
         save_model_dir(model, config, src, source=src)
-    with pytest.raises(UserError, match="input model directory"):
+    with pytest.raises(UserError, match="is inside the input --model"):
         save_model_dir(model, config, src / "inside", source=src)
+    with pytest.raises(UserError, match="contains the input --model"):
+        save_model_dir(model, config, src.parent, source=src, force=True)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")

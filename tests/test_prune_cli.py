@@ -68,7 +68,7 @@ def test_prune_cli_errors(tmp_path, make_model):
     _error(run("prune", "--model", model, "--saliency", sal, "--output", out), "needs --n-prune")
     _error(run("prune", "--model", model, "--saliency", tmp_path / "x.npz", "--n-prune", 1, "--output", out),
            "--saliency", "does not exist")
-    _error(run("prune", "--model", model, "--saliency", sal, "--n-prune", 1, "--output", model), "input model")
+    _error(run("prune", "--model", model, "--saliency", sal, "--n-prune", 1, "--output", model), "is the input given to --model")
     _error(run("prune", "--model", model, "--saliency", sal, "--n-prune", 1, "--output", out,
                "--ignore-experts", "1"), "--model-wide")
     other = make_model("qwen3_moe", num_experts=16)

@@ -60,8 +60,12 @@ def test_npz_round_trip_and_mismatch(tmp_path, make_model):
     assert (back.model_type, back.moe_layer_indices, back.top_k, back.total_tokens) == ("qwen3_moe", [0, 1], 2, 50)
 
     model, _, config = load_model(make_model("glm4_moe"))  # MoE layers [1, 2], 8 experts
-    with pytest.raises(UserError, match="does not match the model: moe_layer_indices"):
+    with pytest.raises(UserError, match="does not match the model: model_type is qwen3_moe in the file but glm4_moe"):
         back.check_matches(get_adapter(model, config))
+    back.model_type = "glm4_moe"
+    with pytest.raises(UserError, match="does not match the model: moe_layer_indices is \\[0, 1\\] in the file but \\[1, 2\\]"):
+        back.check_matches(get_adapter(model, config))
+    back.model_type = "qwen3_moe"
     model, _, config = load_model(make_model("qwen3_moe", num_experts=16))
     with pytest.raises(UserError, match="num_experts is 8 in the file but 16"):
         back.check_matches(get_adapter(model, config))

@@ -122,7 +122,7 @@ def test_help():
     assert result.exit_code == 0
     for flag in ("--model", "--prompt", "--max-tokens", "--temp", "--seed", "--top-k", "--top-p", "--chat"):
         assert flag in result.output
-    assert "pragma solidity" in result.output and "greedy" in result.output
+    assert "def fibonacci(n):" in result.output and "greedy" in result.output
 
 
 @pytest.mark.parametrize("model_type, bits", [("qwen3_moe", None), ("gpt_oss", 4)])

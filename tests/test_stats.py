@@ -137,7 +137,7 @@ def test_stats_diff_mismatch_and_missing(files, tmp_path):
     assert_user_error(run("stats-diff", "--file1", files["a"], "--file2", files["wide"]), "num_experts", "6", "8")
     assert_user_error(run("stats-diff", "--file1", files["a"], "--file2", tmp_path / "nope.npz"), "nope.npz")
     res = run("stats-diff", "--file1", files["a"], "--file2", files["b"], "--output", files["b"])
-    assert_user_error(res, "overwrite")
+    assert_user_error(res, "is the input given to --file2")
     assert SaliencyAccumulator.load(files["b"]).reap_count.sum() == 48  # still the saliency file
 
 
@@ -207,7 +207,7 @@ def test_stats_merge_errors(files, tmp_path):
     assert not (tmp_path / "m.npz").exists()
     before = open(files["b"], "rb").read()
     res = run("stats-merge", "--files", files["a"], "--files", files["b"], "--output", files["b"])
-    assert_user_error(res, "overwrite")
+    assert_user_error(res, "is the input given to --files")
     assert open(files["b"], "rb").read() == before
     assert_user_error(
         run("stats-merge", "--files", files["a"], "--files", tmp_path / "x.npz", "--output", tmp_path / "m.npz"),
@@ -265,7 +265,7 @@ def test_purge_rank_merged_file_scores_zero(files):
 def test_stats_purge_errors(files, tmp_path):
     before = open(files["a"], "rb").read()
     assert_user_error(run("stats-purge", "--input", files["a"], "--output", tmp_path / "p.npz"), "at least one filter")
-    assert_user_error(run("stats-purge", "--input", files["a"], "--output", files["a"], "--min-freq", 3), "overwrite")
+    assert_user_error(run("stats-purge", "--input", files["a"], "--output", files["a"], "--min-freq", 3), "is the input given to --input")
     assert open(files["a"], "rb").read() == before
     assert_user_error(run("stats-purge", "--input", tmp_path / "none.npz", "--output", tmp_path / "p.npz",
                           "--min-freq", 1), "none.npz")

@@ -15,11 +15,14 @@ def _version_message() -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, "--version", message=_version_message())
-def main():
+@click.option("--debug", is_flag=True, help="Show the full traceback of unexpected errors (also MLX_FUN_DEBUG=1).")
+@click.pass_context
+def main(ctx, debug):
     """mlx-fun: compress, analyse and steer Mixture-of-Experts models with MLX.
 
     Typical pipeline: collect → prune (or merge) → smoke-test / eval.
     """
+    ctx.obj = {"debug": debug}
 
 
 def _register_commands() -> None:

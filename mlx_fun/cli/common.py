@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
+import math
+import os
 import sys
 
 import click
@@ -11,18 +14,95 @@ from ..errors import UserError
 from ..saliency import METRICS
 
 
+DEBUG_ENV = "MLX_FUN_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """``mlx-fun --debug`` or ``MLX_FUN_DEBUG=1``: let unexpected exceptions show their traceback."""
+    if os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return True
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and (root.obj or {}).get("debug"))
+
+
+def _os_error_line(e: OSError) -> str:
+    where = f" ({e.filename})" if e.filename else ""
+    fix = {errno.ENOSPC: "free some space or write elsewhere", errno.EROFS: "choose a writable location",
+           errno.EACCES: "check the permissions or choose another location",
+           errno.EPERM: "check the permissions or choose another location",
+           errno.ENOENT: "check the path", errno.EFBIG: "the file size limit (ulimit -f) was reached"}.get(
+        e.errno, "check the path and the disk")
+    return f"{e.strerror or e}{where}; {fix}."
+
+
 def friendly_errors(fn):
-    """Turn ``UserError`` into ``Error: <message>`` on stderr and exit code 2 (nothing written)."""
+    """One line on stderr for every failure, never a traceback (unless ``--debug`` / ``MLX_FUN_DEBUG=1``).
+
+    ``UserError`` and I/O errors → ``Error: <message>``, exit 2. Ctrl-C → exit 130, SIGTERM / SIGHUP → 128 +
+    the signal (outputs in progress are removed by :mod:`mlx_fun.writer` first). Anything else is a bug:
+    ``Error: internal error ...``, exit 1.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from ..writer import Terminated
+
         try:
             return fn(*args, **kwargs)
         except UserError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)
+        except OSError as e:
+            if debug_enabled():
+                raise
+            click.echo(f"Error: {_os_error_line(e)}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("Interrupted; outputs not yet complete were removed.", err=True)
+            sys.exit(130)
+        except Terminated as e:
+            click.echo(f"Interrupted by {e}; outputs not yet complete were removed.", err=True)
+            sys.exit(128 + e.signum)
+        except click.exceptions.ClickException:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug or a backend failure: one line, traceback on request
+            if debug_enabled():
+                raise
+            detail = " ".join(str(e).split())[:300]
+            click.echo(f"Error: internal error {type(e).__name__}: {detail} (run with `mlx-fun --debug` or "
+                       f"{DEBUG_ENV}=1 for the traceback, and please report it).", err=True)
+            sys.exit(1)
 
     return wrapper
+
+
+class FiniteFloat(click.ParamType):
+    """A float that must be finite (no nan / inf) and within ``[min, max]`` (open ends with ``*_open``)."""
+
+    name = "float"
+
+    def __init__(self, min: float | None = None, max: float | None = None, *, min_open: bool = False,
+                 max_open: bool = False):
+        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) and math.isfinite(value):
+            x = value
+        else:
+            try:
+                x = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number.", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        low_bad = self.min is not None and (x <= self.min if self.min_open else x < self.min)
+        high_bad = self.max is not None and (x >= self.max if self.max_open else x > self.max)
+        if low_bad or high_bad:
+            lo = "" if self.min is None else f"{self.min} {'<' if self.min_open else '<='} "
+            hi = "" if self.max is None else f" {'<' if self.max_open else '<='} {self.max}"
+            self.fail(f"{value} is not in the range {lo}x{hi}.", param, ctx)
+        return x
 
 
 def model_option(fn):

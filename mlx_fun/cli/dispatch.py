@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import UserError
-from .common import friendly_errors
+from .common import FiniteFloat, friendly_errors
 
 DEFAULT_MS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
 
@@ -44,10 +44,7 @@ def _specs_from_model(model_path: str, top_k: int | None):
     from ..dispatch_tune import spec_of
     from ..io import load_model
 
-    try:
-        model, _tok, config = load_model(model_path, lazy=True)
-    except FileNotFoundError as e:
-        raise UserError(f"could not load {model_path}: {e}") from None
+    model, _tok, config = load_model(model_path, lazy=True)
     modules = expert_modules(model)
     if not modules:
         raise UserError(f"{model_path} has no mlx-lm SwitchGLU experts to tune.")
@@ -104,7 +101,7 @@ def _specs_from_shapes(shapes, quants, dtype, gpt_oss: bool, backend: str):
               help="Skip M above this (large M on a slow CPU takes minutes per call); the last band extends.")
 @click.option("--blocks", default="8,16,32,64", show_default=True, help="Block sizes R tried for the blocked plans.")
 @click.option("--no-dequant", is_flag=True, help="Do not try dequantize-then-gather_mm plans for quantized experts.")
-@click.option("--margin", type=click.FloatRange(min=0.0, max=0.5), default=0.05, show_default=True,
+@click.option("--margin", type=FiniteFloat(min=0.0, max=0.5), default=0.05, show_default=True,
               help="A plan replaces mlx-lm's only where it is at least this much (fraction) and 20 µs faster.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Minimum timed calls per plan and M (more for fast calls, up to 100; 1 for calls over 5 s).")
@@ -123,13 +120,12 @@ def tune_dispatch_cmd(model, shape, quant, dtype, gpt_oss, top_k, ms, max_m, blo
     Plans: mlx-lm's rule, unsorted, sorted, blocked<R> (each expert's rows padded to blocks of R, one GEMM per
     block) and, for quantized experts, dequantize-then-gather_mm (per call, or cached with --dequant-cache).
     A plan replaces mlx-lm's only where it is --margin faster. Shows a progress bar; the file is written
-    atomically.
+    atomically. On a GPU, --shape 2048,768,128,8 --quant bfloat16 --quant affine4-g64 tunes a Qwen3-30B-A3B
+    layer without the model (MLX's CPU backend has no bfloat16 gather_mm; use --quant float32 there).
 
     \b
-    Examples:
-      mlx-fun tune-dispatch --model ./Qwen3-30B-A3B-4bit
-      mlx-fun tune-dispatch --shape 2048,768,128,8 --quant bfloat16 --quant affine4-g64 \\
-          --output cuda_table.json --merge-into mlx_fun/dispatch_table.json
+    Example:
+      mlx-fun tune-dispatch --model data/tiny-moe --max-m 256
     """
     import mlx.core as mx
     from tqdm import tqdm
@@ -198,7 +194,7 @@ def tune_dispatch_cmd(model, shape, quant, dtype, gpt_oss, top_k, ms, max_m, blo
         written.append(str(path))
     click.echo(f"Wrote {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} to {', '.join(written)}")
     if not output:
-        click.echo("--dispatch auto reads this user table from now on (smoke-test, eval, serve).")
+        click.echo("--dispatch auto reads this user table from now on (smoke-test, eval).")
 
 
 def _print_entry(entry) -> None:

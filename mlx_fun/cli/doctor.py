@@ -48,7 +48,12 @@ def matmul_gflops(n: int = 512, budget_s: float = 0.3) -> float:
 
 @click.command("doctor")
 def doctor():
-    """Show the MLX backend, device, BLAS and versions."""
+    """Show the MLX backend, device, BLAS and versions, and measure a float32 matmul.
+
+    \b
+    Example:
+      mlx-fun doctor
+    """
     from .. import __version__
     from ..blas import blas_status
 

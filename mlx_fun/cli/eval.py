@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import sys
@@ -12,7 +13,7 @@ import click
 
 from .. import __version__
 from ..errors import UserError
-from .collect import check_output_file
+from .collect import warn_past_context
 from .common import dispatch_option, friendly_errors, model_option
 
 
@@ -31,13 +32,7 @@ def _check_model_dir(path: str, option: str) -> dict:
 def _load(path: str, option: str):
     from ..io import load_model
 
-    try:
-        model, tokenizer, _ = load_model(path, lazy=True)
-    except FileNotFoundError as e:
-        raise UserError(f"could not load {option} {path}: {e}") from None
-    except ValueError as e:  # mlx-lm: "Model type X not supported." and similar
-        detail = " ".join(str(e).split())[:200]
-        raise UserError(f"could not load {option} {path} with mlx-lm ({detail}); is it a supported model?") from None
+    model, tokenizer, _ = load_model(path, lazy=True, flag=option)
     return model, tokenizer
 
 
@@ -98,31 +93,39 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
     KL(reference ‖ model) in nats, and top-1 agreement (how often both predict the same most likely token).
 
     \b
-    Example:
-      mlx-fun eval --model ./pruned --reference ./original \\
-          --dataset data/eval/code.jsonl --dataset data/eval/prose.jsonl --output eval.json
+    Example (the held-out splits of `python scripts/prepare_dataset.py --output corpus`):
+      mlx-fun eval --model pruned --reference data/tiny-moe --dataset code=corpus/code/test.jsonl \\
+          --dataset prose=corpus/prose/test.jsonl --max-samples 32 --max-tokens 512 --output eval.json
 
     Datasets use the formats of `collect` (JSONL messages / prompt+completion / text lines, or a directory of
     .txt/.sol files), tokenized with MODEL's tokenizer; model and reference must share the tokenizer. The
     same --seed selects the same samples in every run. Works with float and quantized models of any family
     that mlx-lm loads. Log-probabilities are computed in float32; padding is excluded.
     """
-    from ..evaluate import (
-        check_compatible,
-        evaluate,
-        format_results,
-        load_eval_datasets,
-        resolve_datasets,
-    )
+    from .. import writer
+    from ..evaluate import check_compatible, resolve_datasets
 
     model_config = _check_model_dir(model, "--model")
     ref_config = _check_model_dir(reference, "--reference") if reference is not None else None
     paths = resolve_datasets(datasets)
-    out = None
-    if output is not None:
-        out = check_output_file(output, tuple(str(p) for p in paths.values()))
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
+    inputs = {"--model": model, "--reference": reference, "--dataset": [str(p) for p in paths.values()]}
+    with writer.output(output, kind="file", inputs=inputs) if output else contextlib.nullcontext() as res:
+        report = _run(model, reference, paths, model_config=model_config, ref_config=ref_config,
+                      max_samples=max_samples, max_tokens=max_tokens, seed=seed, text_key=text_key,
+                      batch_size=batch_size, dispatch=dispatch)
+        if res is not None:
+            res.write_json(_json_safe(report))
+    if output:
+        click.echo(f"Wrote {output}")
+
+
+def _run(model, reference, paths, *, model_config, ref_config, max_samples, max_tokens, seed, text_key,
+         batch_size, dispatch) -> dict:
+    """Load, score and print; return the report that ``--output`` writes."""
+    from ..data import pad_id as batch_pad_id
+    from ..evaluate import check_compatible, evaluate, format_results, load_eval_datasets
 
     click.echo(f"Loading {model} ...", err=True)
     mdl, tokenizer = _load(model, "--model")
@@ -139,8 +142,7 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
     )
     summary = ", ".join(f"{name}: {len(s)} samples" for name, s in data.items())
     click.echo(f"{model_config['model_type']}: {summary}", err=True)
-
-    from ..data import pad_id as batch_pad_id
+    warn_past_context([x for samples in data.values() for x in samples], model_config, "--max-tokens")
 
     pad_id = batch_pad_id(tokenizer)
     start = time.perf_counter()
@@ -152,30 +154,25 @@ def eval_cmd(model, reference, datasets, max_samples, max_tokens, text_key, seed
     click.echo(format_results(results))
     click.echo(f"{tokens:,} tokens scored in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} tok/s)", err=True)
 
-    if out is not None:
-        from ..io import write_json
-
-        report = {
-            "model": str(model),
-            "reference": None if reference is None else str(reference),
-            "model_type": model_config.get("model_type"),
-            "quantization": model_config.get("quantization"),
-            "reference_quantization": None if ref_config is None else ref_config.get("quantization"),
-            "settings": {
-                "max_samples": max_samples,
-                "max_tokens": max_tokens,
-                "seed": seed,
-                "text_key": text_key,
-                "batch_size": batch_size,
-                "dispatch": dispatch.mode,
-                "pad_id": pad_id,
-            },
-            "datasets": {name: {"path": str(paths[name]), **r} for name, r in results.items()},
-            "elapsed_s": round(elapsed, 3),
-            "versions": _versions(),
-        }
-        write_json(out, _json_safe(report))
-        click.echo(f"Wrote {out}")
+    return {
+        "model": str(model),
+        "reference": None if reference is None else str(reference),
+        "model_type": model_config.get("model_type"),
+        "quantization": model_config.get("quantization"),
+        "reference_quantization": None if ref_config is None else ref_config.get("quantization"),
+        "settings": {
+            "max_samples": max_samples,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "text_key": text_key,
+            "batch_size": batch_size,
+            "dispatch": dispatch.mode,
+            "pad_id": pad_id,
+        },
+        "datasets": {name: {"path": str(paths[name]), **r} for name, r in results.items()},
+        "elapsed_s": round(elapsed, 3),
+        "versions": _versions(),
+    }
 
 
 COMMANDS = [eval_cmd]

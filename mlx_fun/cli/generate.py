@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from ..errors import UserError
-from .common import dispatch_option, friendly_errors, model_option
+from .common import FiniteFloat, dispatch_option, friendly_errors, model_option
 
-DEFAULT_PROMPT = "pragma solidity ^0.8.0;"
+DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def check_generatable(model_path: str) -> dict:
@@ -35,14 +35,14 @@ def check_generatable(model_path: str) -> dict:
               help="Prompt text, fed raw (no chat template) unless --chat.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=100, show_default=True,
               help="Generate at most this many tokens (fewer when the model emits an EOS token).")
-@click.option("--temp", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True,
               help="Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's default).")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed: step n of the generation draws its noise from mx.random.key(seed + n), so the same "
                    "seed reproduces the output. Without it the noise comes from MLX's global RNG.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
               help="Sample only among the k most likely tokens (0 disables).")
-@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
+@click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
               help="Sample only from the nucleus of the model's (untempered) distribution holding this much "
                    "probability (1 disables).")
 @click.option("--chat", is_flag=True, default=False,
@@ -64,27 +64,29 @@ def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat, di
 
     \b
     Example:
-      mlx-fun smoke-test --model ./pruned-moe --max-tokens 64
-      mlx-fun smoke-test --model ./pruned-moe --prompt "Write a haiku" --chat --temp 0.7 --top-p 0.9 --seed 1
+      mlx-fun smoke-test --model pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
     """
-    from ..io import load_model
-    from ..sampling import make_sampler, run_generation
+    from ..io import context_length, load_model
+    from ..sampling import encode_prompt, make_sampler, run_generation
 
-    check_generatable(model)
+    config = check_generatable(model)
     if not prompt:
         raise UserError("--prompt is empty; pass some text to continue.")
 
     click.echo(f"Loading {model} ...", err=True)
-    try:
-        mdl, tokenizer, _config = load_model(model)
-    except FileNotFoundError as e:
-        raise UserError(f"could not load {model}: {e}") from None
+    mdl, tokenizer, _config = load_model(model)
     dispatch.apply(mdl, echo=lambda line: click.echo(line, err=True))
     sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
     click.echo(f"Sampler: {sampler!r}", err=True)
 
+    ids = encode_prompt(tokenizer, prompt, chat)
+    limit = context_length(config)
+    if limit and len(ids) + max_tokens > limit:
+        click.echo(f"Warning: the prompt ({len(ids):,} tokens) plus --max-tokens {max_tokens:,} is longer than the "
+                   f"model's context of {limit:,} tokens (max_position_embeddings); output past it is unreliable. "
+                   f"Shorten the prompt or lower --max-tokens.", err=True)
     result = run_generation(
-        mdl, tokenizer, prompt, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k, top_p=top_p, chat=chat,
+        mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k, top_p=top_p, chat=chat,
         on_text=lambda s: click.echo(s, nl=False),
     )
     click.echo("")

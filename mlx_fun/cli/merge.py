@@ -9,7 +9,7 @@ import click
 
 from .. import __version__
 from ..errors import UserError
-from .collect import check_supported
+from .collect import check_supported, warn_past_context
 from .common import friendly_errors, metric_option, model_option
 from .prune import echo_size_summary
 
@@ -60,11 +60,11 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
     """Merge MODEL's routed experts around the most salient ones (REAM) and write an mlx-lm directory to OUTPUT.
 
     \b
-    Examples:
-      mlx-fun merge --model ./my-moe --saliency saliency.npz --n-prune 16 \\
-          --dataset calib.jsonl --output ./merged --seed 42
-      mlx-fun merge --model ./my-moe --expert-list filtered_experts.json \\
-          --dataset calib.jsonl --output ./merged
+    Examples (on the bundled model; filtered_experts.json is the README's expert-list example):
+      mlx-fun merge --model data/tiny-moe --saliency code.npz --n-prune 8 --dataset corpus/code/train.jsonl \\
+          --output merged --max-samples 16 --max-tokens 512 --seed 42
+      mlx-fun merge --model data/tiny-moe --expert-list filtered_experts.json --dataset corpus/code/train.jsonl \\
+          --output merged-list --max-samples 16 --max-tokens 512
 
     Each non-centroid expert joins its most similar centroid (groups of at most --max-group-size); members'
     neurons are aligned to the centroid's and the group is averaged with saliency weights; the centroid's
@@ -77,13 +77,14 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
     from ..data import load_samples
     from ..data import pad_id as batch_pad_id
     from ..expert_files import load_expert_list
-    from ..io import check_output_dir, load_model, save_model_dir
+    from .. import writer
+    from ..io import load_model, write_model_dir
     from ..rewrite.merge import merge_model, select_centroids
+    from ..rewrite.prune import pruned_nbytes
     from ..saliency import SaliencyAccumulator
     from ..selection import check_keep_counts, parse_expert_ranges
 
     check_supported(model)
-    check_output_dir(output, model, force)
     if saliency is None and expert_list is None:
         raise UserError("give --saliency (with --n-prune) or --expert-list to choose the centroids.")
     if expert_list is None and n_prune is None:
@@ -98,59 +99,65 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
         if path is not None and not Path(path).exists():
             raise UserError(f"{flag} {path} does not exist; check the path.")
 
+    inputs = {"--model": model, "--saliency": saliency, "--expert-list": expert_list, "--dataset": dataset}
     start = time.perf_counter()
-    click.echo(f"Loading {model} ...", err=True)
-    mdl, tokenizer, config = load_model(model, lazy=True)
-    adapter = get_adapter(mdl, config)
-    moe_layers = adapter.moe_layers()
-    E = adapter.num_experts
-    scores = None
-    if saliency is not None:
-        acc = SaliencyAccumulator.load(saliency)
-        acc.check_matches(adapter)
-        scores = acc.scores(metric)
-    if expert_list is not None:
-        keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
-    else:
-        keep_map = select_centroids(
-            adapter, scores, n_prune, model_wide=model_wide, min_experts_per_layer=min_experts_per_layer,
-            ignore_experts=parse_expert_ranges(ignore_experts, E) if ignore_experts else None,
-        )  # fmt: skip
-    for warning in check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers):
-        click.echo(f"Warning: {warning}", err=True)
-    n_kept = len(keep_map[0])
-    if n_kept * max_group_size < E:
+    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
+        click.echo(f"Loading {model} ...", err=True)
+        mdl, tokenizer, config = load_model(model, lazy=True)
+        adapter = get_adapter(mdl, config)
+        moe_layers = adapter.moe_layers()
+        E = adapter.num_experts
+        scores = None
+        if saliency is not None:
+            acc = SaliencyAccumulator.load(saliency)
+            for warning in acc.check_matches(adapter):
+                click.echo(f"Warning: {warning}", err=True)
+            scores = acc.scores(metric)
+        if expert_list is not None:
+            keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
+        else:
+            keep_map = select_centroids(
+                adapter, scores, n_prune, model_wide=model_wide, min_experts_per_layer=min_experts_per_layer,
+                ignore_experts=parse_expert_ranges(ignore_experts, E) if ignore_experts else None,
+            )  # fmt: skip
+        for warning in check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers):
+            click.echo(f"Warning: {warning}", err=True)
+        n_kept = len(keep_map[0])
+        if n_kept * max_group_size < E:
+            click.echo(
+                f"Warning: {n_kept} centroids × --max-group-size {max_group_size} < {E} experts: the experts left over "
+                "join their most similar centroid, so some groups exceed the maximum size.",
+                err=True,
+            )
+
+        samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,
+                               seed=seed)  # fmt: skip
+        n_tokens = sum(len(s) for s in samples)
         click.echo(
-            f"Warning: {n_kept} centroids × --max-group-size {max_group_size} < {E} experts: the experts left over "
-            "join their most similar centroid, so some groups exceed the maximum size.",
+            f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
+            f"{len(samples)} samples, {n_tokens:,} tokens; similarity {similarity_mode}, alignment {alignment}",
             err=True,
         )
+        warn_past_context(samples, config, "--max-tokens")
+        res.require_space(pruned_nbytes(adapter, n_kept))
+        pad_id = batch_pad_id(tokenizer)
+        metadata = merge_model(
+            mdl, adapter, samples, keep_map=keep_map, saliency=scores, metric=metric,
+            similarity_mode=similarity_mode, alignment=alignment, max_group_size=max_group_size,
+            max_similarity_tokens=max_similarity_tokens, max_alignment_tokens=max_alignment_tokens, seed=seed,
+            batch_size=batch_size, pad_id=pad_id, progress=True,
+        )  # fmt: skip
+        metadata.update(
+            n_prune=n_prune,
+            model_wide=model_wide,
+            source=str(saliency or expert_list),
+            expert_list=None if expert_list is None else str(expert_list),
+            dataset=str(dataset),
+            mlx_fun_version=__version__,
+        )
+        click.echo(f"Saving merged model to {output} ...", err=True)
+        write_model_dir(res, mdl, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
 
-    samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,
-                           seed=seed)  # fmt: skip
-    n_tokens = sum(len(s) for s in samples)
-    click.echo(
-        f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
-        f"{len(samples)} samples, {n_tokens:,} tokens; similarity {similarity_mode}, alignment {alignment}",
-        err=True,
-    )
-    pad_id = batch_pad_id(tokenizer)
-    metadata = merge_model(
-        mdl, adapter, samples, keep_map=keep_map, saliency=scores, metric=metric,
-        similarity_mode=similarity_mode, alignment=alignment, max_group_size=max_group_size,
-        max_similarity_tokens=max_similarity_tokens, max_alignment_tokens=max_alignment_tokens, seed=seed,
-        batch_size=batch_size, pad_id=pad_id, progress=True,
-    )  # fmt: skip
-    metadata.update(
-        n_prune=n_prune,
-        model_wide=model_wide,
-        source=str(saliency or expert_list),
-        expert_list=None if expert_list is None else str(expert_list),
-        dataset=str(dataset),
-        mlx_fun_version=__version__,
-    )
-    click.echo(f"Saving merged model to {output} ...", err=True)
-    save_model_dir(mdl, adapter.config, output, source=model, metadata={"ream_metadata.json": metadata}, force=force)
     elapsed = time.perf_counter() - start
 
     click.echo(f"{'layer':>6} {'experts':>12}  {'merged':>6}  {'largest':>7}  {'s':>6}")

@@ -46,10 +46,10 @@ def _fmt_size(n: int) -> str:
 @click.option("--min-experts-per-layer", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --model-wide: never keep fewer experts than this in a layer.")
 @click.option("--ignore-experts", default=None, help='With --model-wide: indices never pruned, e.g. "0,1,250..255".')
-@click.option("--safety-map", type=click.Path(), default=None, help="safety_report.json from `mlx-fun safety-scan`.")
+@click.option("--safety-map", type=click.Path(), default=None, help="Safety report JSON listing experts per layer (format: README, Report files).")
 @click.option("--safety-mode", type=click.Choice(["protect", "target"]), default=None,
               help="protect: never prune safety-critical experts; target: prune them first.")
-@click.option("--domain-map", type=click.Path(), default=None, help="domain_report.json from `mlx-fun domain-scan`.")
+@click.option("--domain-map", type=click.Path(), default=None, help="Domain report JSON listing experts per layer (format: README, Report files).")
 @click.option("--domain-mode", type=click.Choice(["protect"]), default=None, help="protect: never prune domain experts.")
 @click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
 @friendly_errors
@@ -58,24 +58,24 @@ def prune_cmd(model, saliency, expert_list, output, n_prune, metric, strategy, m
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.
 
     \b
-    Examples:
-      mlx-fun prune --model ./my-moe --saliency saliency.npz --n-prune 16 --output ./pruned
-      mlx-fun prune --model ./my-moe --saliency saliency.npz --n-prune 40 --model-wide \\
-          --ignore-experts "0,1,250..255" --output ./pruned
-      mlx-fun prune --model ./my-moe --expert-list filtered_experts.json --output ./pruned
+    Examples (on the bundled model; filtered_experts.json is the README's expert-list example):
+      mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --output pruned
+      mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --model-wide \\
+          --ignore-experts "0,1,30..31" --output pruned-wide
+      mlx-fun prune --model data/tiny-moe --expert-list filtered_experts.json --output pruned-list
 
     Router rows, correction biases and every expert projection (quantized or not) are sliced; shared
     experts are kept. The result loads with plain mlx_lm.load(); reap_metadata.json records the kept experts.
     """
     from ..adapters import get_adapter
-    from ..io import check_output_dir, load_model, save_model_dir
+    from .. import writer
+    from ..io import load_model, params_nbytes, write_model_dir
     from ..rewrite.prune import prune_model
     from ..saliency import SaliencyAccumulator
     from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
     from ..selection import check_keep_counts, parse_expert_ranges, select_experts
 
     check_supported(model)
-    check_output_dir(output, model, force)
     if (saliency is None) == (expert_list is None):
         raise UserError("give exactly one of --saliency (with --n-prune) or --expert-list.")
     if saliency is not None and n_prune is None:
@@ -93,59 +93,65 @@ def prune_cmd(model, saliency, expert_list, output, n_prune, metric, strategy, m
         if path is not None and not Path(path).exists():
             raise UserError(f"{flag} {path} does not exist; check the path.")
 
+    inputs = {"--model": model, "--saliency": saliency, "--expert-list": expert_list, "--safety-map": safety_map,
+              "--domain-map": domain_map}
     start = time.perf_counter()
-    mdl, tokenizer, config = load_model(model, lazy=True)
-    adapter = get_adapter(mdl, config)
-    moe_layers = adapter.moe_layers()
-    E = adapter.num_experts
-    if expert_list is not None:
-        keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
-        metric_used = "expert-list"
-    else:
-        acc = SaliencyAccumulator.load(saliency)
-        acc.check_matches(adapter)
-        protected_sets, targeted = [], None
-        if safety_map is not None:
-            safety = load_report_experts(safety_map, "safety", moe_layers, E)
-            if safety_mode == "protect":
-                protected_sets.append(safety)
-            else:
-                targeted = safety
-        if domain_map is not None:
-            protected_sets.append(load_report_experts(domain_map, "domain", moe_layers, E))
-        protected = merge_expert_sets(*protected_sets) if protected_sets else None
-        keep_map = select_experts(
-            acc.scores(metric),
-            n_prune,
-            top_k=adapter.top_k,
-            strategy=strategy,
-            model_wide=model_wide,
-            min_experts_per_layer=min_experts_per_layer,
-            ignore_experts=parse_expert_ranges(ignore_experts) if ignore_experts else None,
-            protected=protected,
-            targeted=targeted,
-            groups=adapter.groups,
-            moe_layer_indices=moe_layers,
-        )
-        metric_used = metric
-    for warning in check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers):
-        click.echo(f"Warning: {warning}", err=True)
+    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
+        mdl, tokenizer, config = load_model(model, lazy=True)
+        adapter = get_adapter(mdl, config)
+        moe_layers = adapter.moe_layers()
+        E = adapter.num_experts
+        if expert_list is not None:
+            keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
+            metric_used = "expert-list"
+        else:
+            acc = SaliencyAccumulator.load(saliency)
+            for warning in acc.check_matches(adapter):
+                click.echo(f"Warning: {warning}", err=True)
+            protected_sets, targeted = [], None
+            if safety_map is not None:
+                safety = load_report_experts(safety_map, "safety", moe_layers, E)
+                if safety_mode == "protect":
+                    protected_sets.append(safety)
+                else:
+                    targeted = safety
+            if domain_map is not None:
+                protected_sets.append(load_report_experts(domain_map, "domain", moe_layers, E))
+            protected = merge_expert_sets(*protected_sets) if protected_sets else None
+            keep_map = select_experts(
+                acc.scores(metric),
+                n_prune,
+                top_k=adapter.top_k,
+                strategy=strategy,
+                model_wide=model_wide,
+                min_experts_per_layer=min_experts_per_layer,
+                ignore_experts=parse_expert_ranges(ignore_experts) if ignore_experts else None,
+                protected=protected,
+                targeted=targeted,
+                groups=adapter.groups,
+                moe_layer_indices=moe_layers,
+            )
+            metric_used = metric
+        for warning in check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers):
+            click.echo(f"Warning: {warning}", err=True)
 
-    new_config = prune_model(adapter, keep_map)
-    n_kept = adapter.num_experts
-    metadata = {
-        "original_num_experts": E,
-        "pruned_num_experts": n_kept,
-        "metric": metric_used,
-        "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
-        "strategy": strategy if expert_list is None else None,
-        "model_wide": model_wide,
-        "n_prune": n_prune,
-        "source": str(saliency or expert_list),
-        "mlx_fun_version": __version__,
-    }
-    click.echo(f"Saving pruned model to {output} ...", err=True)
-    save_model_dir(mdl, new_config, output, source=model, metadata={"reap_metadata.json": metadata}, force=force)
+        new_config = prune_model(adapter, keep_map)
+        n_kept = adapter.num_experts
+        metadata = {
+            "original_num_experts": E,
+            "pruned_num_experts": n_kept,
+            "metric": metric_used,
+            "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
+            "strategy": strategy if expert_list is None else None,
+            "model_wide": model_wide,
+            "n_prune": n_prune,
+            "source": str(saliency or expert_list),
+            "mlx_fun_version": __version__,
+        }
+        res.require_space(params_nbytes(mdl))
+        click.echo(f"Saving pruned model to {output} ...", err=True)
+        write_model_dir(res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata})
+
     elapsed = time.perf_counter() - start
 
     click.echo(f"{'layer':>6} {'experts':>12}  removed")

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import click
 
-from .common import friendly_errors, metric_option
+from .. import writer
 from ..errors import UserError
-
-
-def _same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    pa, pb = Path(a), Path(b)
-    if pa.exists() and pb.exists():
-        return os.path.samefile(pa, pb)
-    return pa.resolve() == pb.resolve()
-
-
-def _refuse_overwrite(output: str, inputs: list[str]) -> None:
-    for path in inputs:
-        if _same_path(output, path):
-            raise UserError(f"--output {output} is the input file {path}; that would overwrite the input. "
-                            "Choose another output path.")
+from .common import FiniteFloat, friendly_errors, metric_option
 
 
 def _fmt(x: float) -> str:
@@ -62,12 +46,16 @@ def stats_diff(file1, file2, metric, output):
     Computes diff = score(file1) - score(file2) for every (layer, expert) and prints its statistics (mean,
     std, min, max), how many entries are positive (file1 > file2), negative or zero, and the 10 largest
     positive and negative differences. Use it to see how expert routing changes between datasets.
+
+    \b
+    Example:
+      mlx-fun stats-diff --file1 code.npz --file2 prose.npz --metric freq --output diff.json
     """
     from ..saliency import SaliencyAccumulator
     from ..stats import diff
 
     if output is not None:
-        _refuse_overwrite(output, [file1, file2])
+        writer.check_output_path(output, kind="file", inputs={"--file1": file1, "--file2": file2})
     a, b = SaliencyAccumulator.load(file1), SaliencyAccumulator.load(file2)
     report = diff(a, b, metric, labels=(file1, file2))
     report = {"file1": str(file1), "file2": str(file2), **report}
@@ -91,9 +79,7 @@ def stats_diff(file1, file2, metric, output):
                  _fmt(e["value2"])] for e in entries]
         click.echo(_table(headers, rows))
     if output is not None:
-        from ..io import write_json
-
-        write_json(output, report)
+        writer.write_json(output, report, inputs={"--file1": file1, "--file2": file2})
         click.echo(f"Wrote report to {output}")
 
 
@@ -117,18 +103,22 @@ def stats_merge(files, output, metric):
     `prune --metric METRIC --saliency OUTPUT` drops the experts that ranked worst across the datasets.
     Merge all original files in one call: merging an already-merged file re-ranks it and weighs it as one
     dataset.
+
+    \b
+    Example:
+      mlx-fun stats-merge --files code.npz --files prose.npz --output merged.npz --metric reap
     """
     from ..saliency import SaliencyAccumulator
     from ..stats import merge_warnings, rank_merge
 
     files = list(files)
-    _refuse_overwrite(output, files)
+    writer.check_output_path(output, kind="file", inputs={"--files": files})
     if len(files) < 2:
         raise UserError(f"stats-merge needs at least 2 saliency files, got {len(files)}; repeat --files.")
     accs = [SaliencyAccumulator.load(f) for f in files]
     _warn(merge_warnings(accs, metric, files))
     merged = rank_merge(accs, metric, labels=files)
-    merged.save(output)
+    merged.save(output, inputs={"--files": files})
 
     n, E = len(files), merged.num_experts
     rank_sum = merged.extra[f"rank_sum_{metric}"]
@@ -145,11 +135,11 @@ def stats_merge(files, output, metric):
 )
 @click.option("--input", "input_path", required=True, type=click.Path(), help="Saliency .npz to clean.")
 @click.option("--output", required=True, type=click.Path(), help="Purged saliency .npz to write (same shape).")
-@click.option("--min-freq", type=click.FloatRange(min=0), default=None,
+@click.option("--min-freq", type=FiniteFloat(min=0), default=None,
               help="Zero out entries routed fewer than this many times (freq < MIN_FREQ).")
-@click.option("--min-count", type=click.FloatRange(min=0), default=None,
+@click.option("--min-count", type=FiniteFloat(min=0), default=None,
               help="Zero out entries with fewer than this many output-norm samples (reap_count < MIN_COUNT).")
-@click.option("--max-norm", type=click.FloatRange(min=0), default=None,
+@click.option("--max-norm", type=FiniteFloat(min=0), default=None,
               help="Only report entries whose max activation norm exceeds this; nothing is capped or zeroed.")
 @friendly_errors
 def stats_purge(input_path, output, min_freq, min_count, max_norm):
@@ -158,16 +148,20 @@ def stats_purge(input_path, output, min_freq, min_count, max_norm):
     Entries with freq < --min-freq or reap_count < --min-count get every statistic set to 0 (they score 0
     and rank last); the file keeps its dimensions. --max-norm only reports entries whose
     max_activation_norm exceeds it. At least one filter is required.
+
+    \b
+    Example:
+      mlx-fun stats-purge --input merged.npz --output purged.npz --min-freq 100 --min-count 10
     """
     from ..saliency import SaliencyAccumulator
     from ..stats import purge
 
     if min_freq is None and min_count is None and max_norm is None:
         raise UserError("stats-purge needs at least one filter: --min-freq, --min-count or --max-norm.")
-    _refuse_overwrite(output, [input_path])
+    writer.check_output_path(output, kind="file", inputs={"--input": input_path})
     acc = SaliencyAccumulator.load(input_path)
     purged, report = purge(acc, min_freq=min_freq, min_count=min_count, max_norm=max_norm)
-    purged.save(output)
+    purged.save(output, inputs={"--input": input_path})
 
     by = report["by_filter"]
     click.echo(f"{input_path}: {report['total']} expert-layer pairs, {report['purged']} purged, "

@@ -80,3 +80,17 @@ def prune_model(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict:
             prune_block(adapter, block, kept)
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return adapter.config
+
+
+def pruned_nbytes(adapter: MoEAdapter, n_kept: int) -> int:
+    """Bytes the model's parameters will take with ``n_kept`` experts per MoE layer (nothing is evaluated):
+    the estimate a writer checks free space against before pruning or merging."""
+    from ..io import params_nbytes
+
+    total = params_nbytes(adapter.model)
+    E = adapter.num_experts
+    for block in adapter.blocks():
+        params = dict(tree_flatten(block.parameters()))
+        expert_bytes = sum(params[name].nbytes for name in adapter.expert_tensors(block))
+        total -= expert_bytes * (E - n_kept) // max(E, 1)
+    return total

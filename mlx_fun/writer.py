@@ -1,0 +1,339 @@
+"""The one atomic writer: every file and directory mlx-fun writes goes through :func:`output`.
+
+``with output(path, kind=..., inputs=..., force=...) as res:`` reserves ``path`` *before* the work starts and
+writes it only when the block succeeds:
+
+1. **Refuses** an output that is an input, lies inside an input, or contains one (so ``--force``, which replaces
+   the output, can never delete a model, saliency file, dataset or expert list), the current directory or one
+   of its parents, the home directory and the filesystem root; a directory that is not empty without
+   ``force``; a file where a directory is wanted and the other way round.
+2. **Locks** the output (``fcntl.flock`` on ``.<name>.lock`` beside it): a second run that names the same output
+   fails at once with a one-line error instead of silently replacing the first run's result.
+3. **Cleans** temp entries of its own naming beside the output left by killed runs (``.<name>.mlxfun-*.tmp``,
+   ``.<name>.old-*``): under the lock nobody else can own them. One notice line each.
+4. **Proves** the location writable by creating the temp sibling (``res.tmp``) right away, so a read-only or
+   missing location fails before hours of work; :meth:`Reservation.require_space` checks free space against an
+   estimate as soon as the caller knows one.
+5. On success renames the temp into place (the old output, with ``force``, is swapped out and removed); on any
+   exception, on SIGTERM / SIGHUP (turned into :class:`Terminated` while the block runs) and on Ctrl-C it
+   removes the temp, the lock and any parent directory it created: the output is absent or complete.
+
+Everything is created with the user's umask (0644 files / 0755 directories under umask 022), unlike
+``tempfile``'s private 0600 / 0700. SIGKILL cannot be caught; its temp is removed by the next run that writes
+the same output. Writes are atomic against interruption of the process; file outputs are also fsync'ed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from .errors import UserError
+
+TOKEN = "mlxfun-"
+_SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the estimate (metadata, tokenizer files, filesystem slack)
+
+
+class Terminated(BaseException):
+    """SIGTERM / SIGHUP received while an output was being written (the temp is removed before it propagates)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _stderr_notice(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ path checks
+def _resolve(path: str | os.PathLike) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).resolve()
+
+
+def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str, object] | None = None,
+                      force: bool = False, flag: str = "--output") -> Path:
+    """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
+
+    ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored).
+    """
+    if kind not in ("file", "dir"):
+        raise ValueError(f"kind must be 'file' or 'dir', not {kind!r}")
+    if not os.fspath(path).strip():
+        raise UserError(f"{flag} is empty; give a path to write to.")
+    out = _resolve(path)
+    for label, value in (inputs or {}).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for inp in values:
+            if inp is None or not Path(os.path.expanduser(os.fspath(inp))).exists():
+                continue
+            src = _resolve(inp)
+            if out == src:
+                raise UserError(f"{flag} {path} is the input given to {label}; write the result somewhere else.")
+            if src in out.parents:
+                raise UserError(f"{flag} {path} is inside the input {label} {inp}; write the result somewhere else.")
+            if out in src.parents:
+                raise UserError(f"{flag} {path} contains the input {label} {inp}; replacing it would delete that "
+                                f"input, so write the result to a new path.")
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    if kind == "dir" and (out == cwd or out in cwd.parents or out == home or out.parent == out):
+        what = "the current directory" if out == cwd else (
+            "the home directory" if out == home else "a parent of the current directory")
+        raise UserError(f"{flag} {path} is {what}; replacing it would delete everything in it. "
+                        f"Write to a new directory, e.g. {flag} ./result.")
+    if kind == "dir":
+        if out.exists() and not out.is_dir():
+            raise UserError(f"{flag} {path} exists and is not a directory; choose another path.")
+        if out.is_dir() and any(out.iterdir()) and not force:
+            raise UserError(f"{flag} {path} exists and is not empty; pass --force to replace it, or pick another path.")
+    elif out.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'result'}.")
+    return out
+
+
+def _stale_pattern(name: str) -> re.Pattern:
+    """Temp entries a writer of ``name`` leaves when killed (plus the 8-character ``tempfile`` names of 0.1)."""
+    n = re.escape(name)
+    return re.compile(rf"^\.{n}\.(({TOKEN}[0-9a-f]{{8}}|[a-z0-9_]{{8}})\.tmp(\..+)?|old-\d+)$")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- locking
+def _acquire_lock(lock_path: Path, flag: str, shown: str) -> int:
+    """An exclusive ``flock`` on ``lock_path`` (created with the umask); a ``UserError`` if another run has it."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it "
+                            f"to finish or choose another path.") from None
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not unlinked by a finishing holder between our open() and flock()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` (if their handler is the default)."""
+    installed = {}
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum, frame):
+            raise Terminated(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                installed[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Hold back SIGTERM / SIGHUP / SIGINT while cleaning up, so the cleanup itself is not cut short."""
+    sigs = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs) if main else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# ------------------------------------------------------------------------------------------ reservation
+class Reservation:
+    """A reserved output: write into ``tmp`` (a directory, or a file path); it becomes ``path`` on success."""
+
+    def __init__(self, path: Path, shown: str, kind: str, force: bool, flag: str, suffix: str,
+                 notice: Callable[[str], None]):
+        self.path, self.shown, self.kind, self.force, self.flag = path, shown, kind, force, flag
+        self.suffix, self.notice = suffix, notice
+        self.tmp: Path | None = None
+        self._lock_fd: int | None = None
+        self._lock_path = path.parent / f".{path.name}.lock"
+        self._created_dirs: list[Path] = []
+
+    # -- setup
+    def _open(self) -> None:
+        try:
+            self._make_parents()
+            self._lock_fd = _acquire_lock(self._lock_path, self.flag, self.shown)
+            self._clean_stale()
+            name = f".{self.path.name}.{TOKEN}{secrets.token_hex(4)}.tmp{self.suffix}"
+            tmp = self.path.parent / name
+            if self.kind == "dir":
+                os.mkdir(tmp, 0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+            self.tmp = tmp
+        except OSError as e:
+            raise UserError(f"cannot write {self.flag} {self.shown}: {e.strerror or e} ({e.filename or self.path.parent}); "
+                            f"choose a writable location.") from None
+
+    def _make_parents(self) -> None:
+        missing = []
+        parent = self.path.parent
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        for d in reversed(missing):
+            os.mkdir(d, 0o777)
+            self._created_dirs.append(d)
+
+    def _clean_stale(self) -> None:
+        pattern = _stale_pattern(self.path.name)
+        for entry in sorted(self.path.parent.iterdir()):
+            if pattern.match(entry.name):
+                _remove(entry)
+                self.notice(f"Removed {entry}, left behind by an interrupted run.")
+
+    # -- during the work
+    def require_space(self, nbytes: int, what: str = "the output") -> None:
+        """``UserError`` unless the output's filesystem has room for ``nbytes`` (plus a small margin)."""
+        free = shutil.disk_usage(self.path.parent).free
+        if free < nbytes * 1.01 + _SPACE_MARGIN:
+            raise UserError(f"not enough free space for {self.flag} {self.shown}: {what} needs about "
+                            f"{fmt_bytes(nbytes)}, {fmt_bytes(free)} is free there; free some space or write "
+                            f"elsewhere.")
+
+    def write_failed(self, exc: BaseException) -> UserError:
+        """A one-line error for a failed write into ``tmp`` (e.g. MLX's ``[write] Unable to write``)."""
+        free = shutil.disk_usage(self.path.parent).free
+        detail = " ".join(str(exc).split())[:160]
+        return UserError(f"writing {self.flag} {self.shown} failed ({detail}; {fmt_bytes(free)} free there); "
+                         f"nothing was written.")
+
+    def write_text(self, text: str) -> None:
+        """Fill a file reservation's temp with ``text`` (UTF-8)."""
+        self.tmp.write_text(text, encoding="utf-8")
+
+    def write_json(self, obj) -> None:
+        self.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+    # -- the end
+    def _commit(self) -> None:
+        assert self.tmp is not None
+        try:
+            if self.kind == "file":
+                with open(self.tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(self.tmp, self.path)
+                _fsync_dir(self.path.parent)
+            elif self.path.is_dir() and self.force and any(self.path.iterdir()):
+                old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
+                os.rename(self.path, old)
+                os.rename(self.tmp, self.path)
+                _remove(old)
+            else:
+                os.rename(self.tmp, self.path)  # fails if a non-empty directory appeared meanwhile
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise UserError(f"{self.flag} {self.shown} was created by something else during this run; "
+                                f"nothing was written. Pass --force to replace it, or pick another path.") from None
+            raise UserError(f"could not move the result into {self.flag} {self.shown}: {e.strerror or e}; "
+                            f"nothing was written.") from None
+        self.tmp = None
+
+    def _release(self) -> None:
+        if self.tmp is not None:
+            _remove(self.tmp)
+            self.tmp = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._lock_path.unlink()
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        for d in reversed(self._created_dirs):
+            if not self.path.exists():
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only if still empty
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, object] | None = None,
+           force: bool = False, flag: str = "--output", suffix: str = "",
+           notice: Callable[[str], None] | None = None) -> Iterator[Reservation]:
+    """Reserve ``path`` now and write it atomically when the block succeeds (see the module docstring).
+
+    ``kind`` is ``"file"`` (write to ``res.tmp``, a file path ending in ``suffix``) or ``"dir"`` (fill the
+    directory ``res.tmp``). ``force`` lets a non-empty directory be replaced (files are always replaceable).
+    """
+    shown = os.fspath(path)
+    target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag)
+    res = Reservation(target, shown, kind, force, flag, suffix, notice or _stderr_notice)
+    with _signals_raise():
+        try:
+            res._open()
+            yield res
+            with _signals_blocked():
+                res._commit()
+        finally:
+            with _signals_blocked():
+                res._release()
+
+
+# ------------------------------------------------------------------------------------------ small files
+def write_text(path: str | os.PathLike, text: str, *, inputs: Mapping[str, object] | None = None,
+               flag: str = "--output") -> Path:
+    """Write a text file atomically (UTF-8)."""
+    with output(path, kind="file", inputs=inputs, flag=flag) as res:
+        res.write_text(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, obj, *, inputs: Mapping[str, object] | None = None,
+               flag: str = "--output") -> Path:
+    """Write JSON atomically."""
+    with output(path, kind="file", inputs=inputs, flag=flag) as res:
+        res.write_json(obj)
+    return Path(path)
