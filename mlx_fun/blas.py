@@ -1,16 +1,18 @@
 """Fast BLAS for MLX's CPU backend on Linux.
 
 The ``mlx[cpu]`` wheel on Linux bundles the reference (netlib) BLAS: a 1024³ float32 matmul runs at
-~5 GFLOP/s. Preloading a system OpenBLAS (Debian/Ubuntu: ``apt-get install libopenblas0-pthread``)
-makes MLX's ``cblas_*``/LAPACK calls resolve to OpenBLAS instead: ~120-230 GFLOP/s on the same
-2-core machine. ``LD_PRELOAD`` is only honoured when a process starts, so :func:`maybe_reexec`
+~5 GFLOP/s. Preloading OpenBLAS makes MLX's ``cblas_*``/LAPACK calls resolve to it instead: ~150-230 GFLOP/s
+on the same 2-core machine. It comes from PyPI (``scipy-openblas32``, a Linux dependency of mlx-fun, made
+preloadable by :mod:`mlx_fun.openblas_wheel`) or from the system (Debian/Ubuntu: ``libopenblas0-pthread``,
+preferred when installed). ``LD_PRELOAD`` is only honoured when a process starts, so :func:`maybe_reexec`
 re-executes the current process once, with the library preloaded, before ``mlx`` is imported. The
 ``mlx-fun`` console script (:mod:`mlx_fun.launcher`) and the benchmark scripts call it.
 
 Environment:
 
 - ``MLX_FUN_NO_FAST_BLAS=1``: never preload / re-exec.
-- ``MLX_FUN_BLAS=/path/lib.so``: the library to preload (default: the first OpenBLAS found).
+- ``MLX_FUN_BLAS=/path/lib.so``: the library to preload (default: the first OpenBLAS found); ``wheel``: the
+  ``scipy-openblas32`` wheel's OpenBLAS even when a system one is installed.
 - ``MLX_FUN_BLAS_REEXEC=1``: set by the re-exec (inherited by children); no further re-exec is tried.
 - ``OPENBLAS_NUM_THREADS``: left to OpenBLAS (all cores) unless you set it; see
   :data:`DEFAULT_OPENBLAS_THREADS` for why no default is imposed.
@@ -43,8 +45,8 @@ DEFAULT_OPENBLAS_THREADS: int | None = None
 
 REFERENCE_PREFIX = "blas: reference BLAS of the mlx[cpu] wheel (slow)"
 REFERENCE_MESSAGE = (
-    f"{REFERENCE_PREFIX}: install Debian's libopenblas0-pthread "
-    "(apt-get install libopenblas0-pthread) for 25-40x faster CPU matmuls"
+    f"{REFERENCE_PREFIX}: `pip install scipy-openblas32` (mlx-fun's Linux dependency) or Debian's "
+    "libopenblas0-pthread give 25-40x faster CPU matmuls"
 )
 
 
@@ -76,20 +78,54 @@ def _candidates() -> list[str]:
     return paths
 
 
-def find_fast_blas() -> str | None:
-    """Path of a fast BLAS to preload, or None (not Linux, or none installed).
+def _loads(path: str) -> str | None:
+    """None if ``path`` can be loaded and exports ``cblas_sgemm``; else why not. Checked before it is preloaded:
+    a library with a missing dependency in ``LD_PRELOAD`` makes the dynamic loader abort every command (exit 127)."""
+    import ctypes
 
-    ``MLX_FUN_BLAS`` names a library explicitly; when it does not exist the usual places are searched.
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return f"cannot be loaded ({' '.join(str(e).split())})"
+    return None if hasattr(lib, "cblas_sgemm") else "does not export cblas_sgemm (not a BLAS)"
+
+
+def find_fast_blas(notes: list[str] | None = None, *, check: bool = False) -> str | None:
+    """Path of a fast BLAS to preload, or None (not Linux, or none usable).
+
+    In order: ``MLX_FUN_BLAS`` (a library that is missing, or with ``check`` does not load, is skipped with a
+    line in ``notes``), a system OpenBLAS (Debian's ``libopenblas0-pthread`` and the like), then the
+    ``scipy-openblas32`` wheel that mlx-fun installs on Linux, made usable by
+    :func:`mlx_fun.openblas_wheel.prepared_library` (once, in ``~/.cache/mlx-fun/blas``). ``check`` loads each
+    candidate into this process to prove it loads: only for the process about to re-exec.
     """
     if not _is_linux():
         return None
+    notes = [] if notes is None else notes
     explicit = os.environ.get(LIBRARY_ENV, "").strip()
-    if explicit and os.path.isfile(explicit):
-        return explicit
-    for path in _candidates():
+    if explicit == "wheel":
+        explicit = ""
+        candidates: list[str] = []
+    else:
+        candidates = _candidates()
+    if explicit:
+        problem = "does not exist" if not os.path.isfile(explicit) else (_loads(explicit) if check else None)
+        if problem is None:
+            return explicit
+        notes.append(f"{LIBRARY_ENV}={explicit} {problem}; using the next fast BLAS found instead.")
+    for path in candidates:
         if os.path.isfile(path):
-            return path
-    return None
+            problem = _loads(path) if check else None
+            if problem is None:
+                return path
+            notes.append(f"{path} {problem}; skipped.")
+    from .openblas_wheel import prepared_library
+
+    library, problem = prepared_library()
+    if library is None:
+        notes.append(f"no fast BLAS: {problem}.")
+        return None
+    return str(library)
 
 
 def cuda_backend_installed() -> bool:
@@ -172,9 +208,11 @@ def maybe_reexec() -> None:
     """Re-exec this process once with a fast BLAS in ``LD_PRELOAD``; a no-op when not useful.
 
     Only on Linux, when not disabled (``MLX_FUN_NO_FAST_BLAS=1``), no CUDA backend is installed, a
-    fast BLAS is found and not already preloaded, no re-exec was tried before (``MLX_FUN_BLAS_REEXEC``)
-    and ``mlx`` is not imported yet. If the exec fails, the process goes on with the slow BLAS.
+    fast BLAS is found, loads, and is not already preloaded, no re-exec was tried before
+    (``MLX_FUN_BLAS_REEXEC``) and ``mlx`` is not imported yet. If the exec fails, the process goes on with the
+    slow BLAS. Problems with ``MLX_FUN_BLAS`` are reported on stderr, once.
     """
+    notes: list[str] = []
     try:
         if not _is_linux() or _disabled() or os.environ.get(MARKER_ENV):
             return
@@ -183,14 +221,19 @@ def maybe_reexec() -> None:
         argv = list(getattr(sys, "orig_argv", None) or [])
         if not argv or not sys.executable or sys.argv[:1] in ([""], ["-"]):
             return  # interactive or script from stdin: cannot be replayed
-        library = find_fast_blas()
-        if not library or _mapped_blas(library):
+        if cuda_backend_installed() or _mapped_blas():
+            return  # CUDA, or a BLAS preloaded by hand (checked before find_fast_blas loads candidates)
+        library = find_fast_blas(notes, check=True)
+        if not library:
             return
-        env = _reexec_env(os.environ, sys.modules, library, cuda_backend_installed())
+        env = _reexec_env(os.environ, sys.modules, library, False)
         if env is None:
             return
     except Exception:
         return
+    finally:
+        for note in notes:
+            print(f"mlx-fun: warning: {note}", file=sys.stderr, flush=True)
     changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
     saved = {k: os.environ.get(k) for k in changed}
     try:
