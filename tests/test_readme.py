@@ -1,0 +1,126 @@
+"""The README is true: every shell block runs as written, in order, on the bundled model in a fresh directory, and
+every command's `--help` example is one of those commands (so it runs too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_fun.cli import main
+
+from .test_nothing_lost import tree
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+#: commands of the README's shell blocks that this test does not run, and why (a prefix matches)
+NOT_RUN = {
+    "pip install": "the package is installed already (the README's first command is run from `mlx-fun demo` on)",
+    "python -m pytest": "the test suite itself",
+    "python scripts/train_tiny_moe.py": "8 minutes of training; test_bundled.py runs the script with tiny settings",
+}
+
+
+def blocks() -> list[tuple[str, str]]:
+    """``("bash", text)`` for every ```bash block and ``("file:NAME", text)`` for a block under
+    ``<!-- file: NAME -->`` (a file the README asks to save), in README order."""
+    out = []
+    for m in re.finditer(r"(<!-- file: (?P<file>[^ ]+) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", README, re.S):
+        if m.group("file"):
+            out.append((f"file:{m.group('file')}", m.group("body")))
+        elif m.group("lang") == "bash":
+            out.append(("bash", m.group("body")))
+    return out
+
+
+def commands(text: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, `&&` chains split, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line:
+            out += [part.strip() for part in line.split(" && ")]
+    return out
+
+
+def normalise(cmd: str) -> str:
+    return " ".join(shlex.split(cmd))
+
+
+def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    for name in ("tiny-moe", "calibration_sample.jsonl"):
+        (work / "data" / name).symlink_to(ROOT / "data" / name)
+    (work / "scripts").symlink_to(ROOT / "scripts")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    bundled_before = tree(ROOT / "data" / "tiny-moe")
+    ran, skipped = [], []
+    for kind, body in blocks():  # files the README asks to save ("save this as …") exist from the start
+        if kind.startswith("file:"):
+            (work / kind[5:]).write_text(body)
+    for kind, body in blocks():
+        if kind != "bash":
+            continue
+        for cmd in commands(body):
+            reason = next((why for prefix, why in NOT_RUN.items() if cmd.startswith(prefix)), None)
+            if reason:
+                skipped.append(cmd)
+                continue
+            proc = subprocess.run(cmd, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, f"$ {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, f"$ {cmd}\n{proc.stderr[-3000:]}"
+            ran.append(cmd)
+    assert len(ran) >= 20 and len(skipped) == 4, (ran, skipped)
+    assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
+        "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
+        "tune-dispatch", "doctor"}
+    for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
+                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24)):
+        assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
+    report = json.loads((work / "eval.json").read_text())
+    assert set(report["datasets"]) == {"code", "prose"}
+    for name in ("code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
+                 "cache/mlx-fun/dispatch_table.json"):
+        assert (work / name).is_file() or (tmp_path / name).is_file(), name
+    assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left
+    assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled model is only ever read
+
+
+def _help_examples(cmd_name: str) -> list[str]:
+    """The `mlx-fun …` lines under "Example(s)" in a command's --help (continuations joined)."""
+    from click.testing import CliRunner
+
+    text = CliRunner().invoke(main, [cmd_name, "--help"]).output
+    section = re.search(r"Examples?[^\n]*:\n(.*?)(\n\s*\n|\nOptions:)", text, re.S)
+    assert section, f"`mlx-fun {cmd_name} --help` has no example"
+    return [c for c in commands(section.group(1)) if c.startswith("mlx-fun ")]
+
+
+@pytest.mark.parametrize("cmd_name", sorted(main.commands))
+def test_every_help_example_is_a_readme_command(cmd_name):
+    readme_commands = {normalise(c) for kind, body in blocks() if kind == "bash" for c in commands(body)}
+    examples = _help_examples(cmd_name)
+    assert examples, f"`mlx-fun {cmd_name} --help` shows no runnable example"
+    for example in examples:
+        assert normalise(example) in readme_commands, f"{example!r} is not run by the README test"
+
+
+def test_no_help_text_names_a_command_that_does_not_exist():
+    from click.testing import CliRunner
+
+    known = set(main.commands)
+    for name in sorted(known):
+        text = CliRunner().invoke(main, [name, "--help"]).output
+        text = re.sub(r"-\n\s*", "-", text)  # click wraps lines after a hyphen: `tune-` / `dispatch`
+        for other in re.findall(r"mlx-fun\s+([a-z][a-z-]+)", text):
+            assert other in known, f"`mlx-fun {name} --help` mentions `mlx-fun {other}`, which does not exist"
