@@ -19,7 +19,7 @@ OPENBLAS = blas.find_fast_blas() if LINUX else None
 linux_only = pytest.mark.skipif(not LINUX, reason="LD_PRELOAD / /proc are Linux-only")
 needs_openblas = pytest.mark.skipif(
     not OPENBLAS or blas.cuda_backend_installed(),
-    reason="no OpenBLAS installed (apt-get install libopenblas0-pthread), or the CUDA backend is installed",
+    reason="no OpenBLAS found (neither the scipy-openblas32 wheel nor a system one), or the CUDA backend is installed",
 )
 
 MAPS = "print('MAPS', any(l.rstrip().rsplit('/', 1)[-1].startswith('libopenblas') for l in open('/proc/self/maps')))"

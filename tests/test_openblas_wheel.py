@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,8 +21,8 @@ def test_renamed_copy_exports_the_plain_blas_names_and_computes(tmp_path):
     out = tmp_path / "libopenblas-test.so"
     out.write_bytes(ow.strip_symbol_prefix(data))
     assert len(out.read_bytes()) == len(data)  # patched in place: nothing moves
-    readelf = subprocess.run(["readelf", "--dyn-syms", "-d", str(out)], capture_output=True, text=True)
-    if readelf.returncode == 0:
+    if shutil.which("readelf"):  # binutils' view agrees (the loader itself is exercised by verify())
+        readelf = subprocess.run(["readelf", "--dyn-syms", "-d", str(out)], capture_output=True, text=True)
         assert "(HASH)" in readelf.stdout and "GNU_HASH" not in readelf.stdout
         assert " cblas_sgemm\n" in readelf.stdout and " scipy_cblas_sgemm\n" not in readelf.stdout
     assert ow.verify(out) is None
