@@ -54,23 +54,26 @@ def test_prepared_copy_is_cached_with_the_users_umask(tmp_path, monkeypatch):
 
 def test_mlx_runs_its_matmuls_and_lapack_on_the_wheel(tmp_path):
     """In a fresh process with MLX_FUN_BLAS=wheel, the launcher's re-exec preloads the renamed copy, and MLX's
-    CPU matmul and inverse agree with numpy while running far above the reference BLAS's ~5 GFLOP/s."""
+    CPU matmul and inverse agree with numpy, and the dynamic linker binds libmlx's ``cblas_sgemm`` to that copy
+    (LD_DEBUG=bindings: proof that MLX really calls it; the speed itself is measured by scripts/bench_collect.py)."""
     code = (
         "from mlx_fun.blas import maybe_reexec, blas_status; maybe_reexec()\n"
-        "import time, numpy as np, mlx.core as mx\n"
+        "import numpy as np, mlx.core as mx\n"
         "a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)\n"
         "x = mx.array(a); mx.eval(x @ x)\n"
-        "t = time.perf_counter(); [mx.eval(x @ x) for _ in range(5)]; dt = (time.perf_counter() - t) / 5\n"
         "err = float(np.abs(np.array(x @ x) - a.astype(np.float64) @ a).max())\n"
         "inv = np.array(mx.linalg.inv(x, stream=mx.cpu))\n"
-        "print(blas_status()); print('ERR', err, np.abs(inv @ a - np.eye(512)).max() < 1e-2); print('GFLOPS', 2 * 512**3 / dt / 1e9)\n"
+        "print(blas_status()); print('ERR', err, np.abs(inv @ a - np.eye(512)).max() < 1e-2)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_FUN_BLAS_REEXEC")}
-    env.update(MLX_FUN_BLAS="wheel", XDG_CACHE_HOME=str(tmp_path))
+    (tmp_path / "ld").mkdir()
+    env.update(MLX_FUN_BLAS="wheel", XDG_CACHE_HOME=str(tmp_path), LD_DEBUG="bindings",
+               LD_DEBUG_OUTPUT=str(tmp_path / "ld" / "log"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"blas: OpenBLAS preloaded ({tmp_path}/mlx-fun/blas/libopenblas-"), proc.stdout
     _, err, inv_ok = lines[1].split()
     assert float(err) < 1e-2 and inv_ok == "True"
-    assert float(lines[2].split()[1]) > 30, proc.stdout  # reference BLAS: ~5 GFLOP/s on 2 cores
+    bindings = [ln for f in (tmp_path / "ld").iterdir() for ln in f.read_text().splitlines() if "`cblas_sgemm'" in ln]
+    assert any("/libmlx.so" in ln and f" to {tmp_path}/mlx-fun/blas/libopenblas-" in ln for ln in bindings), bindings
