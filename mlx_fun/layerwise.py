@@ -27,36 +27,28 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import classswap
+
 _FN = "_mlxfun_layer_fn"
-_SWAPPED: dict[type, type] = {}
+_TAG = "layerwise"
 
 
 def _swapped_call(self, *args, **kwargs):
-    return object.__getattribute__(self, _FN)(*args, **kwargs)
-
-
-def _swapped_class(cls: type) -> type:
-    swapped = _SWAPPED.get(cls)
-    if swapped is None:
-        swapped = type(f"Layerwise{cls.__name__}", (cls,), {"__call__": _swapped_call, "_mlxfun_layer_original": cls})
-        _SWAPPED[cls] = swapped
-    return swapped
+    return classswap.get_state(self, _FN)(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def swap_layer_calls(layers: list, make_fn: Callable[[int], Callable]):
     """Within the block, calling ``layers[i]`` calls ``make_fn(i)(*args, **kwargs)`` instead."""
-    originals: list[type] = []
     try:
         for i, layer in enumerate(layers):
-            originals.append(type(layer))
-            object.__setattr__(layer, _FN, make_fn(i))
-            layer.__class__ = _swapped_class(originals[-1])
+            classswap.set_state(layer, _FN, make_fn(i))
+            classswap.swap(layer, _TAG, _swapped_call)
         yield
     finally:
-        for layer, cls in zip(layers, originals):
-            layer.__class__ = cls
-            layer.__dict__.pop(_FN, None)
+        for layer in layers:
+            classswap.restore(layer, _TAG)
+            classswap.drop_state(layer, _FN)
 
 
 @dataclass

@@ -21,12 +21,13 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from . import classswap
 from .adapters.base import MoEAdapter
 
 Tap = Callable[[int, mx.array, mx.array, mx.array, mx.array], None]
 
 _STATE = "_mlxfun_hook"
-_HOOKED: dict[type, type] = {}
+_TAG = "hook"
 
 
 @dataclass
@@ -53,16 +54,8 @@ def _hooked_call(self, x):
     return out if h is x else out.reshape(x.shape)
 
 
-def _hooked_class(cls: type) -> type:
-    hooked = _HOOKED.get(cls)
-    if hooked is None:
-        hooked = type(f"Hooked{cls.__name__}", (cls,), {"__call__": _hooked_call, "_mlxfun_original": cls})
-        _HOOKED[cls] = hooked
-    return hooked
-
-
 def is_hooked(block) -> bool:
-    return type(block).__dict__.get("_mlxfun_original") is not None
+    return classswap.is_swapped(block, _TAG)
 
 
 def install(
@@ -80,20 +73,16 @@ def install(
         if getattr(block, "sharding_group", None) is not None:
             raise ValueError("sharded (distributed) MoE blocks are not supported by the hooks; load unsharded")
         state = HookState(adapter, pos, list(taps), None if bias is None else bias.get(pos))
-        object.__setattr__(block, _STATE, state)
-        if not is_hooked(block):
-            block.__class__ = _hooked_class(type(block))
+        classswap.set_state(block, _STATE, state)
+        classswap.swap(block, _TAG, _hooked_call, name=f"Hooked{type(block).__name__}")
     return blocks
 
 
 def remove(adapter: MoEAdapter) -> None:
     """Restore the original class of every hooked MoE block and drop the hook state."""
     for block in adapter.blocks():
-        original = type(block).__dict__.get("_mlxfun_original")
-        if original is not None:
-            block.__class__ = original
-        if _STATE in block.__dict__:
-            del block.__dict__[_STATE]
+        classswap.restore(block, _TAG)
+        classswap.drop_state(block, _STATE)
 
 
 def set_bias(adapter: MoEAdapter, bias: dict[int, mx.array] | None) -> None:

@@ -35,6 +35,7 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
+from mlx_fun import moe_hook  # noqa: E402
 from mlx_fun.corpus import domain_file  # noqa: E402
 from mlx_fun.tiny import SPECIAL_TOKENS, tiny_config, train_tokenizer  # noqa: E402
 
@@ -96,38 +97,21 @@ def fixed_windows(tokens: np.ndarray, n: int, seq: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- routing aux
 class RouterLog:
-    """Collects (router logits, chosen indices) of every MoE block during one traced forward."""
+    """A tap on mlx-fun's hooked MoE call (the routing stays the adapter's, written once): keeps (router logits,
+    softmax gates, chosen indices) of every MoE block during one traced forward, gradients included."""
 
     entries: list = []
 
-
-def install_router_log(model):
-    from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    class LoggedBlock(Qwen3MoeSparseMoeBlock):
-        def __call__(self, x):
-            logits = self.gate(x)
-            gates = mx.softmax(logits, axis=-1, precise=True)
-            k = self.top_k
-            inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
-            scores = mx.take_along_axis(gates, inds, axis=-1)
-            if self.norm_topk_prob:
-                scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-            y = self.switch_mlp(x, inds)
-            RouterLog.entries.append((logits, gates, inds))
-            return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
-            layer.mlp.__class__ = LoggedBlock
+    def __call__(self, layer, inds, weights, logits, y):
+        RouterLog.entries.append((logits, mx.softmax(logits, axis=-1, precise=True), inds))
 
 
-def remove_router_log(model):
-    from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+def install_router_log(model, config):
+    from mlx_fun.adapters import get_adapter
 
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
-            layer.mlp.__class__ = Qwen3MoeSparseMoeBlock
+    adapter = get_adapter(model, config)
+    moe_hook.install(adapter, [RouterLog()])
+    return adapter
 
 
 def aux_losses(num_experts: int):
@@ -203,7 +187,7 @@ def main(argv=None):
     print(f"model: {n_params / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per token), "
           f"{n_params * 4 / 2**20:.1f} MiB in float32", flush=True)
 
-    install_router_log(model)
+    adapter = install_router_log(model, config)
 
     def loss_fn(model, batch):
         RouterLog.entries = []
@@ -288,9 +272,9 @@ def main(argv=None):
     if mean < best[0] or best[2] is None:
         best = (mean, step_i, dict(tree_flatten(model.parameters())))
     model.load_weights(list(best[2].items()))
-    remove_router_log(model)
+    moe_hook.remove(adapter)
     final = evaluate()
-    routing = routing_stats(model, val, domains, args)
+    routing = routing_stats(model, config, val, domains, args)
     log.update({"steps": step_i, "tokens": tokens_seen, "train_seconds": round(train_seconds, 1),
                 "best_step": best[1], "final_val_loss": {d: round(v, 4) for d, v in final.items()},
                 "final_val_ppl": {d: round(math.exp(v), 2) for d, v in final.items()},
@@ -312,11 +296,11 @@ def corpus_python(data: Path) -> str:
         return sys.version.split()[0]
 
 
-def routing_stats(model, val, domains, args):
+def routing_stats(model, config, val, domains, args):
     """Per-layer max/min expert selection frequency over the validation windows (all domains)."""
     counts = None
     RouterLog.entries = []
-    install_router_log(model)
+    adapter = install_router_log(model, config)
     for d in domains:
         for i in range(0, val[d].shape[0], args.batch_size):
             RouterLog.entries = []
@@ -324,7 +308,7 @@ def routing_stats(model, val, domains, args):
             layer_counts = [np.bincount(np.array(inds).ravel(), minlength=args.experts)
                             for _, _, inds in RouterLog.entries]
             counts = layer_counts if counts is None else [a + b for a, b in zip(counts, layer_counts)]
-    remove_router_log(model)
+    moe_hook.remove(adapter)
     RouterLog.entries = []
     return [round(float(c.max() / max(c.min(), 1)), 2) for c in counts]
 
