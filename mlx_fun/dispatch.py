@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
 
+from . import classswap, dispatch_dense
 from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of this module's API
     Entry,
     LayerKey,
@@ -72,6 +73,11 @@ from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of 
 )
 
 MODES = ("auto", "mlx-lm")
+#: most (token, expert) rows one grouped-matmul call may have, per backend. MLX's CUDA kernels put the batch of
+#: a batched matrix-vector product (gather_qmm / gather_mm on the routed rows) on gridDim.y/z, which CUDA caps at
+#: 65,535: 65,536 rows fail with ``cuGraphAddKernelNode(...) failed: invalid argument`` (e.g. 4 × 2,048 tokens ×
+#: top-8; the same class as ml-explore/mlx#3858 and #3893). The dispatch splits larger calls into calls under it.
+MAX_ROWS = {"cuda": 65535}
 _STATE = "_mlxfun_dispatch"
 _PROJS = ("up_proj", "gate_proj", "down_proj")
 
@@ -83,15 +89,7 @@ def _dequantize(proj, dtype=None):
     """The (E, out, in) float weights of a ``QuantizedSwitchLinear`` (None for a float projection)."""
     if not isinstance(proj, QuantizedSwitchLinear):
         return None
-    kwargs = {}
-    gs = getattr(proj, "global_scale", None)
-    if gs is not None:
-        kwargs["global_scale"] = gs
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return mx.dequantize(
-        proj["weight"], proj["scales"], proj.get("biases"), proj.group_size, proj.bits, mode=proj.mode, **kwargs
-    )
+    return dispatch_dense.dequantize_weight(proj, dtype)
 
 
 def _project(proj, w, x, idx, sorted_indices: bool):
@@ -140,6 +138,7 @@ class DispatchState:
     plans: dict = field(default_factory=dict)  # (m, k) -> Plan (resolved: never MLX_LM)
     calls: dict = field(default_factory=dict)  # (m, k) -> Plan, or None: mlx-lm's own call does the same
     force: Plan | None = None  # tests / benchmarks: always this plan
+    max_rows: int | None = None  # split calls with more (token, expert) rows than this (MAX_ROWS)
 
     def entry(self, k: int) -> tuple[Entry, str]:
         got = self.entries.get(k)
@@ -170,6 +169,8 @@ class DispatchedSwitchGLU(SwitchGLU):
         m = indices.size // k if k else 0
         if state is None or m == 0:
             return SwitchGLU.__call__(self, x, indices)
+        if state.max_rows and m * k > state.max_rows and x.size == m * x.shape[-1]:
+            return _split_rows(self, x, indices, max(1, state.max_rows // k))
         key = (m, k)
         if key not in state.calls:
             state.resolve(m, k)
@@ -178,6 +179,15 @@ class DispatchedSwitchGLU(SwitchGLU):
             # mlx-lm's own choice (also where MLX's float32-only CPU gather_mm rules out a dequant plan)
             return SwitchGLU.__call__(self, x, indices)
         return run_plan(self, x, indices, plan, state.cache)
+
+
+def _split_rows(module, x, indices, step: int) -> mx.array:
+    """The call on ``step`` tokens at a time, concatenated: no call exceeds the backend's row limit."""
+    *lead, k = indices.shape
+    d = x.shape[-1]
+    xs, ids = x.reshape(-1, d), indices.reshape(-1, k)
+    outs = [DispatchedSwitchGLU.__call__(module, xs[i:i + step], ids[i:i + step]) for i in range(0, ids.shape[0], step)]
+    return mx.concatenate(outs, axis=0).reshape(*lead, k, -1)
 
 
 def _experts(module, x, idx, sorted_indices: bool, weights):
@@ -236,37 +246,25 @@ def _run_blocked(module, x, indices, block: int, weights) -> mx.array:
 
 # ------------------------------------------------------------------------------------- install / remove
 
-_DISPATCHED: dict[type, type] = {DispatchedSwitchGLU: DispatchedSwitchGLU}
+_TAG = "dispatch"
+classswap.register(SwitchGLU, _TAG, DispatchedSwitchGLU.__call__, DispatchedSwitchGLU)
 
 
-def _dispatched_class(cls: type) -> type | None:
-    """The dispatched subclass for ``cls`` (SwitchGLU or a subclass that keeps SwitchGLU's ``__call__``)."""
-    if cls in _DISPATCHED:
-        return _DISPATCHED[cls]
-    if not (isinstance(cls, type) and issubclass(cls, SwitchGLU)) or cls.__call__ is not SwitchGLU.__call__:
-        return None
-    if cls is SwitchGLU:
-        sub = DispatchedSwitchGLU
-    else:
-        sub = type(f"Dispatched{cls.__name__}", (cls,), {"__call__": DispatchedSwitchGLU.__call__})
-    sub._mlxfun_dispatch_original = cls
-    _DISPATCHED[cls] = sub
-    _DISPATCHED[sub] = sub
-    return sub
-
-
-DispatchedSwitchGLU._mlxfun_dispatch_original = SwitchGLU
+def _dispatchable(cls: type) -> bool:
+    """SwitchGLU, or a subclass of it that keeps SwitchGLU's ``__call__`` (dispatched ones included)."""
+    return isinstance(cls, type) and issubclass(cls, SwitchGLU) and (
+        cls.__call__ is SwitchGLU.__call__ or cls.__call__ is DispatchedSwitchGLU.__call__)
 
 
 def is_dispatched(module) -> bool:
-    return "_mlxfun_dispatch_original" in type(module).__dict__
+    return classswap.is_swapped(module, _TAG)
 
 
 def expert_modules(model) -> list:
     """Every SwitchGLU-like module of ``model`` (dispatched or not), in tree order."""
     found = []
     for _, mod in model.named_modules():
-        if is_dispatched(mod) or _dispatched_class(type(mod)) is not None:
+        if _dispatchable(type(mod)):
             found.append(mod)
     return found
 
@@ -292,6 +290,7 @@ class DispatchReport:
     cache_budget: int = 0
     cache_bytes: int = 0
     cached_layers: int = 0
+    dense_layers: int = 0  # dense quantized linears swapped (mlx_fun.dispatch_dense)
     quantized_layers: int = 0
     cache_note: str = ""
     table_sources: list = field(default_factory=list)
@@ -306,6 +305,9 @@ class DispatchReport:
             else:
                 parts.append(f"{key.quant} D{key.D} H{key.H} E{key.E}: {how} entry "
                              f"{entry.quant} D{entry.D} H{entry.H} E{entry.E} k{entry.k} ({entry.source})")
+        if self.dense_layers:
+            parts.append(f"{self.dense_layers} dense quantized linear(s) dequantized from "
+                         f"{dispatch_dense.MIN_ROWS[self.backend]} tokens on")
         if self.cache_budget:
             parts.append(f"dequant cache {format_bytes(self.cache_bytes)} for {self.cached_layers}/"
                          f"{self.quantized_layers} quantized layer(s) (budget {format_bytes(self.cache_budget)})"
@@ -355,11 +357,12 @@ def install(
     forced = Plan.parse(force) if isinstance(force, str) else force
     report = DispatchReport("auto", backend, cache_budget=int(dequant_cache_bytes), table_sources=table.sources)
     budget = int(dequant_cache_bytes)
+    report.dense_layers = dispatch_dense.install(model, backend)
     for module in expert_modules(model):
         key = LayerKey.of(module)
         quantized = any(isinstance(getattr(module, n), QuantizedSwitchLinear) for n in _PROJS)
         old = module.__dict__.get(_STATE)
-        state = DispatchState(table, backend, key, quantized, force=forced)
+        state = DispatchState(table, backend, key, quantized, force=forced, max_rows=MAX_ROWS.get(backend))
         if key not in report.entries:
             report.entries[key] = table.lookup(backend, key, None)
         report.layers += 1
@@ -380,9 +383,8 @@ def install(
                 budget -= need
                 report.cache_bytes += need
                 report.cached_layers += 1
-        object.__setattr__(module, _STATE, state)
-        if not is_dispatched(module):
-            module.__class__ = _dispatched_class(type(module))
+        classswap.set_state(module, _STATE, state)
+        classswap.swap(module, _TAG, DispatchedSwitchGLU.__call__, name=f"Dispatched{type(module).__name__}")
     if dequant_cache_bytes and report.quantized_layers == 0:
         report.cache_note = "no quantized expert layers"
     elif dequant_cache_bytes and report.cached_layers == 0 and report.quantized_layers:
@@ -395,13 +397,10 @@ def install(
 
 def remove(model) -> int:
     """Restore the original class of every dispatched module and drop its state (and cache). Returns the count."""
-    n = 0
+    n = dispatch_dense.remove(model)
     for _, module in model.named_modules():
-        original = type(module).__dict__.get("_mlxfun_dispatch_original")
-        if original is not None:
-            module.__class__ = original
-            n += 1
-        module.__dict__.pop(_STATE, None)
+        n += classswap.restore(module, _TAG)
+        classswap.drop_state(module, _STATE)
     return n
 
 
