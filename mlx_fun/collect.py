@@ -13,7 +13,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import moe_hook
+from . import engine, moe_hook
 from .adapters.base import MoEAdapter
 from .saliency import SaliencyAccumulator
 
@@ -32,15 +32,15 @@ class SaliencyTap:
         n = mx.linalg.norm(y.astype(mx.float32), axis=-1) if self.norms else None
         self.pending.append((layer, inds, weights.astype(mx.float32), n))
 
-    def flush(self, acc: SaliencyAccumulator, valid: np.ndarray | None = None) -> int:
+    def flush(self, acc: SaliencyAccumulator, valid: np.ndarray | None = None, evaluate=mx.eval) -> int:
         """Evaluate what the last forward recorded and add it to ``acc``.
 
         ``valid`` is a boolean mask over the batch's token positions (False for padding); returns the number
-        of tokens counted.
+        of tokens counted. ``evaluate`` evaluates the arrays (the engine's ``chunk.eval`` adds the KV cache).
         """
         pending, self.pending = self.pending, []
         arrays = [a for item in pending for a in item[1:] if a is not None]
-        mx.eval(arrays)
+        evaluate(*arrays)
         counted = 0
         for layer, inds, weights, norms in pending:
             k = inds.shape[-1]
@@ -65,34 +65,23 @@ def collect(
     acc: SaliencyAccumulator | None = None,
     norms: bool = True,
     pad_id: int = 0,
+    token_budget: int | None = None,
     progress: bool = False,
 ) -> SaliencyAccumulator:
     """Accumulate routing statistics of ``samples`` (lists of token ids) into ``acc`` (new if None).
 
-    Samples are batched by length (right-padded, padding excluded from the statistics; causal attention means
-    padding never changes the real tokens). Hooks are always removed, also on error or Ctrl-C.
+    Runs on :func:`mlx_fun.engine.run`: length-bucketed batches (right-padded, padding excluded from the
+    statistics; causal attention means padding never changes the real tokens), at most ``token_budget`` tokens
+    per forward. Hooks are always removed, also on error or Ctrl-C.
     """
-    from .data import iter_batches
-
     acc = acc or SaliencyAccumulator.for_adapter(adapter)
     tap = SaliencyTap(norms=norms)
-    total = int(sum(len(s) for s in samples))
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="tok", unit_scale=True, desc="collect", dynamic_ncols=True)
-    try:
-        with moe_hook.hooked(adapter, [tap]):
-            for tokens, lengths in iter_batches(samples, batch_size, pad_id=pad_id):
-                model(mx.array(tokens))  # lazy: only the taps' arrays are evaluated
-                valid = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
-                tap.flush(acc, None if valid.all() else valid)
-                n = int(np.sum(lengths))
-                acc.total_tokens += n
-                if bar is not None:
-                    bar.update(n)  # tqdm shows the rate in tok/s
-    finally:
-        if bar is not None:
-            bar.close()
+    def on_chunk(chunk, _output):  # the output (logits) is never evaluated: only the taps' arrays are
+        valid = chunk.valid
+        tap.flush(acc, None if valid.all() else valid, evaluate=chunk.eval)
+
+    with moe_hook.hooked(adapter, [tap]):
+        acc.total_tokens += engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id,
+                                       budget=token_budget, progress=progress, desc="collect")
     return acc

@@ -187,17 +187,26 @@ def iter_batches(
     similar length and padding is minimal. Every sample with at least one token appears in exactly one
     batch; the last batch may be smaller. Samples with no tokens are skipped (they have nothing to route).
     """
+    for tokens, lengths, _rows in iter_batch_rows(samples, batch_size, pad_id):
+        yield tokens, lengths
+
+
+def iter_batch_rows(
+    samples: Sequence[Sequence[int]], batch_size: int, pad_id: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`iter_batches` plus ``rows`` (B,) int64: the index in ``samples`` of each row."""
     if batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
     arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples]
     order = sorted((i for i, a in enumerate(arrays) if a.size), key=lambda i: -arrays[i].size)
     for start in range(0, len(order), batch_size):
-        batch = [arrays[i] for i in order[start : start + batch_size]]
+        rows = np.array(order[start : start + batch_size], dtype=np.int64)
+        batch = [arrays[i] for i in rows]
         lengths = np.array([a.size for a in batch], dtype=np.int32)
         tokens = np.full((len(batch), int(lengths.max())), pad_id, dtype=np.int32)
         for row, a in enumerate(batch):
             tokens[row, : a.size] = a
-        yield tokens, lengths
+        yield tokens, lengths, rows
 
 
 def count_tokens(samples: Sequence[Sequence[int]]) -> int:

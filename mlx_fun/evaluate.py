@@ -12,12 +12,13 @@ Every sample of ``n`` tokens gives ``n - 1`` scored next-token predictions (posi
   both).
 
 How it is computed
-    Samples are batched like ``collect`` does it (:func:`mlx_fun.data.iter_batches`: sorted by length, right
-    padded); the last token of each row is never fed (it predicts nothing). Causal attention means padding never
-    changes a real position, and padded positions are never scored, so results do not depend on the batch size
-    (up to float rounding of different matmul shapes). Log-probabilities are ``log_softmax`` in float32 of the
-    logits at the scored positions only, taken in chunks of about 16 M logits, and reduced per position (NLL,
-    KL, argmax) on the device; the per-position values are summed in float64 on the host. Only one batch's
+    Forwards run on :func:`mlx_fun.engine.run` (next-token mode): samples sorted by length and right padded,
+    each fed without its last token (it predicts nothing), at most a token budget per forward (long samples in
+    chunks with the KV cache; a reference runs in lockstep with its own cache). Causal attention means padding
+    never changes a real position, and padded positions are never scored, so results do not depend on the batch
+    size (up to float rounding of different matmul shapes). Log-probabilities are ``log_softmax`` in float32 of
+    the logits at the scored positions only, taken in chunks of about 16 M logits, and reduced per position (NLL,
+    KL, argmax) on the device; the per-position values are summed in float64 on the host. Only one forward's
     logits (of the model and of the reference) are alive at a time, so memory does not grow with the dataset.
 
 ``model`` and ``reference`` are anything that maps an ``(B, L)`` int32 ``mx.array`` of token ids to ``(B, L, V)``
@@ -40,7 +41,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from .data import DEFAULT_EXTENSIONS, DEFAULT_TEXT_KEY, iter_batches, load_samples
+from .data import DEFAULT_EXTENSIONS, DEFAULT_TEXT_KEY, load_samples
 from .errors import UserError
 
 __all__ = [
@@ -220,23 +221,19 @@ def check_compatible(
 
 @dataclass(frozen=True)
 class _Batch:
-    inputs: np.ndarray  # (B, L) int32: the fed tokens (each row without its last token), right padded
-    rows: np.ndarray  # (N,) int64: flat indices into (B * L) of the scored positions
+    inputs: np.ndarray  # (B, T) int32: the fed tokens of one forward (each sample without its last token)
+    rows: np.ndarray  # (N,) int64: flat indices into (B * T) of the scored positions
     targets: np.ndarray  # (N,) int32: the true next token of each scored position
 
     @property
     def n(self) -> int:
         return int(self.rows.size)
 
-
-def _batches(samples: Sequence[Sequence[int]], batch_size: int, pad_id: int) -> Iterator[_Batch]:
-    scored = [s for s in samples if len(s) >= 2]
-    for tokens, lengths in iter_batches(scored, batch_size, pad_id=pad_id):
-        inputs = np.ascontiguousarray(tokens[:, :-1])
-        width = inputs.shape[1]
-        valid = np.arange(width)[None, :] < (np.asarray(lengths, dtype=np.int64) - 1)[:, None]
-        b, t = np.nonzero(valid)
-        yield _Batch(inputs=inputs, rows=(b * width + t).astype(np.int64), targets=tokens[b, t + 1].astype(np.int32))
+    @classmethod
+    def of(cls, chunk) -> "_Batch":
+        b, t = np.nonzero(chunk.valid)
+        width = chunk.tokens.shape[1]
+        return cls(chunk.tokens, (b * width + t).astype(np.int64), chunk.targets[b, t].astype(np.int32))
 
 
 def _chunks(n: int, vocab: int) -> Iterator[tuple[int, int]]:
@@ -250,12 +247,26 @@ def _log_softmax(logits: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def _forward(model: Model, inputs: np.ndarray, what: str) -> mx.array:
-    logits = model(mx.array(inputs))
+def _flat_logits(logits, inputs: np.ndarray, what: str) -> mx.array:
     if not isinstance(logits, mx.array) or logits.ndim != 3 or logits.shape[:2] != inputs.shape:
         shape = getattr(logits, "shape", type(logits).__name__)
         raise ValueError(f"the {what} returned {shape} for inputs of shape {inputs.shape}; expected (B, L, V) logits")
     return logits.reshape(-1, logits.shape[-1])
+
+
+def _run(models, samples, batch_size: int, pad_id: int, budget: int | None, fn) -> int:
+    """:func:`mlx_fun.engine.run` for next-token scoring: ``fn(i, batch, chunk, outputs)`` after the ``i``-th
+    forward. Returns the number of forwards."""
+    from . import engine
+
+    count = [0]
+
+    def on_chunk(chunk, outputs):
+        fn(count[0], _Batch.of(chunk), chunk, outputs)
+        count[0] += 1
+
+    engine.run(models, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=budget, predict_next=True)
+    return count[0]
 
 
 def _gather(flat: mx.array, batch: _Batch, start: int, stop: int) -> mx.array:
@@ -298,14 +309,15 @@ class ReferenceCache:
     """The reference's float32 log-probabilities at every scored position of some datasets, kept in memory.
 
     Build it once with :meth:`build` and pass it as ``reference`` to :func:`evaluate` for each model to compare,
-    with the same samples, batch size and pad id (checked: a mismatch is a ``ValueError``). Results equal those
+    with the same samples, batch size, pad id and budget (checked: a mismatch is a ``ValueError``). Results equal those
     of passing the reference model itself.
     """
 
     batch_size: int
     pad_id: int
     vocab: int
-    #: dataset name → per batch: (fed inputs, [log-prob chunk (rows, V) float32, ...])
+    budget: int | None = None  # the token budget per forward it was built with
+    #: dataset name → per forward: (fed inputs, [log-prob chunk (rows, V) float32, ...])
     batches: dict[str, list[tuple[np.ndarray, list[mx.array]]]] = field(default_factory=dict)
     #: dataset name → {"tokens", "ref_nll", "ref_ppl"}
     stats: dict[str, dict] = field(default_factory=dict)
@@ -322,6 +334,7 @@ class ReferenceCache:
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
         pad_id: int = 0,
+        budget: int | None = None,
         max_bytes: int = 2 << 30,
         progress: bool = False,
     ) -> "ReferenceCache":
@@ -330,47 +343,45 @@ class ReferenceCache:
         Raises ``ValueError`` (before computing anything big) when they would take more than ``max_bytes``
         (``4 · V`` bytes per scored token); pass the reference model to :func:`evaluate` instead then.
         """
-        cache: ReferenceCache | None = None
         total = sum(_scored_tokens(s) for s in samples_by_name.values())
+        cache = cls(batch_size=batch_size, pad_id=pad_id, vocab=0, budget=budget)
         for name, samples in samples_by_name.items():
             entries: list[tuple[np.ndarray, list[mx.array]]] = []
-            nll_sum, count = 0.0, 0
+            sums = [0.0]
             bar = _bar(progress, _scored_tokens(samples), f"reference {name}")
+
+            def keep(i, batch, chunk, logits, entries=entries, sums=sums, bar=bar):
+                flat = _flat_logits(logits, batch.inputs, "reference")
+                vocab = int(flat.shape[-1])
+                if cache.vocab == 0:
+                    need = total * vocab * 4
+                    if need > max_bytes:
+                        raise ValueError(
+                            f"the reference log-probabilities would take {need / 2**20:,.0f} MiB "
+                            f"({total:,} tokens × {vocab:,} vocab × 4 B) > max_bytes={max_bytes:,}; "
+                            f"pass the reference model to evaluate() instead"
+                        )
+                    cache.vocab = vocab
+                chunks = []
+                for start, stop in _chunks(batch.n, vocab):
+                    lq = _log_softmax(_gather(flat, batch, start, stop))
+                    nll = _nll(lq, mx.array(batch.targets[start:stop]))
+                    chunk.eval(lq, nll)
+                    chunks.append(lq)
+                    sums[0] += float(np.asarray(nll, dtype=np.float64).sum())
+                entries.append((batch.inputs, chunks))
+                if bar is not None:
+                    bar.update(batch.n)
+
             try:
-                for batch in _batches(samples, batch_size, pad_id):
-                    flat = _forward(reference, batch.inputs, "reference")
-                    vocab = int(flat.shape[-1])
-                    if cache is None:
-                        need = total * vocab * 4
-                        if need > max_bytes:
-                            raise ValueError(
-                                f"the reference log-probabilities would take {need / 2**20:,.0f} MiB "
-                                f"({total:,} tokens × {vocab:,} vocab × 4 B) > max_bytes={max_bytes:,}; "
-                                f"pass the reference model to evaluate() instead"
-                            )
-                        cache = cls(batch_size=batch_size, pad_id=pad_id, vocab=vocab)
-                    chunks = []
-                    for start, stop in _chunks(batch.n, vocab):
-                        lq = _log_softmax(_gather(flat, batch, start, stop))
-                        nll = _nll(lq, mx.array(batch.targets[start:stop]))
-                        mx.eval(lq, nll)
-                        chunks.append(lq)
-                        nll_sum += float(np.asarray(nll, dtype=np.float64).sum())
-                    count += batch.n
-                    entries.append((batch.inputs, chunks))
-                    del flat
-                    if bar is not None:
-                        bar.update(batch.n)
+                _run(reference, samples, batch_size, pad_id, budget, keep)
             finally:
                 if bar is not None:
                     bar.close()
-            if cache is None:  # no dataset had anything to score so far
-                cache = cls(batch_size=batch_size, pad_id=pad_id, vocab=0)
+            count = sum(int(c.shape[0]) for _, chunks in entries for c in chunks)
             cache.batches[name] = entries
-            ref_nll = _mean(nll_sum, count)
+            ref_nll = _mean(sums[0], count)
             cache.stats[name] = {"tokens": count, "ref_nll": ref_nll, "ref_ppl": _exp(ref_nll)}
-        if cache is None:
-            cache = cls(batch_size=batch_size, pad_id=pad_id, vocab=0)
         return cache
 
 
@@ -385,114 +396,119 @@ def evaluate(
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     pad_id: int = 0,
+    token_budget: int | None = None,
     progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Score ``model`` on every dataset of ``samples_by_name`` (name → token-id lists), optionally against a
-    ``reference`` (a model, or a :class:`ReferenceCache` built with the same samples / batch size / pad id).
+    ``reference`` (a model, or a :class:`ReferenceCache` built with the same samples / batch size / pad id /
+    budget).
 
     Returns, per dataset name (in the given order), a dict with ``samples`` (samples of ≥ 2 tokens),
     ``tokens`` (scored next-token predictions), ``nll`` (mean, nats) and ``ppl``; with a reference also
     ``ref_nll``, ``ref_ppl``, ``kl`` (mean KL(reference ‖ model), nats) and ``top1_agreement`` (fraction). Means
-    are NaN for a dataset with nothing to score. ``progress`` shows a tqdm bar (tokens/s) per dataset.
+    are NaN for a dataset with nothing to score. ``progress`` shows a tqdm bar (tokens/s) per dataset. Forwards
+    run on :func:`mlx_fun.engine.run` with at most ``token_budget`` tokens each.
     """
     if batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
     cache = reference if isinstance(reference, ReferenceCache) else None
-    if cache is not None and (cache.batch_size != batch_size or cache.pad_id != pad_id):
+    if cache is not None and (cache.batch_size, cache.pad_id, cache.budget) != (batch_size, pad_id, token_budget):
         raise ValueError(
-            f"the reference cache was built with batch_size={cache.batch_size}, pad_id={cache.pad_id}; "
-            f"evaluate with the same (got batch_size={batch_size}, pad_id={pad_id})"
+            f"the reference cache was built with batch_size={cache.batch_size}, pad_id={cache.pad_id}, "
+            f"budget={cache.budget}; evaluate with the same (got batch_size={batch_size}, pad_id={pad_id}, "
+            f"budget={token_budget})"
         )
     results: dict[str, dict[str, Any]] = {}
     for name, samples in samples_by_name.items():
-        results[name] = _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, progress)
+        results[name] = _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, token_budget,
+                                      progress)
     return results
 
 
-def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, progress) -> dict[str, Any]:
+@dataclass
+class _Sums:
+    nll: float = 0.0
+    ref_nll: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    count: int = 0
+
+
+def _score(flat: mx.array, batch: _Batch, chunk, ref_flat: mx.array | None, ref_chunks, sums: _Sums) -> None:
+    """Add one forward's NLL (and KL, top-1 agreement, reference NLL) to ``sums``, in vocabulary chunks."""
+    vocab = int(flat.shape[-1])
+    with_ref = ref_flat is not None or ref_chunks is not None
+    for j, (start, stop) in enumerate(_chunks(batch.n, vocab)):
+        targets = mx.array(batch.targets[start:stop])
+        lp = _log_softmax(_gather(flat, batch, start, stop))
+        outs = [_nll(lp, targets)]
+        if with_ref:
+            lq = ref_chunks[j] if ref_chunks is not None else _log_softmax(_gather(ref_flat, batch, start, stop))
+            p = mx.exp(lq)
+            kl = mx.sum(mx.where(p > 0, p * (lq - lp), 0.0), axis=-1)
+            outs += [mx.maximum(kl, 0.0), mx.argmax(lq, axis=-1) == mx.argmax(lp, axis=-1)]
+            if ref_chunks is None:
+                outs.append(_nll(lq, targets))
+        chunk.eval(*outs)
+        sums.nll += float(np.asarray(outs[0], dtype=np.float64).sum())
+        if with_ref:
+            sums.kl += float(np.asarray(outs[1], dtype=np.float64).sum())
+            sums.agree += int(np.asarray(outs[2]).sum())
+            if ref_chunks is None:
+                sums.ref_nll += float(np.asarray(outs[3], dtype=np.float64).sum())
+    sums.count += batch.n
+
+
+def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, budget, progress) -> dict[str, Any]:
     with_ref = reference is not None
     cached = None
     if cache is not None:
         if name not in cache.batches:
             raise ValueError(f"the reference cache has no dataset '{name}' (it has: {', '.join(cache.batches)})")
         cached = cache.batches[name]
-
-    nll_sum = ref_nll_sum = kl_sum = 0.0
-    agree = count = n_batches = 0
+    two = with_ref and cached is None and reference is not model  # the reference runs beside the model
+    sums = _Sums()
     bar = _bar(progress, _scored_tokens(samples), f"eval {name}")
+
+    def step(i, batch, chunk, outputs):
+        flat = _flat_logits(outputs[0] if two else outputs, batch.inputs, "model")
+        vocab = int(flat.shape[-1])
+        ref_flat = ref_chunks = None
+        if cached is not None:
+            if i >= len(cached) or not np.array_equal(cached[i][0], batch.inputs):
+                raise ValueError(f"dataset '{name}': the samples differ from those the reference cache was built with")
+            ref_chunks = cached[i][1]
+            if cache.vocab != vocab:
+                raise UserError(f"the model predicts {vocab} token ids but the reference {cache.vocab}; "
+                                f"compare a model only with a reference that uses the same tokenizer")
+        elif with_ref:
+            ref_flat = _flat_logits(outputs[1], batch.inputs, "reference") if two else flat
+            if int(ref_flat.shape[-1]) != vocab:
+                raise UserError(f"the model predicts {vocab} token ids but the reference {ref_flat.shape[-1]}; "
+                                f"compare a model only with a reference that uses the same tokenizer")
+        _score(flat, batch, chunk, ref_flat, ref_chunks, sums)
+        if bar is not None:
+            bar.update(batch.n)
+
     try:
-        for i, batch in enumerate(_batches(samples, batch_size, pad_id)):
-            n_batches += 1
-            flat = _forward(model, batch.inputs, "model")
-            vocab = int(flat.shape[-1])
-            ref_flat = ref_chunks = None
-            if cached is not None:
-                if i >= len(cached) or not np.array_equal(cached[i][0], batch.inputs):
-                    raise ValueError(
-                        f"dataset '{name}': the samples differ from those the reference cache was built with"
-                    )
-                ref_chunks = cached[i][1]
-                if cache.vocab != vocab:
-                    raise UserError(
-                        f"the model predicts {vocab} token ids but the reference {cache.vocab}; "
-                        f"compare a model only with a reference that uses the same tokenizer"
-                    )
-            elif with_ref:
-                ref_flat = flat if reference is model else _forward(reference, batch.inputs, "reference")
-                if int(ref_flat.shape[-1]) != vocab:
-                    raise UserError(
-                        f"the model predicts {vocab} token ids but the reference {ref_flat.shape[-1]}; "
-                        f"compare a model only with a reference that uses the same tokenizer"
-                    )
-            for j, (start, stop) in enumerate(_chunks(batch.n, vocab)):
-                targets = mx.array(batch.targets[start:stop])
-                lp = _log_softmax(_gather(flat, batch, start, stop))
-                outs = [_nll(lp, targets)]
-                if with_ref:
-                    if ref_chunks is not None:
-                        lq = ref_chunks[j]
-                    else:
-                        lq = _log_softmax(_gather(ref_flat, batch, start, stop))
-                    p = mx.exp(lq)
-                    kl = mx.sum(mx.where(p > 0, p * (lq - lp), 0.0), axis=-1)
-                    outs += [mx.maximum(kl, 0.0), mx.argmax(lq, axis=-1) == mx.argmax(lp, axis=-1)]
-                    if ref_chunks is None:
-                        outs.append(_nll(lq, targets))
-                mx.eval(outs)
-                nll_sum += float(np.asarray(outs[0], dtype=np.float64).sum())
-                if with_ref:
-                    kl_sum += float(np.asarray(outs[1], dtype=np.float64).sum())
-                    agree += int(np.asarray(outs[2]).sum())
-                    if ref_chunks is None:
-                        ref_nll_sum += float(np.asarray(outs[3], dtype=np.float64).sum())
-            count += batch.n
-            del flat, ref_flat
-            if bar is not None:
-                bar.update(batch.n)
+        n_forwards = _run((model, reference) if two else model, samples, batch_size, pad_id, budget, step)
     finally:
         if bar is not None:
             bar.close()
-    if cached is not None and n_batches != len(cached):
+    if cached is not None and n_forwards != len(cached):
         raise ValueError(f"dataset '{name}': the samples differ from those the reference cache was built with")
 
-    nll = _mean(nll_sum, count)
+    nll = _mean(sums.nll, sums.count)
     out: dict[str, Any] = {
         "samples": sum(1 for s in samples if len(s) >= 2),
-        "tokens": count,
+        "tokens": sums.count,
         "nll": nll,
         "ppl": _exp(nll),
     }
     if with_ref:
-        if cache is not None:
-            ref_nll = cache.stats[name]["ref_nll"]
-        else:
-            ref_nll = _mean(ref_nll_sum, count)
-        out.update(
-            ref_nll=ref_nll,
-            ref_ppl=_exp(ref_nll),
-            kl=_mean(kl_sum, count),
-            top1_agreement=_mean(float(agree), count),
-        )
+        ref_nll = cache.stats[name]["ref_nll"] if cache is not None else _mean(sums.ref_nll, sums.count)
+        out.update(ref_nll=ref_nll, ref_ppl=_exp(ref_nll), kl=_mean(sums.kl, sums.count),
+                   top1_agreement=_mean(float(sums.agree), sums.count))
     return out
 
 

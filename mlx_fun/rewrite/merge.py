@@ -45,8 +45,9 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
    makes "groups of one" exactly prune.
 
 **Sequential, linear in depth.** Hidden states of all calibration samples are pushed through the model one
-decoder layer at a time (:mod:`mlx_fun.layerwise` replays the arguments the model's own forward gives each
-layer, so masks of every family are right). For a MoE layer the layer is run once with its original experts
+decoder layer at a time by the rewrite driver (:class:`mlx_fun.rewrite.driver.LayerDriver`, on
+:mod:`mlx_fun.layerwise`, which replays the arguments the model's own forward gives each layer, so masks of
+every family are right). For a MoE layer the layer is run once with its original experts
 — only the tap's arrays are evaluated, i.e. attention and router — then merged, then run again to produce the
 next layer's input from the merged layer. Cost: about one forward pass over the calibration set (plus the
 attention of MoE layers once more) and the per-layer merge work; never a full forward per layer.
@@ -66,9 +67,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import layerwise, moe_hook
+from .. import engine, moe_hook
 from ..adapters.base import MoEAdapter
 from ..errors import UserError
+from .driver import LayerDriver
 from .prune import check_keep_map, prune_block, pruned_config
 
 SIMILARITY_MODES = ("gated", "average")
@@ -132,14 +134,16 @@ class ReamCaptureTap:
             return
         x, self._x = self._x, None
         sel = self.select
-        self.records.append(
-            (
-                x.reshape(-1, x.shape[-1])[sel],
-                logits.reshape(-1, logits.shape[-1])[sel].astype(mx.float32),
-                inds.reshape(-1, inds.shape[-1])[sel],
-                weights.reshape(-1, weights.shape[-1])[sel].astype(mx.float32),
-            )
+        record = (
+            x.reshape(-1, x.shape[-1])[sel],
+            logits.reshape(-1, logits.shape[-1])[sel].astype(mx.float32),
+            inds.reshape(-1, inds.shape[-1])[sel],
+            weights.reshape(-1, weights.shape[-1])[sel].astype(mx.float32),
         )
+        # evaluated batch by batch: one batch's attention alive at a time, as in a plain forward (evaluating all
+        # batches' captures at once in take() held every batch's attention scores together)
+        mx.eval(record)
+        self.records.append(record)
 
     def take(self):
         """``(x, logits, inds, weights)`` of everything captured since the last call, concatenated and evaluated."""
@@ -420,13 +424,6 @@ def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, 
 
 
 # ================================================================================================ the whole model
-@dataclass
-class _Batch:
-    h: mx.array
-    calls: layerwise.LayerCalls
-    select: mx.array | None  # flat positions of captured tokens in this batch
-
-
 def _token_subsets(batches_valid: list[np.ndarray], n_capture: int, rng: np.random.Generator):
     """Pick ``n_capture`` random valid tokens; return their flat positions per batch and how many were picked."""
     flat = [np.flatnonzero(v.reshape(-1)) for v in batches_valid]
@@ -457,6 +454,7 @@ def merge_model(
     seed: int | None = None,
     batch_size: int = 8,
     pad_id: int = 0,
+    token_budget: int | None = None,
     progress: bool = False,
 ) -> dict:
     """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
@@ -466,8 +464,6 @@ def merge_model(
     centroids and weights the averages; without it the REAP score of the captured calibration tokens is used.
     ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
     """
-    from ..data import iter_batches
-
     t_start = time.perf_counter()
     if similarity_mode not in SIMILARITY_MODES:
         raise UserError(f"unknown similarity mode '{similarity_mode}'; choose one of {', '.join(SIMILARITY_MODES)}.")
@@ -502,70 +498,46 @@ def merge_model(
     if not samples:
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
 
-    # ---- calibration batches: the first layer's input and every layer's call arguments
-    layers = adapter.decoder_layers()
-    last_moe = moe_layers[-1]
+    # ---- calibration hidden states, carried through the layers by the rewrite driver
+    driver = LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget)
     n_capture = max(max_similarity_tokens, max_alignment_tokens)
     rng = np.random.default_rng(seed)
-    raw = list(iter_batches(samples, batch_size, pad_id=pad_id))
-    valid = [np.arange(t.shape[1])[None, :] < np.asarray(n)[:, None] for t, n in raw]
-    selects, n_cap = _token_subsets(valid, n_capture, rng)
+    selects, n_cap = _token_subsets([b.valid for b in driver.batches], n_capture, rng)
+    selects = [mx.array(sel.astype(np.int32)) if len(sel) else None for sel in selects]
     order = rng.permutation(n_cap)  # random rank of every captured token (they arrive in batch order)
     sim_rows = mx.array(np.sort(order[:max_similarity_tokens]).astype(np.int32))
     align_rows = mx.array(np.sort(order[:max_alignment_tokens]).astype(np.int32))
-    batches = []
-    for (tokens, _), sel in zip(raw, selects):
-        calls = layerwise.record_layer_calls(model, layers, mx.array(tokens))
-        mx.eval(calls.h)
-        h, calls.h = calls.h, None  # one reference only: replaced layer after layer
-        batches.append(_Batch(h, calls, mx.array(sel.astype(np.int32)) if len(sel) else None))
-    n_tokens = int(sum(int(np.sum(n)) for _, n in raw))
+    n_tokens = driver.n_tokens
 
     tap = ReamCaptureTap()
-    centroid_map, group_map, layer_seconds = {}, {}, {}
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    centroid_map, group_map = {}, {}
+    # every expert on the similarity tokens, a few experts at a time: each chunk's outputs no larger than one
+    # forward's hidden state (token budget × hidden), so merging never peaks above the forward it replays
+    chunk_elems = engine.token_budget(token_budget) * int(driver.batches[0].h.shape[-1])
 
-        bar = tqdm(total=last_moe + 1, unit="layer", desc="merge", dynamic_ncols=True)
-    try:
-        moe_hook.install(adapter, [tap])
-        for i in range(last_moe + 1):
-            layer = layers[i]
-            t0 = time.perf_counter()
-            if i in moe_layers:
-                pos = moe_layers.index(i)
-                block = adapter.block(i)
-                # 1. capture the block's input / logits / routing of the selected tokens (attention + router only)
-                tap.layer = pos
-                for b in batches:
-                    if b.select is not None:
-                        tap.select = b.select
-                        layerwise.run_layer(layer, b.h, b.calls, i)  # lazy; only the tap's arrays are evaluated
-                tap.layer, tap.select = None, None
-                x, logits, inds, rweights = tap.take()
-                groups = _merge_block(
-                    adapter, block, keep_map[pos], x, logits, inds, rweights,
-                    None if scores is None else scores[pos], sim_rows, align_rows,
-                    similarity_mode, alignment, max_group_size,
-                )  # fmt: skip
-                centroid_map[str(i)] = keep_map[pos]
-                group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
-            # 2. propagate through the (merged) layer; nothing after the last MoE layer is needed
-            if i < last_moe:
-                for b in batches:
-                    b.h = layerwise.run_layer(layer, b.h, b.calls, i)
-                    mx.eval(b.h)
-            if i in moe_layers:
-                layer_seconds[str(i)] = round(time.perf_counter() - t0, 4)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        moe_hook.remove(adapter)
-        if bar is not None:
-            bar.close()
-    for b in batches:  # free the hidden states
-        b.h = None
+    def select(batch) -> bool:
+        tap.select = selects[batch.index]
+        return tap.select is not None
+
+    def on_layer(i: int) -> None:
+        if i not in moe_layers:
+            return
+        pos = moe_layers.index(i)
+        tap.layer = pos  # 1. capture the block's input / logits / routing of the selected tokens
+        driver.replay(i, before=select)
+        tap.layer, tap.select = None, None
+        x, logits, inds, rweights = tap.take()
+        groups = _merge_block(
+            adapter, adapter.block(i), keep_map[pos], x, logits, inds, rweights,
+            None if scores is None else scores[pos], sim_rows, align_rows,
+            similarity_mode, alignment, max_group_size, chunk_elems,
+        )  # fmt: skip   2. rewrite; the driver then propagates through the merged layer
+        centroid_map[str(i)] = keep_map[pos]
+        group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
+
+    with moe_hook.hooked(adapter, [tap]):
+        driver.run(on_layer, progress=progress, desc="merge")
+    layer_seconds = {str(i): driver.seconds[i] for i in moe_layers}
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return {
         "method": "ream",
@@ -588,12 +560,12 @@ def merge_model(
 
 
 def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_row, sim_rows, align_rows,
-                 similarity_mode, alignment, max_group_size) -> dict[int, list[int]]:  # fmt: skip
+                 similarity_mode, alignment, max_group_size, chunk_elems) -> dict[int, list[int]]:  # fmt: skip
     """Similarity → groups → aligned weighted averages → write; returns the groups."""
     experts = adapter.experts(block)
     E = logits.shape[-1]
     xs, ls = x[sim_rows], logits[sim_rows]
-    stats = dense_expert_stats(experts, xs, ls)
+    stats = dense_expert_stats(experts, xs, ls, chunk_elems=chunk_elems)
     mean_out = stats.mean_gated_output if similarity_mode == "gated" else stats.mean_output
     similarity = expert_similarity(mean_out, np.array(ls))
     if scores_row is None:
