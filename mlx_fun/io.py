@@ -98,9 +98,10 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
                    inputs: dict | None = None) -> Path:
     """Save ``model`` as an mlx-lm directory at ``output`` atomically, refusing to touch ``source`` (and
     ``inputs``, flag → path): the library form of what ``prune`` and ``merge`` write."""
+    from .errors import param
     from .writer import output as reserve
 
-    with reserve(output, kind="dir", inputs={"--model": source, **(inputs or {})}, force=force) as res:
+    with reserve(output, kind="dir", inputs={param("model"): source, **(inputs or {})}, force=force) as res:
         res.require_space(params_nbytes(model))
         write_model_dir(res, model, config, source=source, metadata=metadata)
     return Path(output)

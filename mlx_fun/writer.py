@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, param
 
 TOKEN = "mlxfun-"
 _SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the estimate (metadata, tokenizer files, filesystem slack)
@@ -74,13 +74,14 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 
 def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str, object] | None = None,
-                      force: bool = False, flag: str = "--output") -> Path:
+                      force: bool = False, flag: str | None = None) -> Path:
     """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
 
     ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored).
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be 'file' or 'dir', not {kind!r}")
+    flag = flag or param("output")
     if not os.fspath(path).strip():
         raise UserError(f"{flag} is empty; give a path to write to.")
     out = _resolve(path)
@@ -102,12 +103,12 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
         what = "the current directory" if out == cwd else (
             "the home directory" if out == home else "a parent of the current directory")
         raise UserError(f"{flag} {path} is {what}; replacing it would delete everything in it. "
-                        f"Write to a new directory, e.g. {flag} ./result.")
+                        "Write to a new directory (e.g. ./result).")
     if kind == "dir":
         if out.exists() and not out.is_dir():
             raise UserError(f"{flag} {path} exists and is not a directory; choose another path.")
         if out.is_dir() and any(out.iterdir()) and not force:
-            raise UserError(f"{flag} {path} exists and is not empty; pass --force to replace it, or pick another path.")
+            raise UserError(f"{flag} {path} exists and is not empty; pass {param('force')} to replace it, or pick another path.")
     elif out.is_dir():
         raise UserError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'result'}.")
     return out
@@ -270,7 +271,7 @@ class Reservation:
         except OSError as e:
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise UserError(f"{self.flag} {self.shown} was created by something else during this run; "
-                                f"nothing was written. Pass --force to replace it, or pick another path.") from None
+                                f"nothing was written. Pass {param('force')} to replace it, or pick another path.") from None
             raise UserError(f"could not move the result into {self.flag} {self.shown}: {e.strerror or e}; "
                             f"nothing was written.") from None
         self.tmp = None
@@ -301,7 +302,7 @@ def _fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, object] | None = None,
-           force: bool = False, flag: str = "--output", suffix: str = "",
+           force: bool = False, flag: str | None = None, suffix: str = "",
            notice: Callable[[str], None] | None = None) -> Iterator[Reservation]:
     """Reserve ``path`` now and write it atomically when the block succeeds (see the module docstring).
 
@@ -309,6 +310,7 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
     directory ``res.tmp``). ``force`` lets a non-empty directory be replaced (files are always replaceable).
     """
     shown = os.fspath(path)
+    flag = flag or param("output")
     target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag)
     res = Reservation(target, shown, kind, force, flag, suffix, notice or _stderr_notice)
     with _signals_raise():
@@ -324,7 +326,7 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
 
 # ------------------------------------------------------------------------------------------ small files
 def write_text(path: str | os.PathLike, text: str, *, inputs: Mapping[str, object] | None = None,
-               flag: str = "--output") -> Path:
+               flag: str | None = None) -> Path:
     """Write a text file atomically (UTF-8)."""
     with output(path, kind="file", inputs=inputs, flag=flag) as res:
         res.write_text(text)
@@ -332,7 +334,7 @@ def write_text(path: str | os.PathLike, text: str, *, inputs: Mapping[str, objec
 
 
 def write_json(path: str | os.PathLike, obj, *, inputs: Mapping[str, object] | None = None,
-               flag: str = "--output") -> Path:
+               flag: str | None = None) -> Path:
     """Write JSON atomically."""
     with output(path, kind="file", inputs=inputs, flag=flag) as res:
         res.write_json(obj)

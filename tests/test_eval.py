@@ -259,7 +259,8 @@ def test_eval_cli_end_to_end(tmp_path, float_model, quant_model):
     report = json.loads(out.read_text())
     assert report["model"] == str(quant_model) and report["reference"] == str(float_model)
     assert report["settings"] == {"max_samples": 8, "max_tokens": 48, "seed": 0, "text_key": "content",
-                                  "batch_size": 3, "pad_id": report["settings"]["pad_id"], "dispatch": "auto"}
+                                  "batch_size": 3, "pad_id": report["settings"]["pad_id"], "dispatch": "auto",
+                                  "token_budget": 8192}
     # mlx-lm's own SwitchGLU scores the same numbers (float tolerance: the dispatch may block rows differently)
     out2 = tmp_path / "res" / "eval_mlx_lm.json"
     again = run("eval", "--model", quant_model, "--reference", float_model, "--dataset", SAMPLE, "--dataset", docs,

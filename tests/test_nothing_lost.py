@@ -140,7 +140,7 @@ def test_current_directory_and_home_are_never_replaced(tmp_path, qwen_model, sal
     (work / "keep.txt").write_text("mine")
     monkeypatch.chdir(work)
     expect_error(run("prune", "--model", qwen_model, "--saliency", saliency, "--n-prune", 1, "--output", ".",
-                     "--force"), "--output . is the current directory", "--output ./result")
+                     "--force"), "--output . is the current directory", "(e.g. ./result)")
     expect_error(run("prune", "--model", qwen_model, "--saliency", saliency, "--n-prune", 1, "--output", "..",
                      "--force"), "is a parent of the current directory")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -109,16 +109,17 @@ def test_keep_map_must_be_uniform_and_valid(make_model):
 def test_save_refuses_input_and_nonempty_dirs(tmp_path, make_model):
     src = make_model("mixtral")
     model, _, config = load_model(src)
-    with pytest.raises(UserError, match="is the input given to --model"):
+    # called from Python, messages name keyword arguments (the CLI names flags: --model, --force)
+    with pytest.raises(UserError, match="is the input given to model="):
         save_model_dir(model, config, src, source=src)
-    with pytest.raises(UserError, match="is inside the input --model"):
+    with pytest.raises(UserError, match="is inside the input model="):
         save_model_dir(model, config, src / "inside", source=src)
-    with pytest.raises(UserError, match="contains the input --model"):
+    with pytest.raises(UserError, match="contains the input model="):
         save_model_dir(model, config, src.parent, source=src, force=True)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    with pytest.raises(UserError, match="--force"):
+    with pytest.raises(UserError, match="pass force= to replace it"):
         save_model_dir(model, config, busy, source=src)
     assert (busy / "keep.txt").read_text() == "mine"
     save_model_dir(model, config, busy, source=src, force=True)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_fun.cli.generate import DEFAULT_PROMPT
+from mlx_fun.jobs.smoke_test import DEFAULT_PROMPT
 from mlx_fun.io import load_model
 from mlx_fun.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
 from .cli_helpers import expect_error as _error, run  # noqa: E402

@@ -27,15 +27,20 @@ def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
 
 
-def get_adapter(model, config: dict) -> MoEAdapter:
-    """The adapter for ``config['model_type']``; an unsupported type is a ``UserError`` listing the supported."""
-    model_type = config.get("model_type")
-    cls = REGISTRY.get(model_type)
+def adapter_class(config: dict) -> type[MoEAdapter]:
+    """The adapter class of ``config['model_type']`` (config facts without loading weights); ``UserError`` if none."""
+    cls = REGISTRY.get(config.get("model_type"))
     if cls is None:
         raise UserError(
-            f"model_type '{model_type}' is not supported; supported types: {', '.join(supported_model_types())}."
+            f"model_type '{config.get('model_type')}' is not supported; supported types: "
+            f"{', '.join(supported_model_types())}."
         )
-    return cls(model, config)
+    return cls
 
 
-__all__ = ["MoEAdapter", "REGISTRY", "get_adapter", "supported_model_types"]
+def get_adapter(model, config: dict) -> MoEAdapter:
+    """The adapter for ``config['model_type']``; an unsupported type is a ``UserError`` listing the supported."""
+    return adapter_class(config)(model, config)
+
+
+__all__ = ["MoEAdapter", "REGISTRY", "adapter_class", "get_adapter", "supported_model_types"]

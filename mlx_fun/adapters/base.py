@@ -42,6 +42,16 @@ class MoEAdapter:
         if not self._moe_layers:
             raise ValueError(f"no MoE blocks found in this {self.model_type} model (looked for .{self.block_attr})")
 
+    # ----------------------------------------------------------------- config facts (no model needed)
+    @classmethod
+    def config_num_experts(cls, config: dict) -> int:
+        """The routed-expert count that config.json records for this family."""
+        return int(config.get("text_config", config)[cls.num_experts_key])
+
+    @classmethod
+    def config_top_k(cls, config: dict) -> int:
+        return int(config.get("text_config", config)[cls.top_k_key])
+
     # ----------------------------------------------------------------- structure
     @property
     def model_type(self) -> str:

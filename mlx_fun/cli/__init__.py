@@ -1,4 +1,4 @@
-"""The ``mlx-fun`` click group. One module per command family; each only parses, calls the library, prints."""
+"""The ``mlx-fun`` click group. One module per command; each only parses, calls its job, prints."""
 
 from __future__ import annotations
 
@@ -25,17 +25,23 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-def _register_commands() -> None:
-    """Add every ``COMMANDS`` list found in this package's modules (one module per command family)."""
-    import importlib
-    import pkgutil
+#: every command, explicitly. Command ``x-y`` is parsed and printed by ``mlx_fun/cli/x_y.py`` (``command``,
+#: ``show``) and done by the job ``mlx_fun/jobs/x_y.py`` (``run``): one name, three places, one hop.
+COMMANDS = ("collect", "prune", "merge", "eval", "smoke-test", "demo", "tune-dispatch", "stats-diff", "stats-merge",
+            "stats-purge", "doctor")
 
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name == "common":
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for cmd in getattr(module, "COMMANDS", ()):
-            main.add_command(cmd)
+
+def module_name(command: str) -> str:
+    return command.replace("-", "_")
+
+
+def _register_commands() -> None:
+    import importlib
+
+    for name in COMMANDS:
+        cmd = importlib.import_module(f"{__name__}.{module_name(name)}").command
+        assert cmd.name == name, (cmd.name, name)
+        main.add_command(cmd)
 
 
 _register_commands()

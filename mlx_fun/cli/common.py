@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from ..errors import UserError
+from ..errors import UserError, cli_names
 from ..saliency import METRICS
 
 
@@ -49,7 +49,8 @@ def friendly_errors(fn):
         from ..writer import Terminated
 
         try:
-            return fn(*args, **kwargs)
+            with cli_names():
+                return fn(*args, **kwargs)
         except UserError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)
@@ -145,36 +146,53 @@ def dataset_options(fn):
     return fn
 
 
+def echo_err(line: str) -> None:
+    """Status lines and warnings go to stderr (stdout carries the results)."""
+    click.echo(line, err=True)
+
+
 def dispatch_option(fn):
-    """--dispatch [auto|mlx-lm], --dispatch-table PATH, --dequant-cache SIZE, bundled into one ``dispatch``
-    argument (a :class:`mlx_fun.dispatch.DispatchSettings`); call ``dispatch.apply(model)`` after loading.
-
-    Usage in a command: ``@dispatch_option`` among the options, a ``dispatch`` parameter, then
-    ``dispatch.apply(model, echo=lambda s: click.echo(s, err=True))``.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, dispatch, dispatch_table, dequant_cache, **kwargs):
-        from ..dispatch import DispatchSettings, parse_bytes
-
-        try:
-            budget = parse_bytes(dequant_cache)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--dequant-cache") from None
-        return fn(*args, dispatch=DispatchSettings(dispatch, dispatch_table, budget), **kwargs)
-
-    wrapper = click.option(
+    """--dispatch [auto|mlx-lm], --dispatch-table PATH, --dequant-cache SIZE, passed to the job as they are."""
+    fn = click.option(
         "--dequant-cache", default="0", show_default=True, metavar="SIZE",
         help="With --dispatch auto: memory allowed for keeping dequantized experts of quantized layers "
              "(e.g. 4GiB; K/M/G are powers of 1024), used where the table says it is faster. 0 = off.",
-    )(wrapper)
-    wrapper = click.option(
+    )(fn)
+    fn = click.option(
         "--dispatch-table", type=click.Path(dir_okay=False), default=None,
         help="Extra cut-off table (JSON from `mlx-fun tune-dispatch`) over the shipped and user tables.",
-    )(wrapper)
-    wrapper = click.option(
+    )(fn)
+    fn = click.option(
         "--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
         help="MoE expert dispatch: auto picks sorted/unsorted/blocked/dequantized per token count from measured "
-             "per-backend cut-offs; mlx-lm keeps mlx-lm's fixed rule (sort when indices.size >= 64).",
-    )(wrapper)
-    return wrapper
+             "per-backend cut-offs (and splits calls a backend cannot launch); mlx-lm keeps mlx-lm's fixed rule.",
+    )(fn)
+    return fn
+
+
+def token_budget_option(fn):
+    return click.option(
+        "--token-budget", type=click.IntRange(min=1), default=None, metavar="N",
+        help="Most tokens (rows × columns) per forward pass: larger batches are split and longer samples fed in "
+             "chunks with the KV cache, so no batch size or length can exhaust memory [default: 8192].",
+    )(fn)
+
+
+def fmt_number(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def text_table(headers: list[str], rows: list[list[str]], indent: str = "  ", align: str = "") -> str:
+    """Aligned text table; ``align`` has one 'l' or 'r' per column (missing: right-aligned, for numbers)."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return indent + "  ".join(c.ljust(w) if align[i:i + 1] == "l" else c.rjust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def echo_warnings(messages: list[str]) -> None:
+    for msg in messages:
+        click.echo(f"Warning: {msg}", err=True)

@@ -1,16 +1,10 @@
-"""``mlx-fun merge``: REAM expert merging into a new mlx-lm model directory."""
+"""``mlx-fun merge``: parses, calls :func:`mlx_fun.jobs.merge.run`, prints."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import click
 
-from .. import __version__
-from ..errors import UserError
-from .collect import check_supported, warn_past_context
-from .common import friendly_errors, metric_option, model_option
+from .common import echo_err, friendly_errors, metric_option, model_option, token_budget_option
 from .prune import echo_size_summary
 
 
@@ -53,10 +47,13 @@ from .prune import echo_size_summary
               help="Samples per forward pass while hidden states are pushed through the layers.")
 @click.option("--seed", type=int, default=None, help="Seed for the sample subset and the token subsets.")
 @click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
+@click.option("--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
+              help="MoE expert dispatch for the calibration forwards (see `mlx-fun eval --help`).")
+@click.option("--dispatch-table", type=click.Path(dir_okay=False), default=None,
+              help="Extra cut-off table (JSON from `mlx-fun tune-dispatch`).")
+@token_budget_option
 @friendly_errors
-def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, model_wide, min_experts_per_layer,
-              ignore_experts, similarity_mode, alignment, max_group_size, max_samples, max_tokens,
-              max_similarity_tokens, max_alignment_tokens, text_key, batch_size, seed, force):
+def command(**kwargs):
     """Merge MODEL's routed experts around the most salient ones (REAM) and write an mlx-lm directory to OUTPUT.
 
     \b
@@ -73,101 +70,19 @@ def merge_cmd(model, saliency, expert_list, dataset, output, n_prune, metric, mo
     mode); the result is the size of a pruned model with the same expert count and loads with plain
     mlx_lm.load(). ream_metadata.json records centroids and groups.
     """
-    from ..adapters import get_adapter
-    from ..data import load_samples
-    from ..data import pad_id as batch_pad_id
-    from ..expert_files import load_expert_list
-    from .. import writer
-    from ..io import load_model, write_model_dir
-    from ..rewrite.merge import merge_model, select_centroids
-    from ..rewrite.prune import pruned_nbytes
-    from ..saliency import SaliencyAccumulator
-    from ..selection import check_keep_counts, parse_expert_ranges
+    from ..jobs import merge
 
-    check_supported(model)
-    if saliency is None and expert_list is None:
-        raise UserError("give --saliency (with --n-prune) or --expert-list to choose the centroids.")
-    if expert_list is None and n_prune is None:
-        raise UserError("--saliency needs --n-prune (how many experts to merge away per layer).")
-    if expert_list is not None and n_prune is not None:
-        raise UserError("--expert-list already says which experts stay as centroids; drop --n-prune.")
-    if ignore_experts is not None and not model_wide:
-        raise UserError("--ignore-experts only works with --model-wide.")
-    if model_wide and expert_list is not None:
-        raise UserError("--model-wide selects centroids from --saliency; it does not apply to --expert-list.")
-    for flag, path in (("--saliency", saliency), ("--expert-list", expert_list), ("--dataset", dataset)):
-        if path is not None and not Path(path).exists():
-            raise UserError(f"{flag} {path} does not exist; check the path.")
+    show(merge.run(**kwargs, progress=True, log=echo_err))
 
-    inputs = {"--model": model, "--saliency": saliency, "--expert-list": expert_list, "--dataset": dataset}
-    start = time.perf_counter()
-    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        click.echo(f"Loading {model} ...", err=True)
-        mdl, tokenizer, config = load_model(model, lazy=True)
-        adapter = get_adapter(mdl, config)
-        moe_layers = adapter.moe_layers()
-        E = adapter.num_experts
-        scores = None
-        if saliency is not None:
-            acc = SaliencyAccumulator.load(saliency)
-            for warning in acc.check_matches(adapter):
-                click.echo(f"Warning: {warning}", err=True)
-            scores = acc.scores(metric)
-        if expert_list is not None:
-            keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
-        else:
-            keep_map = select_centroids(
-                adapter, scores, n_prune, model_wide=model_wide, min_experts_per_layer=min_experts_per_layer,
-                ignore_experts=parse_expert_ranges(ignore_experts, E) if ignore_experts else None,
-            )  # fmt: skip
-        for warning in check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers):
-            click.echo(f"Warning: {warning}", err=True)
-        n_kept = len(keep_map[0])
-        if n_kept * max_group_size < E:
-            click.echo(
-                f"Warning: {n_kept} centroids × --max-group-size {max_group_size} < {E} experts: the experts left over "
-                "join their most similar centroid, so some groups exceed the maximum size.",
-                err=True,
-            )
 
-        samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,
-                               seed=seed)  # fmt: skip
-        n_tokens = sum(len(s) for s in samples)
-        click.echo(
-            f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
-            f"{len(samples)} samples, {n_tokens:,} tokens; similarity {similarity_mode}, alignment {alignment}",
-            err=True,
-        )
-        warn_past_context(samples, config, "--max-tokens")
-        res.require_space(pruned_nbytes(adapter, n_kept))
-        pad_id = batch_pad_id(tokenizer)
-        metadata = merge_model(
-            mdl, adapter, samples, keep_map=keep_map, saliency=scores, metric=metric,
-            similarity_mode=similarity_mode, alignment=alignment, max_group_size=max_group_size,
-            max_similarity_tokens=max_similarity_tokens, max_alignment_tokens=max_alignment_tokens, seed=seed,
-            batch_size=batch_size, pad_id=pad_id, progress=True,
-        )  # fmt: skip
-        metadata.update(
-            n_prune=n_prune,
-            model_wide=model_wide,
-            source=str(saliency or expert_list),
-            expert_list=None if expert_list is None else str(expert_list),
-            dataset=str(dataset),
-            mlx_fun_version=__version__,
-        )
-        click.echo(f"Saving merged model to {output} ...", err=True)
-        write_model_dir(res, mdl, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
-
-    elapsed = time.perf_counter() - start
-
+def show(result) -> None:
+    """Per layer: experts before → centroids, experts merged, the largest group, seconds; then the size."""
+    meta = result.metadata
     click.echo(f"{'layer':>6} {'experts':>12}  {'merged':>6}  {'largest':>7}  {'s':>6}")
-    for layer in moe_layers:
-        groups = metadata["group_map"][str(layer)]
+    for layer in result.moe_layers:
+        groups = meta["group_map"][str(layer)]
         merged = sum(len(m) - 1 for m in groups.values())
         largest = max(len(m) for m in groups.values())
-        secs = metadata["layer_seconds"][str(layer)]
-        click.echo(f"{layer:>6} {E:>5} → {n_kept:<4}  {merged:>6}  {largest:>7}  {secs:>6.2f}")
-    echo_size_summary(model, output, E, n_kept, elapsed)
-
-
-COMMANDS = [merge_cmd]
+        click.echo(f"{layer:>6} {result.num_experts:>5} → {result.kept:<4}  {merged:>6}  {largest:>7}  "
+                   f"{meta['layer_seconds'][str(layer)]:>6.2f}")
+    echo_size_summary(result.model, result.output, result.num_experts, result.kept, result.seconds)

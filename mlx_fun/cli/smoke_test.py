@@ -1,32 +1,11 @@
-"""``mlx-fun smoke-test``: generate a few tokens from a model with mlx-lm's KV cache and our Gumbel sampler."""
+"""``mlx-fun smoke-test``: parses, calls :func:`mlx_fun.jobs.smoke_test.run` (text streamed), prints."""
 
 from __future__ import annotations
 
 import click
 
-from ..errors import UserError
-from .common import FiniteFloat, dispatch_option, friendly_errors, model_option
-
-DEFAULT_PROMPT = "def fibonacci(n):"
-
-
-def check_generatable(model_path: str) -> dict:
-    """Fail fast (before loading weights) on a missing model or a ``model_type`` mlx-lm cannot build."""
-    from mlx_lm.utils import _get_classes
-
-    from ..io import read_config
-
-    config = read_config(model_path)
-    if "model_type" not in config:
-        raise UserError(f"{model_path}/config.json has no model_type; --model must be an mlx-lm model directory.")
-    try:
-        _get_classes(config)
-    except ValueError:
-        raise UserError(
-            f"model_type '{config['model_type']}' of {model_path} is not supported by the installed mlx-lm; "
-            f"upgrade mlx-lm or convert the model to a supported architecture."
-        ) from None
-    return config
+from ..jobs.smoke_test import DEFAULT_PROMPT
+from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
@@ -49,7 +28,7 @@ def check_generatable(model_path: str) -> dict:
               help="Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
 @dispatch_option
 @friendly_errors
-def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat, dispatch):
+def command(**kwargs):
     """Load MODEL and generate up to --max-tokens tokens after --prompt, using mlx-lm's KV cache
     (`stream_generate`) with mlx-fun's Gumbel-max sampler: token = argmax(logits / T + g), g = -log(-log(u)).
 
@@ -66,33 +45,14 @@ def smoke_test_cmd(model, prompt, max_tokens, temp, seed, top_k, top_p, chat, di
     Example:
       mlx-fun smoke-test --model pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
     """
-    from ..io import context_length, load_model
-    from ..sampling import encode_prompt, make_sampler, run_generation
+    from ..jobs import smoke_test
 
-    config = check_generatable(model)
-    if not prompt:
-        raise UserError("--prompt is empty; pass some text to continue.")
+    show(smoke_test.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), log=echo_err))
 
-    click.echo(f"Loading {model} ...", err=True)
-    mdl, tokenizer, _config = load_model(model)
-    dispatch.apply(mdl, echo=lambda line: click.echo(line, err=True))
-    sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
-    click.echo(f"Sampler: {sampler!r}", err=True)
 
-    ids = encode_prompt(tokenizer, prompt, chat)
-    limit = context_length(config)
-    if limit and len(ids) + max_tokens > limit:
-        click.echo(f"Warning: the prompt ({len(ids):,} tokens) plus --max-tokens {max_tokens:,} is longer than the "
-                   f"model's context of {limit:,} tokens (max_position_embeddings); output past it is unreliable. "
-                   f"Shorten the prompt or lower --max-tokens.", err=True)
-    result = run_generation(
-        mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k, top_p=top_p, chat=chat,
-        on_text=lambda s: click.echo(s, nl=False),
-    )
+def show(result) -> None:
+    """The text was streamed while it was generated; close its line and print the speeds."""
     click.echo("")
-    if result.finish_reason == "stop":
+    if result.generation.finish_reason == "stop":
         click.echo("[stopped at an EOS token]", err=True)
-    click.echo(result.stats_line())
-
-
-COMMANDS = [smoke_test_cmd]
+    click.echo(result.generation.stats_line())

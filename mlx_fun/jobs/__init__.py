@@ -1,0 +1,26 @@
+"""Library jobs: one module per ``mlx-fun`` command (``collect``, ``prune``, ``merge``, ``eval``, ``smoke_test``,
+``demo``, ``tune_dispatch``, ``stats_diff``, ``stats_merge``, ``stats_purge``, ``doctor``), each with a typed,
+keyword-only ``run(...)`` that does the whole command and returns its result — the way mlx-lm's ``convert.py``
+ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only parses, calls ``run`` and prints.
+
+    from mlx_fun import jobs
+    jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz")
+    jobs.prune.run(model="data/tiny-moe", saliency="s.npz", n_prune=8, output="pruned")
+
+Errors are one-line ``UserError`` s that name the parameter at fault (``n_prune=`` here, ``--n-prune`` under the
+CLI: :func:`mlx_fun.errors.param`).
+"""
+
+from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMMANDS)
+    collect,
+    demo,
+    doctor,
+    eval,
+    merge,
+    prune,
+    smoke_test,
+    stats_diff,
+    stats_merge,
+    stats_purge,
+    tune_dispatch,
+)

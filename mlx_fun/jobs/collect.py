@@ -1,0 +1,76 @@
+"""The ``collect`` job: calibration data → per-layer × per-expert saliency statistics (.npz)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import param
+from ..saliency import ARRAY_KEYS, SaliencyAccumulator
+from .common import (Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path,
+                     warn_past_context)
+
+
+@dataclass
+class CollectResult:
+    output: Path
+    accumulator: SaliencyAccumulator
+    samples: int
+    seconds: float
+    dispatch: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.accumulator.total_tokens
+
+
+def run(
+    *,
+    model: str | Path,
+    dataset: str | Path,
+    output: str | Path,
+    max_samples: int = 128,
+    max_tokens: int = 2048,
+    text_key: str = "content",
+    seed: int | None = None,
+    batch_size: int = 1,
+    dispatch: str = "auto",
+    dispatch_table: str | Path | None = None,
+    dequant_cache: int | str = 0,
+    token_budget: int | None = None,
+    progress: bool = False,
+    log: Log = quiet,
+) -> CollectResult:
+    """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
+
+    The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
+    written atomically at the end. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
+    statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``token_budget`` tokens per
+    forward (:mod:`mlx_fun.engine`).
+    """
+    from .. import engine, writer
+    from ..collect import collect
+    from ..data import load_samples, pad_id
+
+    check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
+    require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
+    with writer.output(output, kind="file", suffix=".npz",
+                       inputs={param("model"): model, param("dataset"): dataset}) as res:
+        mdl, tokenizer, config, adapter = load_moe(model, log=log)
+        report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
+                                log=log)
+        samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
+                               text_key=text_key, seed=seed)
+        log(f"{adapter.model_type}: {len(adapter.moe_layers())} MoE layers × {adapter.num_experts} experts, "
+            f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens")
+        warnings = warn_past_context(samples, config, log)
+        res.require_space(8 * len(ARRAY_KEYS) * len(adapter.moe_layers()) * adapter.num_experts)
+        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
+        start = time.perf_counter()
+        acc = collect(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
+                      progress=progress)
+        seconds = time.perf_counter() - start
+        acc.write_npz(res.tmp)
+    return CollectResult(Path(output), acc, len(samples), seconds, report.mode, warnings)

@@ -1,0 +1,84 @@
+"""What the jobs share: checking inputs before loading, loading a supported MoE model, status lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import UserError, param
+
+Log = Callable[[str], None]
+
+
+def quiet(_line: str) -> None:
+    """The default ``log`` of a job called from Python: status lines and warnings are dropped."""
+
+
+def require_path(name: str, path, what: str = "check the path") -> None:
+    """A one-line ``UserError`` naming parameter ``name`` when ``path`` is given but does not exist."""
+    if path is not None and not Path(path).exists():
+        raise UserError(f"{param(name)} {path} does not exist; {what}.")
+
+
+def check_supported(model_path) -> dict:
+    """Fail fast (before loading weights) on a missing model or an unsupported ``model_type``; return the config."""
+    from ..adapters import adapter_class
+    from ..io import read_config
+
+    config = read_config(model_path)
+    adapter_class(config)
+    return config
+
+
+def load_moe(model_path, *, lazy: bool = False, log: Log = quiet):
+    """``(model, tokenizer, config, adapter)`` of a supported MoE model directory."""
+    from ..adapters import get_adapter
+    from ..io import load_model
+
+    check_supported(model_path)
+    log(f"Loading {model_path} ...")
+    model, tokenizer, config = load_model(model_path, lazy=lazy)
+    return model, tokenizer, config, get_adapter(model, config)
+
+
+def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:
+    """A warning when samples are longer than the model's context (their tail is extrapolation)."""
+    from ..io import context_length
+
+    limit = context_length(config)
+    longer = sum(len(s) > limit for s in samples) if limit else 0
+    if not longer:
+        return []
+    line = (f"{longer} sample(s) are longer than the model's context of {limit:,} tokens (max_position_embeddings); "
+            f"positions past it were never trained. Lower {param(name)} to {limit}.")
+    log(f"Warning: {line}")
+    return [line]
+
+
+def apply_dispatch(model, *, dispatch: str, dispatch_table, dequant_cache, log: Log = quiet):
+    """Install mlx-fun's runtime expert dispatch (``auto``) or keep mlx-lm's (``mlx-lm``); returns the report."""
+    from ..dispatch import DispatchSettings, parse_bytes
+
+    try:
+        budget = parse_bytes(dequant_cache)
+    except ValueError as e:
+        raise UserError(f"{param('dequant_cache')}: {e}") from None
+    return DispatchSettings(dispatch, None if dispatch_table is None else str(dispatch_table), budget).apply(
+        model, echo=log)
+
+
+def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str) -> int:
+    """Tokens per forward for the engine: ``requested`` (default :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`),
+    lowered under mlx-lm's own expert call where the backend caps a grouped matmul's rows (CUDA: 65,535 routed
+    rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch splits such calls itself."""
+    from .. import engine
+    from ..adapters import adapter_class
+
+    try:
+        top_k = adapter_class(config).config_top_k(config)
+    except (UserError, KeyError, TypeError, ValueError):  # a dense or unknown model: assume the widest usual top-k
+        top_k = int(config.get("num_experts_per_tok") or 8)
+    try:
+        return engine.budget_for(requested, top_k=top_k, dispatched=dispatch_mode == "auto")
+    except UserError as e:
+        raise UserError(f"{param('token_budget')}: {e}") from None

@@ -1,0 +1,141 @@
+"""The ``demo`` job: the main job end to end on the bundled trained model, offline, in about a minute.
+
+prepare data → collect → prune → smoke-test → eval, each step the real job, announced with the command line that
+runs it by hand (``mlx-fun <command> <flags>``, the flags being the job's keyword arguments), then a table of
+sizes and perplexities written to ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError, param
+from .common import Log, quiet
+
+MARKER = ".mlx-fun-demo"
+STEPS = ("collect", "prune", "smoke-test", "eval")
+
+
+@dataclass
+class DemoResult:
+    output: Path
+    summary: str  # the markdown table (model, experts/layer, size, ppl per domain)
+    agreement: str  # KL and top-1 agreement per domain
+    report: dict  # eval.json
+    metric: str = "reap"
+    calibration: str = "code"
+    times: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def command_line(name: str, kwargs: dict) -> str:
+    """The shell command that runs job ``name`` with ``kwargs`` (keyword → ``--flag``, lists repeat the flag)."""
+    parts = ["mlx-fun", name]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            parts += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                parts += [flag, str(v)]
+        elif value is not None:
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def check_workdir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{param('output')} {out} is a file; give a directory (default ./mlx-fun-demo).")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise UserError(f"{param('output')} {out} is a non-empty directory that the demo did not create; "
+                        f"choose another {param('output')} so nothing of yours is overwritten.")
+
+
+def run(
+    *,
+    model: str | Path | None = None,
+    output: str | Path = "mlx-fun-demo",
+    prune_fraction: float = 0.25,
+    metric: str = "reap",
+    calibration: str = "code",
+    max_samples: int = 64,
+    max_tokens: int = 512,
+    announce: Callable[[str, str], None] | None = None,
+    report: Callable[[str, object], None] | None = None,
+    progress: bool = False,
+    log: Log = quiet,
+) -> DemoResult:
+    """Compress ``model`` (default: the bundled ``data/tiny-moe``) with REAP in ``output`` and measure the cost.
+
+    ``announce(title, command_line)`` is called before each step and ``report(name, result)`` after it (the CLI
+    prints them); ``log`` gets the status lines of the steps."""
+    from .. import corpus, writer
+    from ..adapters import adapter_class
+    from ..io import bundled_model_dir, dir_size, read_config
+    from . import collect, eval as eval_job, prune, smoke_test
+
+    out = Path(output)
+    check_workdir(out)
+    model_dir = Path(model) if model is not None else bundled_model_dir()
+    n_experts = adapter_class(read_config(model_dir)).config_num_experts(read_config(model_dir))
+    n_prune = max(1, round(n_experts * prune_fraction))
+    out.mkdir(parents=True, exist_ok=True)
+    writer.write_text(out / MARKER, "created by mlx-fun demo; safe to delete\n")
+    start = time.perf_counter()
+    times: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    data_dir = out / "corpus"
+    manifest = corpus.ensure_prepared(data_dir, sources=corpus.ALWAYS, max_samples=512, max_eval_samples=128)
+    times["prepare"] = time.perf_counter() - t0
+    if report is not None:
+        report("prepare", manifest)
+
+    saliency, pruned, eval_json = out / "saliency.npz", out / "pruned", out / "eval.json"
+    steps = [
+        (f"1/4 collect saliency on {calibration}", "collect", collect.run, dict(
+            model=str(model_dir), dataset=str(corpus.domain_file(data_dir, calibration, "train")),
+            output=str(saliency), max_samples=max_samples, max_tokens=max_tokens, seed=0)),
+        (f"2/4 prune {n_prune} of {n_experts} experts per layer by {metric}", "prune", prune.run, dict(
+            model=str(model_dir), saliency=str(saliency), n_prune=n_prune, metric=metric, output=str(pruned),
+            force=True)),
+        ("3/4 smoke-test the pruned model", "smoke-test", smoke_test.run, dict(
+            model=str(pruned), prompt="def read_config(path):", max_tokens=48)),
+        ("4/4 eval pruned vs original on held-out text", "eval", eval_job.run, dict(
+            model=str(pruned), reference=str(model_dir),
+            dataset=[f"{d}={corpus.domain_file(data_dir, d, 'test')}" for d in corpus.ALWAYS],
+            max_samples=max(1, max_samples // 2), max_tokens=max_tokens, output=str(eval_json))),
+    ]
+    extra = {"collect": {"progress": progress}, "eval": {"progress": progress}}
+    for title, name, job, kwargs in steps:
+        if announce is not None:
+            announce(title, command_line(name, kwargs))
+        t0 = time.perf_counter()
+        result = job(**kwargs, **extra.get(name, {}), log=log)
+        times[name] = time.perf_counter() - t0
+        if report is not None:
+            report(name, result)
+
+    ev = json.loads(eval_json.read_text())
+    domains = list(ev["datasets"])
+    header = ["model", "experts/layer", "size"] + [f"{d} ppl" for d in domains]
+    table = [header]
+    for label, experts, size, key in (("original", n_experts, dir_size(model_dir), "ref_ppl"),
+                                      ("pruned", n_experts - n_prune, dir_size(pruned), "ppl")):
+        table.append([label, str(experts), f"{size / 2**20:.1f} MiB"] + [f"{ev['datasets'][d][key]:.2f}" for d in domains])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    summary = "\n".join(lines)
+    agreement = ", ".join(f"{d}: KL {ev['datasets'][d]['kl']:.4f} nats, top-1 agreement "
+                          f"{ev['datasets'][d]['top1_agreement']:.1%}" for d in domains)
+    writer.write_text(out / "summary.md", f"# mlx-fun demo\n\n{metric} pruning of {n_prune}/{n_experts} experts per "
+                      f"layer, calibrated on {calibration}.\n\n{summary}\n\n{agreement}\n\nStep times (s): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
+    return DemoResult(out, summary, agreement, ev, metric, calibration, times, time.perf_counter() - start)

@@ -1,0 +1,63 @@
+"""The ``doctor`` job: the MLX backend, device, BLAS and versions in use, and a measured matmul speed."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+
+
+def _dist_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def backend(mx) -> str:
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and hasattr(cuda, "is_available") and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def matmul_gflops(n: int = 512, budget_s: float = 0.3) -> float:
+    """Best float32 n³ matmul throughput on the default device within about ``budget_s`` seconds."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n), dtype=mx.float32)
+    b = mx.random.normal((n, n), dtype=mx.float32)
+    mx.eval(a, b)
+    mx.eval(a @ b)  # warm-up
+    best = float("inf")
+    start = time.perf_counter()
+    for _ in range(50):
+        t0 = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return 2 * n**3 / best / 1e9
+
+
+def run() -> dict[str, str]:
+    """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured)."""
+    from .. import __version__
+    from ..blas import blas_status
+
+    facts = {"mlx-fun": __version__, "python": f"{platform.python_version()} ({sys.executable})",
+             "platform": platform.platform()}
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # noqa: BLE001 - report, don't crash
+        facts["mlx"] = f"cannot import ({exc})"
+        facts["blas"] = blas_status()
+        return facts
+    facts.update({"mlx": getattr(mx, "__version__", _dist_version("mlx")), "mlx-lm": _dist_version("mlx-lm"),
+                  "default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
+                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s"})
+    return facts

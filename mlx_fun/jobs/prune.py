@@ -1,0 +1,142 @@
+"""The ``prune`` job (REAP): remove the least salient experts and write a standard mlx-lm directory."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..errors import UserError, param
+from .common import Log, check_supported, load_moe, quiet, require_path
+
+
+@dataclass
+class PruneResult:
+    output: Path
+    model: Path
+    moe_layers: list[int]
+    num_experts: int  # before
+    kept: int  # per layer, after
+    keep_map: dict[int, list[int]]  # MoE position → kept experts
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_sources(*, saliency, expert_list, n_prune, safety_map=None, safety_mode=None, domain_map=None,
+                  domain_mode=None, model_wide=False, ignore_experts=None) -> None:
+    """The argument rules of prune (merge shares the first three)."""
+    if (saliency is None) == (expert_list is None):
+        raise UserError(f"give exactly one of {param('saliency')} (with {param('n_prune')}) or {param('expert_list')}.")
+    if saliency is not None and n_prune is None:
+        raise UserError(f"{param('saliency')} needs {param('n_prune')} (how many experts to remove).")
+    if expert_list is not None and n_prune is not None:
+        raise UserError(f"{param('expert_list')} already says which experts to remove; drop {param('n_prune')}.")
+    if (safety_map is None) != (safety_mode is None):
+        raise UserError(f"{param('safety_map')} and {param('safety_mode')} go together.")
+    if (domain_map is None) != (domain_mode is None):
+        raise UserError(f"{param('domain_map')} and {param('domain_mode')} go together.")
+    if ignore_experts is not None and not model_wide:
+        raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
+
+
+def run(
+    *,
+    model: str | Path,
+    output: str | Path,
+    saliency: str | Path | None = None,
+    expert_list: str | Path | None = None,
+    n_prune: int | None = None,
+    metric: str = "reap",
+    strategy: str = "bottom",
+    model_wide: bool = False,
+    min_experts_per_layer: int = 1,
+    ignore_experts: str | None = None,
+    safety_map: str | Path | None = None,
+    safety_mode: str | None = None,
+    domain_map: str | Path | None = None,
+    domain_mode: str | None = None,
+    force: bool = False,
+    log: Log = quiet,
+) -> PruneResult:
+    """Prune ``model``'s routed experts by saliency (or an explicit expert list) into ``output``.
+
+    Router rows, correction biases and every expert projection (quantized or not) are sliced lazily; shared
+    experts are kept; ``reap_metadata.json`` records the kept experts. The output is reserved before loading and
+    checked for room before writing (:mod:`mlx_fun.writer`).
+    """
+    from .. import writer
+    from ..io import params_nbytes, write_model_dir
+    from ..rewrite.prune import prune_model
+
+    check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
+    check_sources(saliency=saliency, expert_list=expert_list, n_prune=n_prune, safety_map=safety_map,
+                  safety_mode=safety_mode, domain_map=domain_map, domain_mode=domain_mode, model_wide=model_wide,
+                  ignore_experts=ignore_experts)
+    for name, path in (("saliency", saliency), ("expert_list", expert_list), ("safety_map", safety_map),
+                       ("domain_map", domain_map)):
+        require_path(name, path)
+    inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
+              param("safety_map"): safety_map, param("domain_map"): domain_map}
+    start = time.perf_counter()
+    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
+        mdl, _tokenizer, _config, adapter = load_moe(model, lazy=True)
+        moe_layers, E = adapter.moe_layers(), adapter.num_experts
+        keep_map, warnings = select_keep_map(
+            adapter, saliency=saliency, expert_list=expert_list, n_prune=n_prune, metric=metric, strategy=strategy,
+            model_wide=model_wide, min_experts_per_layer=min_experts_per_layer, ignore_experts=ignore_experts,
+            safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
+        for line in warnings:
+            log(f"Warning: {line}")
+        new_config = prune_model(adapter, keep_map)
+        metadata = {
+            "original_num_experts": E,
+            "pruned_num_experts": adapter.num_experts,
+            "metric": "expert-list" if expert_list is not None else metric,
+            "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
+            "strategy": strategy if expert_list is None else None,
+            "model_wide": model_wide,
+            "n_prune": n_prune,
+            "source": str(saliency or expert_list),
+            "mlx_fun_version": __version__,
+        }
+        res.require_space(params_nbytes(mdl))
+        log(f"Saving pruned model to {output} ...")
+        write_model_dir(res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata})
+    return PruneResult(Path(output), Path(model), moe_layers, E, adapter.num_experts, keep_map,
+                       time.perf_counter() - start, warnings)
+
+
+def select_keep_map(adapter, *, saliency, expert_list, n_prune, metric, strategy, model_wide, min_experts_per_layer,
+                    ignore_experts, safety_map=None, safety_mode=None, domain_map=None):
+    """``(keep_map, warnings)``: the experts to keep per MoE position, from an expert list or from saliency
+    (with safety / domain protection or targeting)."""
+    from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
+    from ..saliency import SaliencyAccumulator
+    from ..selection import check_keep_counts, parse_expert_ranges, select_experts
+
+    moe_layers, E = adapter.moe_layers(), adapter.num_experts
+    warnings: list[str] = []
+    if expert_list is not None:
+        keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
+    else:
+        acc = SaliencyAccumulator.load(saliency)
+        warnings += acc.check_matches(adapter)
+        protected_sets, targeted = [], None
+        if safety_map is not None:
+            safety = load_report_experts(safety_map, "safety", moe_layers, E)
+            if safety_mode == "protect":
+                protected_sets.append(safety)
+            else:
+                targeted = safety
+        if domain_map is not None:
+            protected_sets.append(load_report_experts(domain_map, "domain", moe_layers, E))
+        keep_map = select_experts(
+            acc.scores(metric), n_prune, top_k=adapter.top_k, strategy=strategy, model_wide=model_wide,
+            min_experts_per_layer=min_experts_per_layer,
+            ignore_experts=parse_expert_ranges(ignore_experts) if ignore_experts else None,
+            protected=merge_expert_sets(*protected_sets) if protected_sets else None, targeted=targeted,
+            groups=adapter.groups, moe_layer_indices=moe_layers,
+        )
+    warnings += check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers)
+    return keep_map, warnings

@@ -1,0 +1,25 @@
+"""The ``stats-purge`` job: zero out experts with too little activation evidence in a saliency file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError, param
+
+
+def run(*, input: str | Path, output: str | Path, min_freq: float | None = None, min_count: float | None = None,
+        max_norm: float | None = None) -> dict:
+    """Zero every statistic of the (layer, expert) entries with ``freq < min_freq`` or ``reap_count <
+    min_count`` (``max_norm`` only reports); write the file to ``output``; return the report of
+    :func:`mlx_fun.stats.purge`."""
+    from .. import writer
+    from ..saliency import SaliencyAccumulator
+    from ..stats import purge
+
+    if min_freq is None and min_count is None and max_norm is None:
+        raise UserError(f"stats-purge needs at least one filter: {param('min_freq')}, {param('min_count')} or "
+                        f"{param('max_norm')}.")
+    writer.check_output_path(output, kind="file", inputs={param("input"): input})
+    purged, report = purge(SaliencyAccumulator.load(input), min_freq=min_freq, min_count=min_count, max_norm=max_norm)
+    purged.save(output, inputs={param("input"): input})
+    return report

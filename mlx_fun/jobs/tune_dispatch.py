@@ -1,0 +1,177 @@
+"""The ``tune-dispatch`` job: measure the MoE dispatch cut-offs of expert shapes on this backend, write a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import UserError, param
+from .common import Log, quiet
+
+DEFAULT_MS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
+
+
+@dataclass
+class TuneResult:
+    entries: list  # mlx_fun.dispatch_table.Entry, one per measured expert shape
+    written: list[str] = field(default_factory=list)
+    user_table: bool = True  # written to the user table that --dispatch auto reads
+
+
+def run(
+    *,
+    model: str | Path | None = None,
+    shape: Sequence[str] = (),
+    quant: Sequence[str] = (),
+    dtype: str | None = None,
+    gpt_oss: bool = False,
+    top_k: int | None = None,
+    ms: str = DEFAULT_MS,
+    max_m: int | None = None,
+    blocks: str = "8,16,32,64",
+    no_dequant: bool = False,
+    margin: float = 0.05,
+    repeats: int = 3,
+    output: str | Path | None = None,
+    merge_into: str | Path | None = None,
+    progress: bool = False,
+    log: Log = quiet,
+    on_entry=None,
+) -> TuneResult:
+    """Measure every dispatch plan for each distinct expert shape of ``model`` (or each ``shape`` D,H,E,k with
+    ``quant``) for token counts ``ms`` and write the cut-offs (merged into ``output``, default the user table;
+    also into ``merge_into``). ``on_entry(entry)`` is called as each shape is done."""
+    import mlx.core as mx
+    from tqdm import tqdm
+
+    from .. import dispatch as dsp
+    from ..dispatch_tune import device_description, measure, entry_from, parse_quant
+
+    if bool(model) == bool(shape):
+        raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
+    ms_list = sorted(set(_int_list(ms, "ms")))
+    if max_m:
+        ms_list = [m for m in ms_list if m <= max_m] or [min(ms_list)]
+    block_list = sorted(set(_int_list(blocks, "blocks")))
+    backend = dsp.backend_name()
+
+    if model:
+        targets = _specs_from_model(model, top_k)
+    else:
+        targets = _specs_from_shapes(shape, quant, dtype, gpt_oss, backend)
+
+    out_path = Path(output) if output else dsp.user_table_path()
+    for path in (out_path, Path(merge_into) if merge_into else None):
+        if path is not None and path.is_file():
+            try:
+                dsp.read_table(path)
+            except ValueError as e:
+                raise UserError(f"{e}; fix or remove it first.") from None
+
+    log(f"Device: {device_description()}  mlx {mx.__version__}")
+    entries = []
+    for item in targets:
+        module, spec = item[0], item[1]
+        if backend == "cpu" and spec.dtype != "float32" and parse_quant(spec.quant) is None:
+            raise UserError(f"{spec.label()}: MLX's CPU gather_mm is float32 only, so float {spec.dtype} experts "
+                            "cannot run on the CPU (mlx-lm's SwitchGLU fails too); tune float32 or on a GPU.")
+        dequant = not no_dequant and not (backend == "cpu" and spec.dtype != "float32")
+        layer = module if module is not None else item[2](spec)
+        total = len(ms_list)
+        bar = tqdm(total=total, desc=spec.label(), unit="M", dynamic_ncols=True, leave=True, disable=not progress)
+        seen_m = set()
+
+        def report(text, bar=bar, seen=seen_m):
+            m = text.split()[0]
+            if m not in seen:
+                if seen:
+                    bar.update(1)
+                seen.add(m)
+            bar.set_postfix_str(text, refresh=True)
+
+        try:
+            meas = measure(layer, spec, ms=ms_list, blocks=tuple(block_list), dequant=dequant,
+                           min_repeats=repeats, progress=report)
+        finally:
+            bar.update(total - bar.n)
+            bar.close()
+        entry = entry_from(meas, margin=margin)
+        entries.append(entry)
+        if on_entry is not None:
+            on_entry(entry)
+        del layer
+
+    new = dsp.Table(entries)
+    written = []
+    for path in [out_path] + ([Path(merge_into)] if merge_into else []):
+        target = dsp.read_table(path) if path.is_file() else dsp.Table()
+        dsp.write_table(target.merged(new), path)
+        written.append(str(path))
+    return TuneResult(entries, written, user_table=not output)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise UserError(f"{param(what)} must be comma-separated integers, got {text!r}.") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{param(what)} must list positive integers, got {text!r}.")
+    return values
+
+
+def _model_top_k(model, config: dict, override: int | None) -> int:
+    """The override, else the adapter's top-k (config facts live on the adapters)."""
+    from ..adapters import REGISTRY, get_adapter
+
+    if override:
+        return override
+    if config.get("model_type") not in REGISTRY:
+        raise UserError(f"model_type '{config.get('model_type')}' has no mlx-fun adapter to read its top-k from; "
+                        f"pass {param('top_k')}.")
+    return int(get_adapter(model, config).top_k)
+
+
+def _specs_from_model(model_path: str, top_k: int | None):
+    """One (module, LayerSpec) per distinct expert key of the model (weights loaded lazily)."""
+    from ..dispatch import LayerKey, expert_modules
+    from ..dispatch_tune import spec_of
+    from ..io import load_model
+
+    model, _tok, config = load_model(model_path, lazy=True)
+    modules = expert_modules(model)
+    if not modules:
+        raise UserError(f"{model_path} has no mlx-lm SwitchGLU experts to tune.")
+    k = _model_top_k(model, config, top_k)
+    seen: dict = {}
+    for module in modules:
+        key = LayerKey.of(module)
+        if key not in seen:
+            seen[key] = (module, spec_of(module, k))
+    return list(seen.values())
+
+
+def _specs_from_shapes(shapes, quants, dtype, gpt_oss: bool, backend: str):
+    from ..dispatch_tune import LayerSpec, build_layer, canonical_quant, parse_quant
+
+    if not quants:
+        quants = ("float32" if backend == "cpu" else "bfloat16", "affine4-g64")
+    act = dtype or ("float32" if backend == "cpu" else "bfloat16")
+    out = []
+    for shape in shapes:
+        dims = _int_list(shape, "shape")
+        if len(dims) != 4:
+            raise UserError(f"{param('shape')} takes D,H,E,k (4 integers), got {shape!r}.")
+        D, H, E, k = dims
+        if k > E:
+            raise UserError(f"{param('shape')} {shape}: k ({k}) must not exceed E ({E}).")
+        for q in quants:
+            try:
+                quant = canonical_quant(q, act)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            layer_dtype = quant if parse_quant(quant) is None else act
+            spec = LayerSpec(D, H, E, k, quant, layer_dtype, bias=gpt_oss, oai=gpt_oss)
+            out.append((None, spec, build_layer))
+    return out
