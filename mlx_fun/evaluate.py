@@ -254,9 +254,9 @@ def _flat_logits(logits, inputs: np.ndarray, what: str) -> mx.array:
     return logits.reshape(-1, logits.shape[-1])
 
 
-def _run(models, samples, batch_size: int, pad_id: int, budget: int | None, fn) -> int:
+def _run(models, samples, batch_size: int, pad_id: int, budget: int | None, fn, progress: bool, desc: str) -> int:
     """:func:`mlx_fun.engine.run` for next-token scoring: ``fn(i, batch, chunk, outputs)`` after the ``i``-th
-    forward. Returns the number of forwards."""
+    forward (``progress``: the engine's bar over the scored tokens). Returns the number of forwards."""
     from . import engine
 
     count = [0]
@@ -265,7 +265,8 @@ def _run(models, samples, batch_size: int, pad_id: int, budget: int | None, fn) 
         fn(count[0], _Batch.of(chunk), chunk, outputs)
         count[0] += 1
 
-    engine.run(models, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=budget, predict_next=True)
+    engine.run(models, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=budget, predict_next=True,
+               progress=progress, desc=desc)
     return count[0]
 
 
@@ -275,14 +276,6 @@ def _gather(flat: mx.array, batch: _Batch, start: int, stop: int) -> mx.array:
 
 def _nll(logprobs: mx.array, targets: mx.array) -> mx.array:
     return -mx.take_along_axis(logprobs, targets[:, None], axis=-1).squeeze(-1)
-
-
-def _bar(progress: bool, total: int, desc: str):
-    if not progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
 
 
 def _scored_tokens(samples: Sequence[Sequence[int]]) -> int:
@@ -348,9 +341,8 @@ class ReferenceCache:
         for name, samples in samples_by_name.items():
             entries: list[tuple[np.ndarray, list[mx.array]]] = []
             sums = [0.0]
-            bar = _bar(progress, _scored_tokens(samples), f"reference {name}")
 
-            def keep(i, batch, chunk, logits, entries=entries, sums=sums, bar=bar):
+            def keep(i, batch, chunk, logits, entries=entries, sums=sums):
                 flat = _flat_logits(logits, batch.inputs, "reference")
                 vocab = int(flat.shape[-1])
                 if cache.vocab == 0:
@@ -370,14 +362,8 @@ class ReferenceCache:
                     chunks.append(lq)
                     sums[0] += float(np.asarray(nll, dtype=np.float64).sum())
                 entries.append((batch.inputs, chunks))
-                if bar is not None:
-                    bar.update(batch.n)
 
-            try:
-                _run(reference, samples, batch_size, pad_id, budget, keep)
-            finally:
-                if bar is not None:
-                    bar.close()
+            _run(reference, samples, batch_size, pad_id, budget, keep, progress, f"reference {name}")
             count = sum(int(c.shape[0]) for _, chunks in entries for c in chunks)
             cache.batches[name] = entries
             ref_nll = _mean(sums[0], count)
@@ -468,7 +454,6 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
         cached = cache.batches[name]
     two = with_ref and cached is None and reference is not model  # the reference runs beside the model
     sums = _Sums()
-    bar = _bar(progress, _scored_tokens(samples), f"eval {name}")
 
     def step(i, batch, chunk, outputs):
         flat = _flat_logits(outputs[0] if two else outputs, batch.inputs, "model")
@@ -487,14 +472,9 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
                 raise UserError(f"the model predicts {vocab} token ids but the reference {ref_flat.shape[-1]}; "
                                 f"compare a model only with a reference that uses the same tokenizer")
         _score(flat, batch, chunk, ref_flat, ref_chunks, sums)
-        if bar is not None:
-            bar.update(batch.n)
 
-    try:
-        n_forwards = _run((model, reference) if two else model, samples, batch_size, pad_id, budget, step)
-    finally:
-        if bar is not None:
-            bar.close()
+    n_forwards = _run((model, reference) if two else model, samples, batch_size, pad_id, budget, step, progress,
+                      f"eval {name}")
     if cached is not None and n_forwards != len(cached):
         raise ValueError(f"dataset '{name}': the samples differ from those the reference cache was built with")
 

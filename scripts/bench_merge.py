@@ -82,16 +82,13 @@ def time_merge(args, layers: int, samples, saliency_row) -> tuple[float, dict]:
 
 def time_forward(args, layers: int, samples) -> float:
     """One plain forward pass of the unmerged model over the calibration samples (batches of 8), for scale."""
-    import mlx.core as mx
-
-    from mlx_fun.data import iter_batches
+    from mlx_fun import engine
 
     model, _ = build(args, layers)
     best = float("inf")
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        for tokens, _ in iter_batches(samples, 8):
-            mx.eval(model(mx.array(tokens)))
+        engine.run(model, samples, lambda chunk, out: chunk.eval(out), batch_size=8)
         best = min(best, time.perf_counter() - t0)
     return best
 
