@@ -15,6 +15,10 @@ every family).
 "return this hidden state" stand-ins, so the model's own final norm and LM head produce the logits of a
 hidden state computed layer by layer.
 
+Most decoder layers return their hidden state; gemma4's return ``(h, shared_kv, offset)``. The stand-ins return
+what the adapter's ``layer_passthrough(x)`` builds from their input (``x`` itself by default), and
+:func:`run_layer` hands back the hidden state of whatever the layer returns.
+
 Layer swapping changes the class of the layer object (Python looks ``__call__`` up on the type), exactly like
 ``moe_hook`` does for MoE blocks; the original class is always restored.
 """
@@ -60,10 +64,15 @@ class LayerCalls:
     kwargs: list[dict] = field(default_factory=list)
 
 
-def record_layer_calls(model, layers: list, tokens: mx.array) -> LayerCalls:
+def _identity(x):
+    return x
+
+
+def record_layer_calls(model, layers: list, tokens: mx.array, passthrough: Callable = _identity) -> LayerCalls:
     """Run ``model(tokens)`` with identity layers; return the first layer's input and every layer's arguments.
 
-    ``layers`` are the model's decoder layers in forward order (``adapter.decoder_layers()``).
+    ``layers`` are the model's decoder layers in forward order (``adapter.decoder_layers()``); a stand-in layer
+    returns ``passthrough(x)`` (``adapter.layer_passthrough``).
     """
     n = len(layers)
     rec_args: list = [None] * n
@@ -75,7 +84,7 @@ def record_layer_calls(model, layers: list, tokens: mx.array) -> LayerCalls:
             rec_args[i], rec_kwargs[i] = args, kwargs
             if first[0] is None:
                 first[0] = x
-            return x
+            return passthrough(x)
 
         return fn
 
@@ -87,14 +96,19 @@ def record_layer_calls(model, layers: list, tokens: mx.array) -> LayerCalls:
     return LayerCalls(first[0], list(rec_args), list(rec_kwargs))
 
 
+def hidden(out) -> mx.array:
+    """The hidden state of a decoder layer's output (the first item of a tuple output)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def run_layer(layer, h: mx.array, calls: LayerCalls, i: int) -> mx.array:
-    """Layer ``i`` applied to ``h`` with the arguments the model's own forward gives it."""
-    return layer(h, *calls.args[i], **calls.kwargs[i])
+    """Layer ``i`` applied to ``h`` with the arguments the model's own forward gives it; its hidden state."""
+    return hidden(layer(h, *calls.args[i], **calls.kwargs[i]))
 
 
-def run_layers(model, layers: list, tokens: mx.array) -> mx.array:
+def run_layers(model, layers: list, tokens: mx.array, passthrough: Callable = _identity) -> mx.array:
     """The last decoder layer's output of ``model(tokens)``, computed one layer at a time (evaluated per layer)."""
-    calls = record_layer_calls(model, layers, tokens)
+    calls = record_layer_calls(model, layers, tokens, passthrough)
     h = calls.h
     for i, layer in enumerate(layers):
         h = run_layer(layer, h, calls, i)
@@ -102,8 +116,8 @@ def run_layers(model, layers: list, tokens: mx.array) -> mx.array:
     return h
 
 
-def final_logits(model, layers: list, tokens: mx.array, h: mx.array) -> mx.array:
+def final_logits(model, layers: list, tokens: mx.array, h: mx.array, passthrough: Callable = _identity) -> mx.array:
     """The model's logits when its last decoder layer outputs ``h`` (final norm and LM head of the model itself)."""
     last = len(layers) - 1
-    with swap_layer_calls(layers, lambda i: (lambda x, *a, **k: h if i == last else x)):
+    with swap_layer_calls(layers, lambda i: (lambda x, *a, **k: passthrough(h if i == last else x))):
         return model(tokens)

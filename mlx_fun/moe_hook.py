@@ -4,13 +4,18 @@
 special methods up on the type, so patching the instance would not work, and wrapping the block in another
 module would change the weight keys). ``remove`` restores the original classes. With no bias the hooked call
 computes exactly what the block computes: the same routing (the adapter replays it), the block's own
-``SwitchGLU`` run once, and the same combine.
+``SwitchGLU`` / ``SwitchMLP`` run once, and the same combine.
+
+Families whose decoder layer calls the router and the experts itself (``adapter.split_router``: gemma4) have no
+single block call to swap; there the router module and the experts module are swapped: the hooked router routes
+(with the bias) and hands its routing to the hooked experts call of the same layer, which runs the rest.
 
 A tap is any callable ``tap(layer, inds, weights, logits, y)``: ``layer`` is the position of the block in
 ``adapter.moe_layers()``, ``inds``/``weights`` are (..., k), ``logits`` (..., E) raw router logits and ``y`` the
-(..., k, D) unweighted expert outputs. Taps must not change their inputs; they keep lazy arrays and let the
-caller evaluate them together with the forward pass. A tap that also needs the block's input defines
-``on_input(layer, h)``; it is called with the prepared input (what router and experts see) before routing.
+(..., k, D) unweighted expert outputs (in the experts' own space: the latent one where a family projects into
+one). Taps must not change their inputs; they keep lazy arrays and let the caller evaluate them together with
+the forward pass. A tap that also needs the experts' input defines ``on_input(layer, h)``; it is called with
+what the experts are called on (after routing, before the experts run).
 """
 
 from __future__ import annotations
@@ -34,28 +39,66 @@ _TAG = "hook"
 class HookState:
     adapter: MoEAdapter
     layer: int
+    block: object = None
     taps: list = field(default_factory=list)
     bias: mx.array | None = None
+    pending: tuple | None = None  # split_router: the routing the router handed to the experts call
+
+
+def _state(module) -> HookState:
+    return object.__getattribute__(module, _STATE)
+
+
+def _experts_and_combine(state: HookState, h, inds, weights, logits):
+    adapter, block = state.adapter, state.block
+    xe = adapter.expert_input(block, h, inds, weights)
+    for tap in state.taps:
+        on_input = getattr(tap, "on_input", None)
+        if on_input is not None:  # taps that also need the experts' input (REAM capture)
+            on_input(state.layer, xe)
+    y = adapter.experts(block)(xe, inds)
+    for tap in state.taps:
+        tap(state.layer, inds, weights, logits, y)
+    return adapter.combine(block, h, y, weights)
 
 
 def _hooked_call(self, x):
-    state: HookState = object.__getattribute__(self, _STATE)
-    adapter = state.adapter
-    h = adapter.prepare(self, x)
-    for tap in state.taps:
-        on_input = getattr(tap, "on_input", None)
-        if on_input is not None:  # taps that also need the block's input (REAM capture)
-            on_input(state.layer, h)
-    inds, weights, logits = adapter.route(self, h, state.bias)
-    y = adapter.experts(self)(h, inds)
-    for tap in state.taps:
-        tap(state.layer, inds, weights, logits, y)
-    out = adapter.combine(self, h, y, weights)
+    state = _state(self)
+    h = state.adapter.prepare(self, x)
+    inds, weights, logits = state.adapter.route(self, h, state.bias)
+    out = _experts_and_combine(state, h, inds, weights, logits)
     return out if h is x else out.reshape(x.shape)
 
 
+def _hooked_router_call(self, x):
+    state = _state(self)
+    inds, weights, logits = state.adapter.route(state.block, x, state.bias)
+    state.pending = (inds, weights, logits)
+    return inds, weights
+
+
+def _hooked_experts_call(self, x, inds, weights):
+    state = _state(self)
+    pending, state.pending = state.pending, None
+    if pending is None or pending[0] is not inds:
+        raise RuntimeError(f"MoE layer {state.layer}: the experts were called without their router's routing")
+    return _experts_and_combine(state, x, inds, weights, pending[2])
+
+
+def _swaps(adapter: MoEAdapter, block) -> list[tuple[object, Callable]]:
+    """(module, hooked call) pairs that hook one MoE block."""
+    if adapter.split_router:
+        return [(adapter.router(block), _hooked_router_call), (adapter.expert_caller(block), _hooked_experts_call)]
+    return [(block, _hooked_call)]
+
+
+def swapped_modules(adapter: MoEAdapter, block) -> list:
+    """The modules whose class the hook swaps for ``block``: the block, or its router and experts modules."""
+    return [module for module, _ in _swaps(adapter, block)]
+
+
 def is_hooked(block) -> bool:
-    return classswap.is_swapped(block, _TAG)
+    return classswap.get_state(block, _STATE) is not None
 
 
 def install(
@@ -72,23 +115,27 @@ def install(
     for pos, block in enumerate(blocks):
         if getattr(block, "sharding_group", None) is not None:
             raise ValueError("sharded (distributed) MoE blocks are not supported by the hooks; load unsharded")
-        state = HookState(adapter, pos, list(taps), None if bias is None else bias.get(pos))
+        state = HookState(adapter, pos, block, list(taps), None if bias is None else bias.get(pos))
         classswap.set_state(block, _STATE, state)
-        classswap.swap(block, _TAG, _hooked_call, name=f"Hooked{type(block).__name__}")
+        for module, call in _swaps(adapter, block):
+            classswap.set_state(module, _STATE, state)
+            classswap.swap(module, _TAG, call, name=f"Hooked{type(module).__name__}")
     return blocks
 
 
 def remove(adapter: MoEAdapter) -> None:
     """Restore the original class of every hooked MoE block and drop the hook state."""
     for block in adapter.blocks():
-        classswap.restore(block, _TAG)
+        for module, _ in _swaps(adapter, block):
+            classswap.restore(module, _TAG)
+            classswap.drop_state(module, _STATE)
         classswap.drop_state(block, _STATE)
 
 
 def set_bias(adapter: MoEAdapter, bias: dict[int, mx.array] | None) -> None:
     """Swap the logit biases of a hooked model in place (no re-install)."""
     for pos, block in enumerate(adapter.blocks()):
-        object.__getattribute__(block, _STATE).bias = None if bias is None else bias.get(pos)
+        _state(block).bias = None if bias is None else bias.get(pos)
 
 
 @contextlib.contextmanager

@@ -113,6 +113,10 @@ def tiny_config(model_type: str, vocab_size: int = DEFAULT_VOCAB, **overrides) -
     cfg = copy.deepcopy(configs[model_type])
     target = cfg["text_config"] if "text_config" in cfg else cfg
     target["vocab_size"] = vocab_size
+    if target is not cfg and "vocab_size" in cfg:  # wrappers that also keep it at the top (gemma4)
+        cfg["vocab_size"] = vocab_size
+    if "num_vocab" in target:  # phixtral's name for it
+        target["num_vocab"] = vocab_size
     target.update(overrides)
     # mlx-lm reads eos ids from config.json when present
     cfg["eos_token_id"] = SPECIAL_TOKENS.index("<|im_end|>")
@@ -133,6 +137,10 @@ def _randomize_zero_router_params(model, seed: int) -> None:
         parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         is_router = parent in ("gate", "router") or leaf == "e_score_correction_bias"
         is_expert_bias = leaf == "bias" and value.ndim == 2  # SwitchLinear bias (E, out)
+        if leaf == "per_expert_scale" and mx.all(value == 1).item():  # gemma4: ones → distinct positive scales
+            key, sub = mx.random.split(key)
+            updates.append((name, (1.0 + 0.25 * mx.random.uniform(-1, 1, value.shape, key=sub)).astype(value.dtype)))
+            continue
         if (is_router or is_expert_bias) and not mx.any(value != 0).item():
             key, sub = mx.random.split(key)
             # router logits of unit scale (sigmoid routers unsaturated), small biases

@@ -257,7 +257,7 @@ def test_layer_by_layer_runner_equals_the_full_forward(model_type):
         def fn(x, *a, **k):
             out = classes[i].__call__(layers[i], x, *a, **k)
             if i == len(layers) - 1:
-                last["h"] = out
+                last["h"] = layerwise.hidden(out)
             return out
 
         return fn
@@ -265,9 +265,10 @@ def test_layer_by_layer_runner_equals_the_full_forward(model_type):
     with layerwise.swap_layer_calls(layers, grab):
         ref = model(tokens)
     mx.eval(ref, last["h"])
-    h = layerwise.run_layers(model, layers, tokens)
+    h = layerwise.run_layers(model, layers, tokens, adapter.layer_passthrough)
     assert np.array_equal(np.array(h), np.array(last["h"]))
-    assert np.array_equal(np.array(layerwise.final_logits(model, layers, tokens, h)), np.array(ref))
+    logits = layerwise.final_logits(model, layers, tokens, h, adapter.layer_passthrough)
+    assert np.array_equal(np.array(logits), np.array(ref))
 
 
 def test_merge_runs_each_layer_once_per_batch_plus_once_per_moe_layer():

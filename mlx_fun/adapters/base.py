@@ -19,7 +19,7 @@ class MoEAdapter:
 
     #: model_type values this adapter serves (the registry key)
     model_types: tuple[str, ...] = ()
-    #: attribute of a decoder layer that holds the MoE block
+    #: attribute of a decoder layer that holds the MoE block ("": the decoder layer itself)
     block_attr: str = "mlp"
     #: attribute of the MoE block that holds the experts (an mlx-lm ``SwitchGLU``)
     experts_attr: str = "switch_mlp"
@@ -30,14 +30,19 @@ class MoEAdapter:
     top_k_key: str = "num_experts_per_tok"
     #: block parameters (besides experts and router) whose leading axis is the expert axis
     extra_expert_params: tuple[str, ...] = ()
-    #: how the experts compute: "swiglu" (GEMM3_SWIGLU) or "swiglu_oai" (GEMM2_BIAS_SWIGLU_CLAMP, gpt-oss)
+    #: how the experts compute (the oracle of ``tests/oracles.py`` that checks them): one of ``EXPERT_TYPES``
     expert_type: str = "swiglu"
+    #: the router and the experts are separate calls of the decoder layer (gemma4): the hook wraps both, and
+    #: ``block`` is the decoder layer itself
+    split_router: bool = False
+    #: the routing weight scales the experts' *input* (llama4: ``experts(x * w)``), not their outputs
+    weights_at_input: bool = False
 
     def __init__(self, model, config: dict):
         self.model = model
         self.config = config
         self._moe_layers = [
-            i for i, layer in enumerate(self.decoder_layers()) if self._is_moe(getattr(layer, self.block_attr, None))
+            i for i, layer in enumerate(self.decoder_layers()) if self._is_moe(self._block_of(layer))
         ]
         if not self._moe_layers:
             raise ValueError(f"no MoE blocks found in this {self.model_type} model (looked for .{self.block_attr})")
@@ -78,8 +83,11 @@ class MoEAdapter:
         """Decoder-layer indices that hold an MoE block, in order."""
         return list(self._moe_layers)
 
+    def _block_of(self, layer):
+        return getattr(layer, self.block_attr, None) if self.block_attr else layer
+
     def block(self, layer: int):
-        return getattr(self.decoder_layers()[layer], self.block_attr)
+        return self._block_of(self.decoder_layers()[layer])
 
     def blocks(self) -> list:
         return [self.block(i) for i in self._moe_layers]
@@ -91,9 +99,26 @@ class MoEAdapter:
     def router(self, block):
         return getattr(block, self.router_attr)
 
+    def expert_params(self, block) -> dict:
+        """Constants of the experts' activation for ``block`` (alpha / limit of clamped SwiGLUs), from config.json."""
+        return {}
+
+    def layer_passthrough(self, x: mx.array):
+        """What a decoder layer that does nothing returns for input ``x`` (``mlx_fun.layerwise`` stand-ins)."""
+        return x
+
+    def expert_caller(self, block):
+        """``split_router`` families: the module the decoder layer calls as ``m(x, inds, weights)``."""
+        raise NotImplementedError
+
     @property
     def num_experts(self) -> int:
-        return int(self.experts(self.block(self._moe_layers[0])).up_proj.num_experts)
+        return expert_count(self.experts(self.block(self._moe_layers[0])))
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream (what the MoE block is called on)."""
+        return int(self.text_config["hidden_size"])
 
     @property
     def top_k(self) -> int:
@@ -106,6 +131,11 @@ class MoEAdapter:
 
     def prepare(self, block, x: mx.array) -> mx.array:
         """The input as the block hands it to its router and experts (olmoe flattens tokens)."""
+        return x
+
+    def expert_input(self, block, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        """What the experts are called on, from the prepared input ``x``: ``x`` itself, or its latent projection
+        (nemotron_h), or ``x`` scaled by the routing weight (llama4)."""
         return x
 
     # ----------------------------------------------------------------- routing
@@ -128,7 +158,7 @@ class MoEAdapter:
         Router rows (weight/scales/biases/bias), correction biases and every projection tensor of the experts
         (weight/scales/biases/bias); never the shared experts.
         """
-        E = self.experts(block).up_proj.num_experts
+        E = expert_count(self.experts(block))
         names = []
         for name, value in tree_flatten(block.parameters()):
             head = name.split(".", 1)[0]
@@ -146,6 +176,38 @@ class MoEAdapter:
             "top_k": self.top_k,
             "groups": self.groups,
         }
+
+
+#: expert computations with a plain-MLX oracle in ``tests/oracles.py``
+EXPERT_TYPES = {
+    "swiglu": "GEMM3_SWIGLU: down(silu(gate x) * up x)",
+    "swiglu_oai": "GEMM2_BIAS_SWIGLU_CLAMP (gpt-oss, minimax_m3_vl): (clip(up) + 1) * swish_alpha(min(gate, limit))",
+    "swiglu_clamped": "down(min(silu(gate x), limit) * clip(up x, -limit, limit)) (step3p5; limit 0: plain SwiGLU)",
+    "geglu": "down(gelu_approx(gate x) * up x) (gemma4)",
+    "relu2_mlp": "fc2(relu(fc1 x)^2) (nemotron_h)",
+    "gelu_mlp": "fc2(gelu_tanh(fc1 x + b1)) + b2 (phixtral)",
+}
+
+
+def expert_projections(experts) -> tuple[tuple[str, ...], str]:
+    """``(input projections, output projection)`` of an mlx-lm expert module: a ``SwitchGLU`` has
+    ``gate_proj``/``up_proj`` → ``down_proj``, a ``SwitchMLP`` ``fc1`` → ``fc2``."""
+    if hasattr(experts, "fc1"):
+        return ("fc1",), "fc2"
+    return ("gate_proj", "up_proj"), "down_proj"
+
+
+def expert_count(experts) -> int:
+    """Routed experts of a ``SwitchGLU`` / ``SwitchMLP`` (read from its weights, so it follows slicing)."""
+    return int(getattr(experts, expert_projections(experts)[1]).num_experts)
+
+
+def intermediate(experts, pre: dict[str, mx.array]) -> mx.array:
+    """The experts' hidden activation from the input projections' outputs ``pre`` (keyed by projection name),
+    through the module's own activation function."""
+    if "fc1" in pre:
+        return experts.activation(pre["fc1"])
+    return experts.activation(pre["up_proj"], pre["gate_proj"])
 
 
 def topk_desc(scores: mx.array, k: int) -> mx.array:

@@ -49,7 +49,7 @@ class LayerDriver:
         self.layers = adapter.decoder_layers()
         self.batches: list[LayerBatch] = []
         for tokens, lengths, _rows in engine.batches(samples, batch_size, pad_id=pad_id, budget=token_budget):
-            calls = layerwise.record_layer_calls(model, self.layers, mx.array(tokens))
+            calls = layerwise.record_layer_calls(model, self.layers, mx.array(tokens), adapter.layer_passthrough)
             mx.eval(calls.h)
             h, calls.h = calls.h, None  # one reference only: replaced layer after layer
             valid = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]

@@ -26,10 +26,10 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
 5. **Alignment** — each member's intermediate neurons are permuted onto the centroid's before averaging.
    Cost of pairing centroid neuron ``a`` with member neuron ``b`` = squared distance of their unit-normalised
    intermediate activations over the alignment tokens + squared distance of their unit-normalised weight
-   features (gate row ‖ up row ‖ down column), i.e. ``(2 − 2·cos_act) + (2 − 2·cos_feat)``. ``hungarian``
+   features (gate row ‖ up row ‖ down column; fc1 row ‖ fc2 column for ``SwitchMLP`` experts), i.e. ``(2 − 2·cos_act) + (2 − 2·cos_feat)``. ``hungarian``
    solves the assignment exactly (``scipy.optimize.linear_sum_assignment``); ``greedy`` lets neurons in
    order of their best cost take their cheapest free partner (O(I²)); ``none`` keeps the identity.
-6. **Merge** — saliency-weighted average of the aligned gate / up / down weights and, where the family has
+6. **Merge** — saliency-weighted average of the aligned gate / up / down (or fc1 / fc2) weights and, where the family has
    them (gpt-oss), of the gate / up / down biases (gate and up biases are permuted with their rows). mlx-lm
    stores gpt-oss's interleaved ``gate_up_proj`` as separate ``gate_proj`` / ``up_proj`` (its ``sanitize``
    de-interleaves ``[..., ::2, :]`` / ``[..., 1::2, :]``), so neuron ``j`` of the fused layer is row ``j`` of
@@ -68,14 +68,13 @@ import mlx.core as mx
 import numpy as np
 
 from .. import engine, moe_hook
-from ..adapters.base import MoEAdapter
+from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError
 from .driver import LayerDriver
 from .prune import check_keep_map, prune_block, pruned_config
 
 SIMILARITY_MODES = ("gated", "average")
 ALIGNMENTS = ("hungarian", "greedy", "none")
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _EPS = 1e-12
 
 
@@ -316,41 +315,43 @@ def _dense(lin, e: int) -> mx.array:
 
 
 def expert_weights(experts, e: int) -> dict[str, mx.array | None]:
-    """float32 ``gate`` / ``up`` (I, D), ``down`` (D, I) and their biases (``None`` where absent) of expert ``e``."""
+    """float32 (out, in) weights of expert ``e`` keyed by projection name (``gate_proj``/``up_proj``/``down_proj``
+    of a SwitchGLU, ``fc1``/``fc2`` of a SwitchMLP), and their biases under ``<name>_bias`` (``None`` where absent)."""
+    ins, out_name = expert_projections(experts)
     out: dict[str, mx.array | None] = {}
-    for name in PROJECTIONS:
+    for name in (*ins, out_name):
         lin = getattr(experts, name)
-        key = name.split("_")[0]
-        out[key] = _dense(lin, e)
-        out[key + "_bias"] = lin["bias"][e].astype(mx.float32) if "bias" in lin else None
+        out[name] = _dense(lin, e)
+        out[name + "_bias"] = lin["bias"][e].astype(mx.float32) if "bias" in lin else None
     return out
 
 
 def intermediate_activations(experts, w: dict, x: mx.array) -> mx.array:
     """(N, I) activations of one expert on ``x`` (N, D), through the family's own activation function."""
-    up = x @ w["up"].T
-    gate = x @ w["gate"].T
-    if w["up_bias"] is not None:
-        up = up + w["up_bias"]
-    if w["gate_bias"] is not None:
-        gate = gate + w["gate_bias"]
-    return experts.activation(up, gate)
+    pre = {}
+    for name in expert_projections(experts)[0]:
+        pre[name] = x @ w[name].T
+        if w[name + "_bias"] is not None:
+            pre[name] = pre[name] + w[name + "_bias"]
+    return intermediate(experts, pre)
 
 
-def weight_features(w: dict) -> mx.array:
-    """(I, 3D): gate row ‖ up row ‖ down column of every intermediate neuron."""
-    return mx.concatenate([w["gate"], w["up"], w["down"].T], axis=1)
+def weight_features(experts, w: dict) -> mx.array:
+    """(I, F): the input projections' rows ‖ the output projection's column of every intermediate neuron."""
+    ins, out_name = expert_projections(experts)
+    return mx.concatenate([w[name] for name in ins] + [w[out_name].T], axis=1)
 
 
-def permute_expert(w: dict, perm: np.ndarray) -> dict:
+def permute_expert(experts, w: dict, perm: np.ndarray) -> dict:
     """Expert weights with intermediate neuron ``perm[a]`` moved to position ``a``."""
+    ins, out_name = expert_projections(experts)
     p = mx.array(perm.astype(np.int32))
     out = dict(w)
-    for key in ("gate", "up"):
+    for key in ins:
         out[key] = w[key][p]
         if w[key + "_bias"] is not None:
             out[key + "_bias"] = w[key + "_bias"][p]
-    out["down"] = w["down"][:, p]
+    out[out_name] = w[out_name][:, p]
     return out
 
 
@@ -362,15 +363,15 @@ def merge_group(
     need_align = alignment != "none"
     if need_align:
         act_c = np.array(intermediate_activations(experts, base, x_align))
-        feat_c = np.array(weight_features(base))
+        feat_c = np.array(weight_features(experts, base))
     merged = {k: (None if v is None else v * float(weights[0])) for k, v in base.items()}
     for m, wt in zip(members[1:], weights[1:]):
         w = expert_weights(experts, m)
         if need_align:
             cost = alignment_cost(
-                act_c, np.array(intermediate_activations(experts, w, x_align)), feat_c, np.array(weight_features(w))
+                act_c, np.array(intermediate_activations(experts, w, x_align)), feat_c, np.array(weight_features(experts, w))
             )
-            w = permute_expert(w, align_permutation(cost, alignment))
+            w = permute_expert(experts, w, align_permutation(cost, alignment))
         for k, v in w.items():
             if v is not None:
                 merged[k] = merged[k] + v * float(wt)
@@ -403,14 +404,14 @@ def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, 
         return
     experts = adapter.experts(block)
     pos_of = {e: j for j, e in enumerate(kept)}
-    for name in PROJECTIONS:
+    ins, out_name = expert_projections(experts)
+    for name in (*ins, out_name):
         lin = getattr(experts, name)
-        key = name.split("_")[0]
         new_parts: dict[int, dict[str, mx.array]] = {}
         for e, w in merged.items():
-            parts = _quantize_expert(lin, w[key]) if "scales" in lin else {"weight": w[key].astype(lin["weight"].dtype)}
-            if w[key + "_bias"] is not None and "bias" in lin:
-                parts["bias"] = w[key + "_bias"].astype(lin["bias"].dtype)
+            parts = _quantize_expert(lin, w[name]) if "scales" in lin else {"weight": w[name].astype(lin["weight"].dtype)}
+            if w[name + "_bias"] is not None and "bias" in lin:
+                parts["bias"] = w[name + "_bias"].astype(lin["bias"].dtype)
             new_parts[pos_of[e]] = parts
         updates = {}
         for tensor in ("weight", "scales", "biases", "global_scale", "bias"):

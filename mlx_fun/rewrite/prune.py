@@ -14,7 +14,7 @@ import copy
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..adapters.base import MoEAdapter
+from ..adapters.base import MoEAdapter, expert_count
 from ..errors import UserError
 
 
@@ -76,7 +76,7 @@ def prune_model(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict:
         )
     for pos, block in enumerate(adapter.blocks()):
         kept = keep_map.get(pos)
-        if kept is not None and len(kept) != adapter.experts(block).up_proj.num_experts:
+        if kept is not None and len(kept) != expert_count(adapter.experts(block)):
             prune_block(adapter, block, kept)
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return adapter.config
