@@ -5,8 +5,11 @@ from __future__ import annotations
 from ..errors import UserError
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
-from .minimax import MiniMaxAdapter
-from .mixtral import GptOssAdapter, MixtralAdapter
+from .gemma import Gemma4Adapter
+from .minimax import MiniMaxAdapter, MiniMaxM3Adapter
+from .nemotron import NemotronHAdapter
+from .mixtral import GptOssAdapter, Llama4Adapter, MixtralAdapter, PhixtralAdapter
+from .step import Step3p5Adapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
 
 _ADAPTERS: tuple[type[MoEAdapter], ...] = (
@@ -18,6 +21,12 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     OlmoeAdapter,
     MixtralAdapter,
     GptOssAdapter,
+    Gemma4Adapter,
+    NemotronHAdapter,
+    PhixtralAdapter,
+    Llama4Adapter,
+    MiniMaxM3Adapter,
+    Step3p5Adapter,
 )
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}

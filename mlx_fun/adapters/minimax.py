@@ -1,4 +1,4 @@
-"""MiniMax (and MiniMax-M2, which mlx-lm maps onto it): sigmoid router with a selection-only correction bias."""
+"""MiniMax (and MiniMax-M2, which mlx-lm maps onto it) and MiniMax-M3: sigmoid routers with a selection-only correction bias."""
 
 from __future__ import annotations
 
@@ -26,3 +26,36 @@ class MiniMaxAdapter(MoEAdapter):
 
     def combine(self, block, x, y, weights):
         return (y * weights[..., None]).sum(axis=-2)
+
+
+class MiniMaxM3Adapter(MoEAdapter):
+    """minimax_m3_vl (text model): MiniMax's sigmoid + correction-bias router on flattened tokens, renormalised
+    and scaled; gpt-oss-style clamped SwiGLU experts without biases; an always-on shared expert."""
+
+    model_types = ("minimax_m3_vl",)
+    block_attr = "block_sparse_moe"
+    num_experts_key = "num_local_experts"
+    extra_expert_params = ("e_score_correction_bias",)
+    expert_type = "swiglu_oai"
+
+    def expert_params(self, block) -> dict:
+        return {"alpha": float(self.text_config.get("swiglu_alpha", 1.702)),
+                "limit": float(self.text_config.get("swiglu_limit", 7.0))}
+
+    def prepare(self, block, x):
+        return x.reshape(-1, x.shape[-1])
+
+    def route(self, block, x, logit_bias=None):
+        logits = block.gate(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        scores = mx.sigmoid(gates.astype(mx.float32))
+        orig_scores = scores
+        scores = scores + block.e_score_correction_bias
+        inds = mx.stop_gradient(topk_desc(scores, self.top_k))
+        scores = mx.take_along_axis(orig_scores, inds, axis=-1)
+        scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)
+        scores = (scores * block.routed_scaling_factor).astype(x.dtype)
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        return (y * weights[..., None]).sum(axis=-2) + block.shared_experts(x)

@@ -1,4 +1,4 @@
-"""Top-k on raw logits, softmax over the k: mixtral and gpt-oss."""
+"""Top-k on raw logits, softmax over the k: mixtral, gpt-oss, phixtral; and llama4's top-1 sigmoid router."""
 
 from __future__ import annotations
 
@@ -37,3 +37,44 @@ class GptOssAdapter(MixtralAdapter):
 
     def combine(self, block, x, y, weights):
         return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
+
+
+class PhixtralAdapter(MixtralAdapter):
+    """phixtral (``phi-msft``): mixtral's router over a GELU ``SwitchMLP`` with biases (``fc1``/``fc2``)."""
+
+    model_types = ("phixtral",)
+    block_attr = "moe"
+    expert_type = "gelu_mlp"
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config["model_dim"])
+
+
+class Llama4Adapter(MoEAdapter):
+    """llama4: top-1 (or top-k) on raw logits, sigmoid of the chosen logits scales the experts' *input*
+    (``experts(x * score)``); an always-on shared expert."""
+
+    model_types = ("llama4",)
+    block_attr = "feed_forward"
+    experts_attr = "experts"
+    router_attr = "router"
+    num_experts_key = "num_local_experts"
+    weights_at_input = True
+
+    def _is_moe(self, block) -> bool:
+        return block is not None and hasattr(block, "router")
+
+    def route(self, block, x, logit_bias=None):
+        logits = block.router(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds = mx.stop_gradient(topk_desc(gates, block.top_k))
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        scores = mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)
+        return inds, scores, logits
+
+    def expert_input(self, block, x, inds, weights):
+        return x * weights
+
+    def combine(self, block, x, y, weights):
+        return y.squeeze(2) + block.shared_expert(x)
