@@ -5,6 +5,14 @@ from __future__ import annotations
 from ..errors import UserError
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
+from .deepseek_like import (
+    DeepSeekV1Adapter,
+    DeepSeekV2Adapter,
+    ExaoneMoeAdapter,
+    KimiLinearAdapter,
+    MiMoV2FlashAdapter,
+    Mistral4Adapter,
+)
 from .minimax import MiniMaxAdapter
 from .mixtral import GptOssAdapter, MixtralAdapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
@@ -12,6 +20,12 @@ from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapt
 _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     MiniMaxAdapter,
     DeepSeekAdapter,
+    DeepSeekV1Adapter,
+    DeepSeekV2Adapter,
+    ExaoneMoeAdapter,
+    MiMoV2FlashAdapter,
+    Mistral4Adapter,
+    KimiLinearAdapter,
     Qwen3MoeAdapter,
     Qwen3NextAdapter,
     Qwen2MoeAdapter,
