@@ -116,7 +116,7 @@ def test_route_replays_block_exactly(make_model, model_type, bits):
                 np.testing.assert_allclose(sol, W[t], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32", "glm4_moe", "exaone_moe", "mimo_v2_flash"])
 def test_group_limited_routing_with_correction_bias(make_model, model_type):
     """n_group > 1 (only topk_group groups may be chosen) and a non-zero e_score_correction_bias."""
     model, config, adapter = _load(make_model, model_type, None, n_group=4, topk_group=2)

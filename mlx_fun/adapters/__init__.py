@@ -5,16 +5,30 @@ from __future__ import annotations
 from ..errors import UserError
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
+from .deepseek_like import (
+    DeepSeekV1Adapter,
+    DeepSeekV2Adapter,
+    ExaoneMoeAdapter,
+    KimiLinearAdapter,
+    MiMoV2FlashAdapter,
+    Mistral4Adapter,
+)
 from .gemma import Gemma4Adapter
 from .minimax import MiniMaxAdapter, MiniMaxM3Adapter
-from .nemotron import NemotronHAdapter
 from .mixtral import GptOssAdapter, Llama4Adapter, MixtralAdapter, PhixtralAdapter
+from .nemotron import NemotronHAdapter
 from .step import Step3p5Adapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
 
 _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     MiniMaxAdapter,
     DeepSeekAdapter,
+    DeepSeekV1Adapter,
+    DeepSeekV2Adapter,
+    ExaoneMoeAdapter,
+    MiMoV2FlashAdapter,
+    Mistral4Adapter,
+    KimiLinearAdapter,
     Qwen3MoeAdapter,
     Qwen3NextAdapter,
     Qwen2MoeAdapter,

@@ -1,0 +1,226 @@
+"""DeepSeek-like routers that the MoEGate adapter of ``deepseek.py`` does not cover: deepseek (v1), deepseek_v2,
+exaone_moe, mimo_v2_flash, mistral4 and kimi_linear; and hunyuan (not registered, see its class).
+
+Where the model file has a module-level (compiled) selection function, ``route`` calls that very function with
+the biased logits, looked up in the module that defines the block's class, so it runs what the block runs.
+The others (deepseek, deepseek_v2, hunyuan) select inline in their gate or block; ``route`` replays those
+operations one by one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .base import MoEAdapter, topk_desc
+from .deepseek import DeepSeekAdapter
+
+
+def _module_fn(obj, name: str):
+    """The function ``name`` of the mlx-lm module that defines the class of ``obj`` (walking the MRO, since a
+    hooked block's class is a subclass defined elsewhere)."""
+    for cls in type(obj).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"no {name} in the modules of {type(obj).__name__}")
+
+
+class DeepSeekV1Adapter(MoEAdapter):
+    """deepseek (v1): precise softmax over all experts, descending top-k, no renormalisation or scaling."""
+
+    model_types = ("deepseek",)
+    num_experts_key = "n_routed_experts"
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        logits = x @ gate.weight.T
+        gates = logits if logit_bias is None else logits + logit_bias
+        scores = mx.softmax(gates, axis=-1, precise=True)
+        inds = mx.stop_gradient(topk_desc(scores, gate.top_k))
+        scores = mx.take_along_axis(scores, inds, axis=-1)
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2)
+        if block.config.n_shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class DeepSeekV2Adapter(DeepSeekV1Adapter):
+    """deepseek_v2: softmax scores; ``group_limited_greedy`` zeroes the groups outside the best topk_group by max
+    score; weights times routed_scaling_factor, never renormalised."""
+
+    model_types = ("deepseek_v2",)
+
+    @property
+    def groups(self):
+        cfg = self.text_config
+        n_group = int(cfg.get("n_group") or 1)
+        if cfg.get("topk_method") == "group_limited_greedy" and n_group > 1:
+            return n_group, int(cfg.get("topk_group") or n_group)
+        return None
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        logits = x @ gate.weight.T
+        gates = logits if logit_bias is None else logits + logit_bias
+        scores = mx.softmax(gates, axis=-1, precise=True)
+        if gate.topk_method == "group_limited_greedy":
+            bsz, seq_len = x.shape[:2]
+            scores = scores.reshape(bsz, seq_len, gate.n_group, -1)
+            group_scores = scores.max(axis=-1, keepdims=True)
+            k = gate.n_group - gate.topk_group
+            group_idx = mx.argpartition(group_scores, kth=k - 1, axis=-2)[..., :k, :]
+            group_idx = mx.stop_gradient(group_idx)
+            scores = mx.put_along_axis(scores, group_idx, mx.array(0.0, scores.dtype), axis=-2)
+            scores = scores.reshape(bsz, seq_len, -1)
+        k = gate.top_k
+        inds = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+        inds = mx.stop_gradient(inds)
+        scores = mx.take_along_axis(scores, inds, axis=-1)
+        scores = scores * gate.routed_scaling_factor
+        return inds, scores, logits
+
+
+class ExaoneMoeAdapter(DeepSeekAdapter):
+    """exaone_moe: the DeepSeek-V3 MoEGate (sigmoid, correction bias, n_group) with its own ``group_expert_select``
+    (renormalises only when top_k > 1); MoE layers listed by ``is_moe_layer``."""
+
+    model_types = ("exaone_moe",)
+    num_experts_key = "num_experts"
+
+
+class MiMoV2FlashAdapter(DeepSeekAdapter):
+    """mimo_v2_flash: the DeepSeek-V3 MoEGate (sigmoid, correction bias, n_group) with its own
+    ``group_expert_select``; MoE layers listed by ``moe_layer_freq``."""
+
+    model_types = ("mimo_v2_flash",)
+
+
+class Mistral4Adapter(MoEAdapter):
+    """mistral4: float32 softmax (not precise), n_group top-2-sum group limit, weights from the unmasked scores,
+    optional renormalisation, routed_scaling_factor; router is a plain ``nn.Linear``, no correction bias."""
+
+    model_types = ("mistral4",)
+    num_experts_key = "n_routed_experts"
+
+    @property
+    def groups(self):
+        n_group = int(self.text_config.get("n_group") or 1)
+        if n_group > 1:
+            return n_group, int(self.text_config.get("topk_group") or n_group)
+        return None
+
+    def route(self, block, x, logit_bias=None):
+        args = block.args
+        logits = block.gate(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds, scores = _module_fn(block, "mistral4_expert_select")(
+            gates,
+            block.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.routed_scaling_factor,
+            args.norm_topk_prob,
+        )
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        if block.args.n_shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class KimiLinearAdapter(MoEAdapter):
+    """kimi_linear: sigmoid (or softmax) scores, selection-only correction bias held on the block,
+    num_expert_group group limit, renormalised when top_k > 1, routed_scaling_factor."""
+
+    model_types = ("kimi_linear",)
+    top_k_key = "num_experts_per_token"
+    extra_expert_params = ("e_score_correction_bias",)
+
+    @property
+    def groups(self):
+        n_group = int(self.text_config.get("num_expert_group") or 1)
+        if n_group > 1:
+            return n_group, int(self.text_config.get("topk_group") or n_group)
+        return None
+
+    def route(self, block, x, logit_bias=None):
+        args = block.args
+        logits = block.gate(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds, scores = _module_fn(block, "_group_expert_select")(
+            gates,
+            block.e_score_correction_bias,
+            args.num_experts_per_token,
+            args.num_expert_group,
+            args.topk_group,
+            args.routed_scaling_factor,
+            args.moe_renormalize,
+            args.moe_router_activation_func,
+        )
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2)
+        if block.shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class HunyuanAdapter(MoEAdapter):
+    """hunyuan: precise softmax, descending top-k, never renormalised; the router is ``gate.wg``, weights are cast
+    to float32 before the sum; per-layer ``moe_topk`` lists must hold one value.
+
+    Routing, hooks, prune and collect are exact, but it is left out of the registry: its decoder layers return
+    ``(h, shared_kv_states)`` (cross-layer KV sharing), which ``layerwise`` (merge's layer-by-layer runner) cannot
+    record or replay."""
+
+    model_types = ("hunyuan",)
+    router_attr = "gate.wg"
+    top_k_key = "moe_topk"
+
+    @classmethod
+    def config_top_k(cls, config: dict) -> int:
+        top_k = config.get("text_config", config)[cls.top_k_key]
+        if isinstance(top_k, list):
+            if len(set(top_k)) != 1:
+                raise ValueError(f"hunyuan: per-layer moe_topk {top_k} differ; one top-k is supported")
+            top_k = top_k[0]
+        return int(top_k)
+
+    @property
+    def top_k(self) -> int:
+        return self.config_top_k(self.config)
+
+    def router(self, block):
+        return block.gate.wg
+
+    def expert_tensors(self, block) -> list[str]:
+        E = self.experts(block).up_proj.num_experts
+        names = []
+        for name, value in tree_flatten(block.parameters()):
+            if name.startswith((f"{self.experts_attr}.", f"{self.router_attr}.")):
+                if value.ndim >= 1 and value.shape[0] == E:
+                    names.append(name)
+        return names
+
+    def route(self, block, x, logit_bias=None):
+        logits = block.gate(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        gates = mx.softmax(gates, axis=-1, precise=True)
+        inds = mx.stop_gradient(topk_desc(gates, block.top_k))
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None].astype(mx.float32)).sum(axis=-2).astype(y.dtype)
+        if block.use_shared_mlp:
+            y = y + block.shared_mlp(x)
+        return y
