@@ -14,6 +14,7 @@ import sys
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..errors import UserError
 from .base import MoEAdapter, topk_desc
 from .deepseek import DeepSeekAdapter
 
@@ -176,11 +177,9 @@ class KimiLinearAdapter(MoEAdapter):
 
 class HunyuanAdapter(MoEAdapter):
     """hunyuan: precise softmax, descending top-k, never renormalised; the router is ``gate.wg``, weights are cast
-    to float32 before the sum; per-layer ``moe_topk`` lists must hold one value.
-
-    Routing, hooks, prune and collect are exact, but it is left out of the registry: its decoder layers return
-    ``(h, shared_kv_states)`` (cross-layer KV sharing), which ``layerwise`` (merge's layer-by-layer runner) cannot
-    record or replay."""
+    to float32 before the sum; per-layer ``moe_topk`` lists must hold one value. Decoder layers return
+    ``(h, shared_kv_states)``; with cross-layer attention (``use_cla``) later layers read earlier layers' K/V,
+    which a layer-by-layer replay (merge) does not have, so merge refuses those models."""
 
     model_types = ("hunyuan",)
     router_attr = "gate.wg"
@@ -201,6 +200,14 @@ class HunyuanAdapter(MoEAdapter):
 
     def router(self, block):
         return block.gate.wg
+
+    def layer_passthrough(self, x):
+        if self.text_config.get("use_cla"):
+            raise UserError(
+                "layer-by-layer rewrites (merge) of hunyuan models with cross-layer attention (use_cla) are not "
+                "supported; use prune."
+            )
+        return x, None
 
     def expert_tensors(self, block) -> list[str]:
         E = self.experts(block).up_proj.num_experts
