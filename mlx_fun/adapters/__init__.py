@@ -6,6 +6,7 @@ from ..errors import UserError
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
 from .minimax import MiniMaxAdapter
+from .misc import AfmoeAdapter, Ernie45MoeAdapter, JambaAdapter, Lfm2MoeAdapter, MellumAdapter, PhiMoeAdapter
 from .mixtral import GptOssAdapter, MixtralAdapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
 
@@ -18,6 +19,12 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     OlmoeAdapter,
     MixtralAdapter,
     GptOssAdapter,
+    Ernie45MoeAdapter,
+    Lfm2MoeAdapter,
+    PhiMoeAdapter,
+    AfmoeAdapter,
+    JambaAdapter,
+    MellumAdapter,
 )
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}
