@@ -11,7 +11,8 @@ single block call to swap; there the router module and the experts module are sw
 (with the bias) and hands its routing to the hooked experts call of the same layer, which runs the rest.
 
 A tap is any callable ``tap(layer, inds, weights, logits, y)``: ``layer`` is the position of the block in
-``adapter.moe_layers()``, ``inds``/``weights`` are (..., k), ``logits`` (..., E) raw router logits and ``y`` the
+``adapter.moe_layers()``, ``inds``/``weights`` are (..., k) (``weights``: each expert's weight in the block output,
+``adapter.mixing_weights``), ``logits`` (..., E) raw router logits and ``y`` the
 (..., k, D) unweighted expert outputs (in the experts' own space: the latent one where a family projects into
 one). Taps must not change their inputs; they keep lazy arrays and let the caller evaluate them together with
 the forward pass. A tap that also needs the experts' input defines ``on_input(layer, h)``; it is called with
@@ -57,8 +58,10 @@ def _experts_and_combine(state: HookState, h, inds, weights, logits):
         if on_input is not None:  # taps that also need the experts' input (REAM capture)
             on_input(state.layer, xe)
     y = adapter.experts(block)(xe, inds)
-    for tap in state.taps:
-        tap(state.layer, inds, weights, logits, y)
+    if state.taps:
+        mixing = adapter.mixing_weights(block, h, weights)
+        for tap in state.taps:
+            tap(state.layer, inds, mixing, logits, y)
     return adapter.combine(block, h, y, weights)
 
 

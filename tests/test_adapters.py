@@ -110,7 +110,7 @@ def test_route_replays_block_exactly(make_model, model_type, bits):
             shared = adapter.combine(block, h, y_ref, mx.zeros_like(weights)).reshape(-1, D)
             target = np.array(block_out.reshape(-1, D) - shared, dtype=np.float64)
             Y = np.array(y_ref.reshape(-1, adapter.top_k, y_ref.shape[-1]), dtype=np.float64)
-            W = np.array(weights.reshape(-1, adapter.top_k), dtype=np.float64)
+            W = np.array(adapter.mixing_weights(block, h, weights).reshape(-1, adapter.top_k), dtype=np.float64)
             for t in range(0, len(Y), 7):
                 sol, *_ = np.linalg.lstsq(Y[t].T, target[t], rcond=None)
                 np.testing.assert_allclose(sol, W[t], rtol=1e-5, atol=1e-6)

@@ -15,6 +15,15 @@ from .deepseek_like import (
     Mistral4Adapter,
 )
 from .gemma import Gemma4Adapter
+from .inline import (
+    AfmoeAdapter,
+    Ernie45MoeAdapter,
+    JambaAdapter,
+    KlearAdapter,
+    Lfm2MoeAdapter,
+    MellumAdapter,
+    PhiMoeAdapter,
+)
 from .minimax import MiniMaxAdapter, MiniMaxM3Adapter
 from .mixtral import GptOssAdapter, Llama4Adapter, MixtralAdapter, PhixtralAdapter
 from .nemotron import NemotronHAdapter
@@ -43,6 +52,13 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     Llama4Adapter,
     MiniMaxM3Adapter,
     Step3p5Adapter,
+    Ernie45MoeAdapter,
+    Lfm2MoeAdapter,
+    PhiMoeAdapter,
+    AfmoeAdapter,
+    JambaAdapter,
+    MellumAdapter,
+    KlearAdapter,
 )
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}

@@ -147,6 +147,11 @@ class MoEAdapter:
         """
         raise NotImplementedError
 
+    def mixing_weights(self, block, x: mx.array, weights: mx.array) -> mx.array:
+        """Each chosen expert's weight in the block output (what taps record): ``weights`` themselves, unless the
+        block scales the routed sum per token (Klear's coefficient)."""
+        return weights
+
     def combine(self, block, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
         """Weighted sum of expert outputs ``y`` (..., k, D) plus shared experts, as the block does it."""
         raise NotImplementedError
