@@ -135,7 +135,7 @@ def _randomize_zero_router_params(model, seed: int) -> None:
     for name, value in tree_flatten(model.parameters()):
         leaf = name.rsplit(".", 1)[-1]
         parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-        is_router = parent in ("gate", "router") or leaf == "e_score_correction_bias"
+        is_router = parent in ("gate", "router") or leaf in ("e_score_correction_bias", "expert_bias", "router_bias")
         is_expert_bias = leaf == "bias" and value.ndim == 2  # SwitchLinear bias (E, out)
         if leaf == "per_expert_scale" and mx.all(value == 1).item():  # gemma4: ones → distinct positive scales
             key, sub = mx.random.split(key)

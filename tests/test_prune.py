@@ -95,6 +95,10 @@ def test_group_divisibility_enforced(make_model):
     adapter = get_adapter(model, config)
     with pytest.raises(UserError, match="divisible by 4"):
         prune_model(adapter, {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 2, 3, 4, 5]})
+    # one expert per group divides evenly, but the router scores a group by its top two: mlx-lm would crash
+    # in topk(k=2) on the pruned model, so it is refused up front
+    with pytest.raises(UserError, match="every group must keep at least 2"):
+        prune_model(adapter, {0: [0, 2, 4, 6], 1: [0, 2, 4, 6]})
 
 
 def test_keep_map_must_be_uniform_and_valid(make_model):

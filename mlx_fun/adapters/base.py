@@ -124,6 +124,9 @@ class MoEAdapter:
     def top_k(self) -> int:
         return int(self.text_config[self.top_k_key])
 
+    #: group-limited routers: experts a group is scored by (the sum of its top two; deepseek_v2: its best one)
+    group_min_experts: int = 2
+
     @property
     def groups(self) -> tuple[int, int] | None:
         """(n_group, topk_group) when the router is group-limited, else None."""

@@ -55,6 +55,8 @@ class DeepSeekV2Adapter(DeepSeekV1Adapter):
     """deepseek_v2: softmax scores; ``group_limited_greedy`` zeroes the groups outside the best topk_group by max
     score; weights times routed_scaling_factor, never renormalised."""
 
+    group_min_experts = 1
+
     model_types = ("deepseek_v2",)
 
     @property

@@ -36,7 +36,20 @@ def check_keep_map(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> int:
             f"every MoE layer must keep the same number of experts (mlx-lm configs hold one count), got {sorted(counts)}; "
             "prune the same number from every layer."
         )
-    return counts.pop()
+    n_kept = counts.pop()
+    if adapter.groups:
+        n_group, need = adapter.groups[0], adapter.group_min_experts
+        if n_kept % n_group:
+            raise UserError(
+                f"this router picks experts in {n_group} groups, so the kept count ({n_kept}) must be divisible "
+                f"by {n_group}; prune the same number from every group."
+            )
+        if n_kept // n_group < need:
+            raise UserError(
+                f"this router scores each of its {n_group} groups by its top {need} experts, so every group must keep "
+                f"at least {need} (keep at least {n_group * need} experts per layer)."
+            )
+    return n_kept
 
 
 def prune_block(adapter: MoEAdapter, block, kept: list[int]) -> None:
@@ -66,14 +79,10 @@ def prune_model(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict:
     """Prune ``adapter.model`` in place to ``keep_map`` (block position → kept experts); return the new config
     (also stored as ``adapter.config``).
 
-    A group-limited router (n_group > 1) needs E divisible by n_group after pruning.
+    A group-limited router (n_group > 1) needs E divisible by n_group after pruning, and every group needs the
+    experts it is scored by (``check_keep_map``).
     """
     n_kept = check_keep_map(adapter, keep_map)
-    if adapter.groups and n_kept % adapter.groups[0]:
-        raise UserError(
-            f"this router picks experts in {adapter.groups[0]} groups, so the kept count ({n_kept}) must be divisible "
-            f"by {adapter.groups[0]}; prune the same number from every group."
-        )
     for pos, block in enumerate(adapter.blocks()):
         kept = keep_map.get(pos)
         if kept is not None and len(kept) != expert_count(adapter.experts(block)):
