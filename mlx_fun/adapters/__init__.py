@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from .bailing import (
+    BailingHybridAdapter,
+    BailingMoeAdapter,
+    BailingMoeLinearAdapter,
+    BailingMoeV3Adapter,
+    GraniteMoeAdapter,
+    GraniteMoeHybridAdapter,
+    LagunaAdapter,
+)
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
 from .minimax import MiniMaxAdapter
@@ -18,6 +27,13 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     OlmoeAdapter,
     MixtralAdapter,
     GptOssAdapter,
+    BailingMoeAdapter,
+    BailingMoeLinearAdapter,
+    BailingMoeV3Adapter,
+    BailingHybridAdapter,
+    GraniteMoeAdapter,
+    GraniteMoeHybridAdapter,
+    LagunaAdapter,
 )
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}
