@@ -50,6 +50,12 @@ def _state(module) -> HookState:
     return object.__getattribute__(module, _STATE)
 
 
+def _bias(state: HookState, x):
+    """The layer's logit bias in the activations' dtype (a float32 bias would turn a bf16 block's output float32)."""
+    bias = state.bias
+    return bias if bias is None or bias.dtype == x.dtype else bias.astype(x.dtype)
+
+
 def _experts_and_combine(state: HookState, h, inds, weights, logits):
     adapter, block = state.adapter, state.block
     xe = adapter.expert_input(block, h, inds, weights)
@@ -68,14 +74,14 @@ def _experts_and_combine(state: HookState, h, inds, weights, logits):
 def _hooked_call(self, x):
     state = _state(self)
     h = state.adapter.prepare(self, x)
-    inds, weights, logits = state.adapter.route(self, h, state.bias)
+    inds, weights, logits = state.adapter.route(self, h, _bias(state, h))
     out = _experts_and_combine(state, h, inds, weights, logits)
     return out if h is x else out.reshape(x.shape)
 
 
 def _hooked_router_call(self, x):
     state = _state(self)
-    inds, weights, logits = state.adapter.route(state.block, x, state.bias)
+    inds, weights, logits = state.adapter.route(state.block, x, _bias(state, x))
     state.pending = (inds, weights, logits)
     return inds, weights
 

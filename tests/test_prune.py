@@ -99,6 +99,9 @@ def test_group_divisibility_enforced(make_model):
     # in topk(k=2) on the pruned model, so it is refused up front
     with pytest.raises(UserError, match="every group must keep at least 2"):
         prune_model(adapter, {0: [0, 2, 4, 6], 1: [0, 2, 4, 6]})
+    # divisible, but groups 2 and 3 would lose every expert: their tokens would move to other groups
+    with pytest.raises(UserError, match=r"keeps \[2, 2, 0, 0\] experts of its 4 router groups"):
+        prune_model(adapter, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
 
 
 def test_keep_map_must_be_uniform_and_valid(make_model):

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from .bailing import (
+    BailingHybridAdapter,
+    BailingMoeAdapter,
+    BailingMoeLinearAdapter,
+    BailingMoeV3Adapter,
+    GraniteMoeAdapter,
+    GraniteMoeHybridAdapter,
+    LagunaAdapter,
+)
 from .base import MoEAdapter
 from .deepseek import DeepSeekAdapter
 from .deepseek_like import (
@@ -59,6 +68,13 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     JambaAdapter,
     MellumAdapter,
     KlearAdapter,
+    BailingMoeAdapter,
+    BailingMoeLinearAdapter,
+    BailingMoeV3Adapter,
+    BailingHybridAdapter,
+    GraniteMoeAdapter,
+    GraniteMoeHybridAdapter,
+    LagunaAdapter,
 )
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..adapters.base import MoEAdapter, expert_count
@@ -44,6 +45,15 @@ def check_keep_map(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> int:
                 f"this router picks experts in {n_group} groups, so the kept count ({n_kept}) must be divisible "
                 f"by {n_group}; prune the same number from every group."
             )
+        size = adapter.num_experts // n_group
+        for pos in range(len(adapter.moe_layers())):
+            per_group = np.bincount([int(e) // size for e in keep_map.get(pos, range(adapter.num_experts))],
+                                    minlength=n_group)
+            if len(set(per_group.tolist())) != 1:
+                raise UserError(
+                    f"MoE layer {adapter.moe_layers()[pos]} keeps {per_group.tolist()} experts of its {n_group} router "
+                    "groups; keep the same number in every group, or tokens move between groups."
+                )
         if n_kept // n_group < need:
             raise UserError(
                 f"this router scores each of its {n_group} groups by its top {need} experts, so every group must keep "

@@ -1,0 +1,219 @@
+"""Bailing (Ling / Ring) routers: bailing_moe, bailing_moe_linear, bailing_moe_v3, bailing_hybrid; and granitemoe,
+granitemoehybrid, laguna.
+
+Bailing gates score in float32 (sigmoid or softmax), add a selection-only ``expert_bias``, optionally limit the choice
+to ``topk_group`` of ``n_group`` groups, renormalise and scale; a shared expert is added. Where the model file has a
+module-level selection function, ``route`` calls that very function (from the module that defines the gate). These
+routers keep their ``Linear`` one level down (``gate.gate_proj``, ``router.layer``, ``gate.proj``): ``router_attr``
+is that dotted path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .base import MoEAdapter, topk_desc, topk_tail
+
+
+class _NestedRouter(MoEAdapter):
+    """``router_attr`` may be a dotted path; expert tensors are the parameters under it and under the experts."""
+
+    def router(self, block):
+        for part in self.router_attr.split("."):
+            block = getattr(block, part)
+        return block
+
+    def expert_tensors(self, block) -> list[str]:
+        E = self.experts(block).up_proj.num_experts
+        heads = (self.experts_attr + ".", self.router_attr + ".")
+        return [
+            name
+            for name, value in tree_flatten(block.parameters())
+            if (name.startswith(heads) or name in self.extra_expert_params) and value.ndim >= 1 and value.shape[0] == E
+        ]
+
+
+class _Grouped(_NestedRouter):
+    @property
+    def groups(self):
+        n_group = int(self.text_config.get("n_group") or 1)
+        if n_group > 1:
+            return n_group, int(self.text_config.get("topk_group") or n_group)
+        return None
+
+
+class BailingMoeAdapter(_Grouped):
+    """bailing_moe: the module's compiled ``group_expert_select`` and ``aggregate_expert_outputs``."""
+
+    model_types = ("bailing_moe",)
+    router_attr = "gate.gate_proj"
+    extra_expert_params = ("gate.expert_bias",)
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        select = sys.modules[type(gate).__module__].group_expert_select
+        logits = gate.gate_proj(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds, scores = select(
+            gates,
+            gate.expert_bias,
+            gate.top_k,
+            gate.n_group,
+            gate.topk_group,
+            gate.routed_scaling_factor,
+            gate.norm_topk_prob,
+            gate.score_function,
+        )
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        # looked up through the gate: the block's own class is swapped while hooked
+        y = sys.modules[type(block.gate).__module__].aggregate_expert_outputs(y, weights)
+        if block.shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class BailingMoeLinearAdapter(BailingMoeAdapter):
+    """bailing_moe_linear: its own uncompiled ``group_expert_select`` (descending top-k, no 1e-20), plain sum."""
+
+    model_types = ("bailing_moe_linear",)
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2)
+        if block.shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class BailingMoeV3Adapter(_Grouped):
+    """bailing_moe_v3: float32 router matrix on the gate itself, always group-limited (-inf masking), shared expert."""
+
+    model_types = ("bailing_moe_v3",)
+    router_attr = "gate"
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        select = sys.modules[type(gate).__module__]._group_expert_select
+        logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds, scores = select(
+            gates, gate.expert_bias, gate.top_k, gate.n_group, gate.topk_group, gate.routed_scaling_factor
+        )
+        return inds, scores, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
+        return y + block.shared_experts(x)
+
+
+class BailingHybridAdapter(BailingMoeV3Adapter):
+    """bailing_hybrid: inline gate; a BailingMoeV3ForCausalLM config of this type loads (and routes) as v3."""
+
+    model_types = ("bailing_hybrid",)
+    extra_expert_params = ("gate.expert_bias",)
+
+    @property
+    def router_attr(self) -> str:  # type: ignore[override]
+        return "gate.gate_proj" if hasattr(self.block(self._moe_layers[0]).gate, "gate_proj") else "gate"
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        if not hasattr(gate, "gate_proj"):
+            return super().route(block, x, logit_bias)
+        logits = gate.gate_proj(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        in_type = gates.dtype
+        gates = gates.astype(mx.float32)
+        if gate.score_function == "sigmoid":
+            scores = mx.sigmoid(gates)
+        else:
+            scores = mx.softmax(gates, axis=-1)
+        orig_scores = scores
+        if gate.expert_bias is not None:
+            scores = scores + gate.expert_bias
+        n_drop = gate.n_group - gate.topk_group
+        if n_drop > 0:
+            scores = mx.unflatten(scores, axis=-1, shape=(gate.n_group, -1))
+            group_scores = mx.topk(scores, 2, axis=-1).sum(axis=-1, keepdims=True)
+            group_idx = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
+            scores = mx.put_along_axis(
+                scores, mx.stop_gradient(group_idx), mx.array(-mx.inf, scores.dtype), axis=-2
+            )
+            scores = mx.flatten(scores, -2, -1)
+        inds = mx.stop_gradient(topk_desc(scores, gate.top_k))
+        scores = mx.take_along_axis(orig_scores, inds, axis=-1)
+        if gate.top_k > 1 and gate.norm_topk_prob:
+            scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+        scores = scores * gate.routed_scaling_factor
+        return inds, scores.astype(in_type), logits
+
+    def combine(self, block, x, y, weights):
+        if not hasattr(block.gate, "gate_proj"):
+            return super().combine(block, x, y, weights)
+        y = (y * weights[..., None]).sum(axis=-2)
+        if block.shared_experts is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class GraniteMoeAdapter(_NestedRouter):
+    """granitemoe: top-k (ascending idiom) on raw logits of ``router.layer``, float32 softmax over the k."""
+
+    model_types = ("granitemoe",)
+    block_attr = "block_sparse_moe"
+    router_attr = "router.layer"
+    num_experts_key = "num_local_experts"
+
+    def _top_k_logits(self, block, x, logit_bias):
+        logits = block.router.layer(x)
+        gates = logits if logit_bias is None else logits + logit_bias
+        inds = mx.stop_gradient(topk_tail(gates, block.router.top_k))
+        return inds, mx.take_along_axis(gates, inds, axis=-1), logits
+
+    def route(self, block, x, logit_bias=None):
+        inds, top, logits = self._top_k_logits(block, x, logit_bias)
+        return inds, mx.softmax(top.astype(mx.float32), axis=-1), logits
+
+    def combine(self, block, x, y, weights):
+        return (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+class GraniteMoeHybridAdapter(GraniteMoeAdapter):
+    """granitemoehybrid: precise softmax over the k; the shared MLP sits on the decoder layer, outside the block."""
+
+    model_types = ("granitemoehybrid",)
+
+    def route(self, block, x, logit_bias=None):
+        inds, top, logits = self._top_k_logits(block, x, logit_bias)
+        return inds, mx.softmax(top, precise=True, axis=-1), logits
+
+    def combine(self, block, x, y, weights):
+        return (y * weights[..., None]).sum(axis=-2)
+
+
+class LagunaAdapter(_NestedRouter):
+    """laguna: sigmoid + correction bias, renormalised; the routed scaling multiplies the sum, not the weights."""
+
+    model_types = ("laguna",)
+    router_attr = "gate.proj"
+    extra_expert_params = ("gate.e_score_correction_bias",)
+
+    def route(self, block, x, logit_bias=None):
+        gate = block.gate
+        logits = gate.proj(x).astype(mx.float32)
+        gates = logits if logit_bias is None else logits + logit_bias
+        if gate.softcap > 0.0:
+            gates = mx.tanh(gates / gate.softcap) * gate.softcap
+        scores = gate._routing_scores(gates)
+        inds = mx.stop_gradient(topk_desc(scores + gate.e_score_correction_bias, gate.top_k))
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return inds, weights, logits
+
+    def combine(self, block, x, y, weights):
+        y = (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
+        return y * block.routed_scaling_factor + block.shared_expert(x)
