@@ -16,7 +16,7 @@ every family).
 hidden state computed layer by layer.
 
 Most decoder layers return their hidden state; gemma4's return ``(h, shared_kv, offset)``. The stand-ins return
-what the adapter's ``layer_passthrough(x)`` builds from their input (``x`` itself by default), and
+what the adapter's ``layer_passthrough(x, *args, **kwargs)`` builds from their call (``x`` itself by default), and
 :func:`run_layer` hands back the hidden state of whatever the layer returns.
 
 Layer swapping changes the class of the layer object (Python looks ``__call__`` up on the type), exactly like
@@ -64,7 +64,7 @@ class LayerCalls:
     kwargs: list[dict] = field(default_factory=list)
 
 
-def _identity(x):
+def _identity(x, *args, **kwargs):
     return x
 
 
@@ -72,7 +72,7 @@ def record_layer_calls(model, layers: list, tokens: mx.array, passthrough: Calla
     """Run ``model(tokens)`` with identity layers; return the first layer's input and every layer's arguments.
 
     ``layers`` are the model's decoder layers in forward order (``adapter.decoder_layers()``); a stand-in layer
-    returns ``passthrough(x)`` (``adapter.layer_passthrough``).
+    returns ``passthrough(x, *args, **kwargs)`` (``adapter.layer_passthrough``).
     """
     n = len(layers)
     rec_args: list = [None] * n
@@ -84,7 +84,7 @@ def record_layer_calls(model, layers: list, tokens: mx.array, passthrough: Calla
             rec_args[i], rec_kwargs[i] = args, kwargs
             if first[0] is None:
                 first[0] = x
-            return passthrough(x)
+            return passthrough(x, *args, **kwargs)
 
         return fn
 
@@ -119,5 +119,5 @@ def run_layers(model, layers: list, tokens: mx.array, passthrough: Callable = _i
 def final_logits(model, layers: list, tokens: mx.array, h: mx.array, passthrough: Callable = _identity) -> mx.array:
     """The model's logits when its last decoder layer outputs ``h`` (final norm and LM head of the model itself)."""
     last = len(layers) - 1
-    with swap_layer_calls(layers, lambda i: (lambda x, *a, **k: passthrough(h if i == last else x))):
+    with swap_layer_calls(layers, lambda i: (lambda x, *a, **k: passthrough(h if i == last else x, *a, **k))):
         return model(tokens)

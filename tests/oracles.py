@@ -88,7 +88,18 @@ def clamped_swiglu_expert(x, w_gate, w_up, w_down, limit):
     return (g * u) @ w_down.T
 
 
+def situ_expert(x, w_gate, w_up, w_down, beta=1.0, linear_beta=None):
+    """kimi_k3: down(beta·tanh(g/beta)·sigmoid(g) · u'), u' = linear_beta·tanh(u/linear_beta) when set, else u."""
+    g, u = x @ w_gate.T, x @ w_up.T
+    a = beta * mx.tanh(g / beta) * mx.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * mx.tanh(u / linear_beta)
+    return (a * u) @ w_down.T
+
+
 def _one_expert(expert_type, xt, e, p, params):
+    if expert_type == "situ":
+        return situ_expert(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e], **params)
     if expert_type == "swiglu":
         return gemm3_swiglu(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e])
     if expert_type == "swiglu_clamped":

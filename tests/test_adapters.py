@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_fun import moe_hook
-from mlx_fun.adapters import get_adapter, supported_model_types
+from mlx_fun.adapters import ALIASES, REGISTRY, get_adapter, supported_model_types
 from mlx_fun.adapters.base import expert_projections
 from mlx_fun.errors import UserError
 from mlx_fun.io import load_model
@@ -80,6 +80,44 @@ def _record_blocks(model, adapter, tokens):
 
 def test_registry_covers_required_families():
     assert REQUIRED <= set(supported_model_types())
+
+
+def _mlx_lm_moe_modules() -> list[str]:
+    """Model files of the installed mlx-lm that route tokens through its switch layers (SwitchGLU / SwitchMLP)."""
+    from pathlib import Path
+
+    import mlx_lm.models
+
+    root = Path(mlx_lm.models.__file__).parent
+    return sorted(p.stem for p in root.glob("*.py") if p.stem != "switch_layers" and "switch_layers" in p.read_text())
+
+
+def test_every_mlx_lm_moe_model_type_is_supported_or_listed_with_a_reason():
+    from mlx_fun.adapters import UNSUPPORTED
+
+    modules = _mlx_lm_moe_modules()
+    assert len(modules) >= 40, modules  # the glob found mlx-lm's MoE files
+    missing = [m for m in modules if m not in REGISTRY and m not in UNSUPPORTED]
+    assert not missing, f"mlx-lm MoE model types neither supported nor listed in adapters.UNSUPPORTED: {missing}"
+    assert all(len(reason) > 20 for reason in UNSUPPORTED.values())
+    assert not set(UNSUPPORTED) & set(REGISTRY)
+    from mlx_lm.utils import MODEL_REMAPPING  # an alias of a supported type is supported too
+
+    unserved = [a for a, t in MODEL_REMAPPING.items() if t in REGISTRY and a not in REGISTRY]
+    assert not unserved, f"mlx-lm aliases of supported types missing from adapters.ALIASES: {unserved}"
+    for alias, target in ALIASES.items():
+        assert MODEL_REMAPPING[alias] == target and REGISTRY[alias] is REGISTRY[target]
+
+
+def test_every_supported_type_has_a_tiny_config():
+    from mlx_fun.tiny import tiny_model_types
+
+    assert set(FAMILIES) <= set(tiny_model_types())
+
+
+def test_unsupported_model_type_names_its_reason():
+    with pytest.raises(UserError, match=r"'longcat_flash' is not supported: the router also picks zero-computation"):
+        get_adapter(None, {"model_type": "longcat_flash"})
 
 
 def test_unsupported_model_type_lists_supported():

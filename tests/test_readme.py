@@ -124,3 +124,12 @@ def test_no_help_text_names_a_command_that_does_not_exist():
         text = re.sub(r"-\n\s*", "-", text)  # click wraps lines after a hyphen: `tune-` / `dispatch`
         for other in re.findall(r"mlx-fun\s+([a-z][a-z-]+)", text):
             assert other in known, f"`mlx-fun {name} --help` mentions `mlx-fun {other}`, which does not exist"
+
+
+def test_architecture_table_is_the_registry():
+    """The README's architecture table is generated from the adapter registry (supported and unsupported types)."""
+    from mlx_fun.adapters import table
+
+    assert table.replace_in(README) == README, "run: python -m mlx_fun.adapters.table --write README.md"
+    assert "| `gemma4_text`, `gemma4`, `gemma4_unified` | decoder layer (`router` + `experts`) |" in README
+    assert "| `longcat_flash` | — | **not supported**: the router also picks" in README

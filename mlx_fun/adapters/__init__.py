@@ -35,7 +35,7 @@ from .inline import (
 )
 from .minimax import MiniMaxAdapter, MiniMaxM3Adapter
 from .mixtral import GptOssAdapter, Llama4Adapter, MixtralAdapter, PhixtralAdapter
-from .nemotron import NemotronHAdapter
+from .latent import KimiK3Adapter, NemotronHAdapter
 from .step import Step3p5Adapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
 
@@ -57,6 +57,7 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     GptOssAdapter,
     Gemma4Adapter,
     NemotronHAdapter,
+    KimiK3Adapter,
     PhixtralAdapter,
     Llama4Adapter,
     MiniMaxM3Adapter,
@@ -79,6 +80,21 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
 
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}
 
+#: mlx-lm model types whose config loads another type's module (mlx-lm's ``MODEL_REMAPPING``): same adapter
+ALIASES: dict[str, str] = {"joyai_llm_flash": "deepseek_v3", "gemma4_unified": "gemma4", "phi-msft": "phixtral"}
+REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
+
+#: MoE model types of the installed mlx-lm that no adapter serves, each with the reason (README table, errors)
+UNSUPPORTED: dict[str, str] = {
+    "deepseek_v41": "hyper-connection layers carry (streams, pre_mix) between decoder layers and share compressed-KV "
+    "state, which the layer-by-layer rewrite driver does not carry",
+    "deepseek_v41_text": "mlx-lm loads it as deepseek_v41 (see there)",
+    "longcat_flash": "the router also picks zero-computation identity experts beyond the routed ones, which saliency "
+    "and pruning have no slot for",
+    "muse_spark": "routing and the expert combine run as custom Metal kernels (mlx_lm.kernels), which no adapter can "
+    "replay with MLX operations, and which do not run off Apple GPUs",
+}
+
 
 def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
@@ -87,6 +103,9 @@ def supported_model_types() -> list[str]:
 def adapter_class(config: dict) -> type[MoEAdapter]:
     """The adapter class of ``config['model_type']`` (config facts without loading weights); ``UserError`` if none."""
     cls = REGISTRY.get(config.get("model_type"))
+    if cls is None and config.get("model_type") in UNSUPPORTED:
+        mt = config["model_type"]
+        raise UserError(f"model_type '{mt}' is not supported: {UNSUPPORTED[mt]}.")
     if cls is None:
         raise UserError(
             f"model_type '{config.get('model_type')}' is not supported; supported types: "
@@ -100,4 +119,4 @@ def get_adapter(model, config: dict) -> MoEAdapter:
     return adapter_class(config)(model, config)
 
 
-__all__ = ["MoEAdapter", "REGISTRY", "adapter_class", "get_adapter", "supported_model_types"]
+__all__ = ["ALIASES", "MoEAdapter", "REGISTRY", "UNSUPPORTED", "adapter_class", "get_adapter", "supported_model_types"]

@@ -46,7 +46,9 @@ class _Grouped(_NestedRouter):
 
 
 class BailingMoeAdapter(_Grouped):
-    """bailing_moe: the module's compiled ``group_expert_select`` and ``aggregate_expert_outputs``."""
+    """bailing_moe: sigmoid or softmax scores in float32, selection-only ``expert_bias``, group-limited top-k,
+    renormalised and scaled (the module's compiled ``group_expert_select`` / ``aggregate_expert_outputs``); shared
+    experts."""
 
     model_types = ("bailing_moe",)
     router_attr = "gate.gate_proj"
@@ -78,7 +80,8 @@ class BailingMoeAdapter(_Grouped):
 
 
 class BailingMoeLinearAdapter(BailingMoeAdapter):
-    """bailing_moe_linear: its own uncompiled ``group_expert_select`` (descending top-k, no 1e-20), plain sum."""
+    """bailing_moe_linear: bailing_moe's routing in its own uncompiled ``group_expert_select`` (descending top-k,
+    no 1e-20), plain weighted sum; shared experts."""
 
     model_types = ("bailing_moe_linear",)
 
@@ -90,7 +93,8 @@ class BailingMoeLinearAdapter(BailingMoeAdapter):
 
 
 class BailingMoeV3Adapter(_Grouped):
-    """bailing_moe_v3: float32 router matrix on the gate itself, always group-limited (-inf masking), shared expert."""
+    """bailing_moe_v3: float32 router, sigmoid + selection-only ``expert_bias``, always group-limited (dropped groups
+    at -inf), renormalised and scaled; shared expert."""
 
     model_types = ("bailing_moe_v3",)
     router_attr = "gate"
@@ -111,7 +115,8 @@ class BailingMoeV3Adapter(_Grouped):
 
 
 class BailingHybridAdapter(BailingMoeV3Adapter):
-    """bailing_hybrid: inline gate; a BailingMoeV3ForCausalLM config of this type loads (and routes) as v3."""
+    """bailing_hybrid: bailing_moe_v3's routing written inline in the gate (sigmoid or softmax); a
+    ``BailingMoeV3ForCausalLM`` config of this type loads (and routes) as bailing_moe_v3."""
 
     model_types = ("bailing_hybrid",)
     extra_expert_params = ("gate.expert_bias",)

@@ -103,8 +103,9 @@ class MoEAdapter:
         """Constants of the experts' activation for ``block`` (alpha / limit of clamped SwiGLUs), from config.json."""
         return {}
 
-    def layer_passthrough(self, x: mx.array):
-        """What a decoder layer that does nothing returns for input ``x`` (``mlx_fun.layerwise`` stand-ins)."""
+    def layer_passthrough(self, x: mx.array, *args, **kwargs):
+        """What a decoder layer that does nothing returns when called as ``layer(x, *args, **kwargs)``
+        (``mlx_fun.layerwise`` stand-ins): ``x``, for layers that return their hidden state alone."""
         return x
 
     def expert_caller(self, block):
@@ -193,6 +194,7 @@ EXPERT_TYPES = {
     "swiglu_clamped": "down(min(silu(gate x), limit) * clip(up x, -limit, limit)) (step3p5; limit 0: plain SwiGLU)",
     "geglu": "down(gelu_approx(gate x) * up x) (gemma4)",
     "relu2_mlp": "fc2(relu(fc1 x)^2) (nemotron_h)",
+    "situ": "down(beta tanh(g / beta) sigmoid(g) * [linear_beta tanh(u / linear_beta) | u]) (kimi_k3)",
     "gelu_mlp": "fc2(gelu_tanh(fc1 x + b1)) + b2 (phixtral)",
 }
 

@@ -14,6 +14,9 @@ from .base import MoEAdapter
 
 
 class DeepSeekAdapter(MoEAdapter):
+    """DeepSeek-V3 MoEGate: sigmoid scores, selection-only correction bias, group-limited top-k (n_group), optional
+    renormalisation, routed scaling; shared experts."""
+
     model_types = (
         "deepseek_v3",
         "kimi_k2",

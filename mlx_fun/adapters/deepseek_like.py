@@ -179,7 +179,9 @@ class KimiLinearAdapter(MoEAdapter):
 
 class HunyuanAdapter(MoEAdapter):
     """hunyuan: precise softmax, descending top-k, never renormalised; the router is ``gate.wg``, weights are cast
-    to float32 before the sum; per-layer ``moe_topk`` lists must hold one value. Decoder layers return
+    to float32 before the sum; per-layer ``moe_topk`` lists must hold one value.
+
+    Decoder layers return
     ``(h, shared_kv_states)``; with cross-layer attention (``use_cla``) later layers read earlier layers' K/V,
     which a layer-by-layer replay (merge) does not have, so merge refuses those models."""
 
@@ -203,7 +205,7 @@ class HunyuanAdapter(MoEAdapter):
     def router(self, block):
         return block.gate.wg
 
-    def layer_passthrough(self, x):
+    def layer_passthrough(self, x, *args, **kwargs):
         if self.text_config.get("use_cla"):
             raise UserError(
                 "layer-by-layer rewrites (merge) of hunyuan models with cross-layer attention (use_cla) are not "

@@ -20,6 +20,9 @@ from .base import MoEAdapter, topk_tail
 
 
 class Gemma4Adapter(MoEAdapter):
+    """gemma4: the decoder layer calls router and experts itself; RMS-normed router, top-k on raw scores, softmax over
+    the k times ``per_expert_scale``; GeGLU experts beside a dense MLP."""
+
     model_types = ("gemma4_text", "gemma4")
     block_attr = ""  # the decoder layer is the block
     experts_attr = "experts"
@@ -31,7 +34,7 @@ class Gemma4Adapter(MoEAdapter):
     def _is_moe(self, block) -> bool:
         return block is not None and bool(getattr(block, "enable_moe", False))
 
-    def layer_passthrough(self, x):
+    def layer_passthrough(self, x, *args, **kwargs):
         """A gemma4 decoder layer returns ``(h, shared_kv, offset)``; a layer with no KV sharing hands the next
         ones nothing they read, so ``(x, None, None)`` is exact. KV-shared layers read the real K/V of earlier
         layers, which a layer-by-layer replay does not have."""

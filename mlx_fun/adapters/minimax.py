@@ -8,6 +8,9 @@ from .base import MoEAdapter, topk_desc
 
 
 class MiniMaxAdapter(MoEAdapter):
+    """minimax: sigmoid scores on float32 input, the block's ``e_score_correction_bias`` only for selection, weights
+    renormalised (+1e-20)."""
+
     model_types = ("minimax", "minimax_m2")
     block_attr = "block_sparse_moe"
     num_experts_key = "num_local_experts"

@@ -8,6 +8,8 @@ from .base import MoEAdapter, topk_desc, topk_tail
 
 
 class MixtralAdapter(MoEAdapter):
+    """mixtral: top-k (descending idiom) on raw logits, softmax over the k."""
+
     model_types = ("mixtral",)
     block_attr = "block_sparse_moe"
     num_experts_key = "num_local_experts"
@@ -26,7 +28,7 @@ class MixtralAdapter(MoEAdapter):
 
 
 class GptOssAdapter(MixtralAdapter):
-    """gpt-oss: router with bias, experts ``SwitchGLU(bias=True)`` with the clamped SwiGLU (α 1.702, limit 7)."""
+    """gpt_oss: router with bias, top-k (ascending idiom), softmax over the k; experts ``SwitchGLU(bias=True)`` with the clamped SwiGLU (α 1.702, limit 7)."""
 
     model_types = ("gpt_oss",)
     block_attr = "mlp"

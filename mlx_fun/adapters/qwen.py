@@ -25,6 +25,8 @@ class _SoftmaxTopK(MoEAdapter):
 
 
 class Qwen3MoeAdapter(_SoftmaxTopK):
+    """qwen3_moe: precise softmax over all experts, top-k (ascending idiom), optionally renormalised."""
+
     model_types = ("qwen3_moe",)
 
     def combine(self, block, x, y, weights):
@@ -32,7 +34,8 @@ class Qwen3MoeAdapter(_SoftmaxTopK):
 
 
 class Qwen3NextAdapter(_SoftmaxTopK):
-    """qwen3_next and qwen3_5_moe (whose text model reuses the Qwen3-Next block): sigmoid-gated shared expert."""
+    """qwen3_next, qwen3_5_moe (its text model reuses the Qwen3-Next block): qwen3_moe's routing; sigmoid-gated
+    shared expert."""
 
     model_types = ("qwen3_next", "qwen3_5_moe")
 
@@ -43,7 +46,8 @@ class Qwen3NextAdapter(_SoftmaxTopK):
 
 
 class Qwen2MoeAdapter(Qwen3NextAdapter):
-    """qwen2_moe: top-k via the descending idiom and never renormalised."""
+    """qwen2_moe: precise softmax over all experts, top-k (descending idiom), never renormalised; sigmoid-gated
+    shared expert."""
 
     model_types = ("qwen2_moe",)
     normalise_attr = None
@@ -51,7 +55,8 @@ class Qwen2MoeAdapter(Qwen3NextAdapter):
 
 
 class OlmoeAdapter(_SoftmaxTopK):
-    """olmoe: tokens are flattened to (N, D) before routing; the hooked call reshapes the output back."""
+    """olmoe: precise softmax over all experts, top-k (descending idiom), optionally renormalised, on tokens
+    flattened to (N, D) (the hooked call reshapes the output back)."""
 
     model_types = ("olmoe",)
     select = staticmethod(topk_desc)

@@ -12,6 +12,9 @@ from .base import MoEAdapter
 
 
 class Step3p5Adapter(MoEAdapter):
+    """step3p5: sigmoid scores, selection-only ``router_bias``, renormalised and scaled; SwiGLU experts clamped per
+    layer; shared expert."""
+
     model_types = ("step3p5",)
     num_experts_key = "moe_num_experts"
     top_k_key = "moe_top_k"
