@@ -86,8 +86,8 @@ REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
 
 #: MoE model types of the installed mlx-lm that no adapter serves, each with the reason (README table, errors)
 UNSUPPORTED: dict[str, str] = {
-    "deepseek_v41": "hyper-connection layers carry (streams, pre_mix) between decoder layers and share compressed-KV "
-    "state, which the layer-by-layer rewrite driver does not carry",
+    "deepseek_v41": "its decoder layers pass hyper-connection state (streams, pre_mix) and write their KV cache on "
+    "every call, so merge's layer-by-layer driver cannot replay them",
     "deepseek_v41_text": "mlx-lm loads it as deepseek_v41 (see there)",
     "longcat_flash": "the router also picks zero-computation identity experts beyond the routed ones, which saliency "
     "and pruning have no slot for",
