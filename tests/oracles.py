@@ -97,7 +97,17 @@ def situ_expert(x, w_gate, w_up, w_down, beta=1.0, linear_beta=None):
     return (a * u) @ w_down.T
 
 
+def preclamped_swiglu_expert(x, w_gate, w_up, w_down, limit):
+    """deepseek_v41: down(silu(min(x Wg^T, limit)) * clip(x Wu^T, -limit, limit)); limit 0 is plain SwiGLU."""
+    g, u = x @ w_gate.T, x @ w_up.T
+    if limit > 0:
+        g, u = mx.minimum(g, limit), mx.clip(u, -limit, limit)
+    return (g * mx.sigmoid(g) * u) @ w_down.T
+
+
 def _one_expert(expert_type, xt, e, p, params):
+    if expert_type == "swiglu_preclamp":
+        return preclamped_swiglu_expert(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e], params["limit"])
     if expert_type == "situ":
         return situ_expert(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e], **params)
     if expert_type == "swiglu":

@@ -13,6 +13,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from mlx_fun import layerwise
 from mlx_fun.adapters import get_adapter
+from mlx_fun.errors import UserError
 from mlx_fun.io import load_model, save_model_dir
 from mlx_fun.rewrite.merge import (
     _dense,
@@ -202,6 +203,11 @@ def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make
     adapter = get_adapter(model, config)
     L, E = len(adapter.moe_layers()), adapter.num_experts
     sal = np.random.default_rng(3).random((L, E))
+    if adapter.layerwise_reason:  # layers that cannot be replayed one at a time: one line, nothing merged
+        with pytest.raises(UserError, match=f"which {model_type} does not allow: .*; use prune"):
+            merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, max_group_size=3, **SMALL)
+        assert adapter.num_experts == E
+        return
     meta = merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, max_group_size=3, **SMALL)
     _check_groups(meta, E, E - 2, 3)
     assert meta["method"] == "ream" and meta["merged_num_experts"] == E - 2 == adapter.num_experts
@@ -252,6 +258,10 @@ def test_layer_by_layer_runner_equals_the_full_forward(model_type):
     # 24 tokens: longer than gpt-oss's sliding window (16) and the DSA indexer's top-k (4)
     tokens = mx.array(np.random.default_rng(0).integers(0, 500, (2, 24)))
     last, classes = {}, [type(layer) for layer in layers]
+    if adapter.layerwise_reason:
+        with pytest.raises(UserError, match="does not allow"):
+            layerwise.run_layers(model, layers, tokens, adapter.layer_passthrough)
+        return
 
     def grab(i):
         def fn(x, *a, **k):
@@ -355,3 +365,20 @@ def test_merge_cli_errors(tmp_path, saliency_file, make_model):
     _error(run(*base, "--expert-list", lst), "different numbers of experts")
     _error(run(*base, "--expert-list", lst, "--n-prune", 1), "drop --n-prune")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model_type,overrides,match", [
+    ("gemma4_text", {"num_kv_shared_layers": 1, "num_hidden_layers": 3}, "KV-shared layers"),
+    ("hunyuan", {"use_cla": True}, "cross-layer attention"),
+    ("kimi_k3", {"attn_res_block_size": 2}, "attention residuals"),
+])  # fmt: skip
+def test_merge_refuses_checkpoints_whose_layers_read_earlier_layers(model_type, overrides, match):
+    """A layer-by-layer replay cannot give such layers what they read (earlier layers' K/V or outputs): merge
+    refuses in one line instead of merging on wrong hidden states."""
+    cfg = tiny_config(model_type, **overrides)
+    model = build_model(cfg)
+    adapter = get_adapter(model, cfg)
+    sal = np.ones((len(adapter.moe_layers()), adapter.num_experts))
+    with pytest.raises(UserError, match=f"{match}.*use prune"):
+        merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, **SMALL)
+    assert adapter.num_experts == 8

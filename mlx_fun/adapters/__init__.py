@@ -23,6 +23,7 @@ from .deepseek_like import (
     MiMoV2FlashAdapter,
     Mistral4Adapter,
 )
+from .deepseek_v4 import DeepSeekV41Adapter
 from .gemma import Gemma4Adapter
 from .inline import (
     AfmoeAdapter,
@@ -58,6 +59,7 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     Gemma4Adapter,
     NemotronHAdapter,
     KimiK3Adapter,
+    DeepSeekV41Adapter,
     PhixtralAdapter,
     Llama4Adapter,
     MiniMaxM3Adapter,
@@ -81,14 +83,14 @@ _ADAPTERS: tuple[type[MoEAdapter], ...] = (
 REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in cls.model_types}
 
 #: mlx-lm model types whose config loads another type's module (mlx-lm's ``MODEL_REMAPPING``): same adapter
-ALIASES: dict[str, str] = {"joyai_llm_flash": "deepseek_v3", "gemma4_unified": "gemma4", "phi-msft": "phixtral"}
+ALIASES: dict[str, str] = {
+    "joyai_llm_flash": "deepseek_v3", "gemma4_unified": "gemma4", "phi-msft": "phixtral",
+    "deepseek_v41_text": "deepseek_v41",
+}
 REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
 
 #: MoE model types of the installed mlx-lm that no adapter serves, each with the reason (README table, errors)
 UNSUPPORTED: dict[str, str] = {
-    "deepseek_v41": "its decoder layers pass hyper-connection state (streams, pre_mix) and write their KV cache on "
-    "every call, so merge's layer-by-layer driver cannot replay them",
-    "deepseek_v41_text": "mlx-lm loads it as deepseek_v41 (see there)",
     "longcat_flash": "the router also picks zero-computation identity experts beyond the routed ones, which saliency "
     "and pruning have no slot for",
     "muse_spark": "routing and the expert combine run as custom Metal kernels (mlx_lm.kernels), which no adapter can "

@@ -13,6 +13,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..errors import UserError
+
 
 class MoEAdapter:
     """Base adapter. Subclasses set the class attributes and implement ``route`` and ``combine``."""
@@ -37,6 +39,8 @@ class MoEAdapter:
     split_router: bool = False
     #: the routing weight scales the experts' *input* (llama4: ``experts(x * w)``), not their outputs
     weights_at_input: bool = False
+    #: why the family's decoder layers cannot be replayed one at a time (merge refuses it), or None
+    layerwise_reason: str | None = None
 
     def __init__(self, model, config: dict):
         self.model = model
@@ -106,6 +110,11 @@ class MoEAdapter:
     def layer_passthrough(self, x: mx.array, *args, **kwargs):
         """What a decoder layer that does nothing returns when called as ``layer(x, *args, **kwargs)``
         (``mlx_fun.layerwise`` stand-ins): ``x``, for layers that return their hidden state alone."""
+        if self.layerwise_reason:
+            raise UserError(
+                f"merge rewrites the model layer by layer, which {self.model_type} does not allow: "
+                f"{self.layerwise_reason}; use prune."
+            )
         return x
 
     def expert_caller(self, block):
@@ -191,6 +200,7 @@ class MoEAdapter:
 EXPERT_TYPES = {
     "swiglu": "GEMM3_SWIGLU: down(silu(gate x) * up x)",
     "swiglu_oai": "GEMM2_BIAS_SWIGLU_CLAMP (gpt-oss, minimax_m3_vl): (clip(up) + 1) * swish_alpha(min(gate, limit))",
+    "swiglu_preclamp": "down(silu(min(gate x, limit)) * clip(up x, -limit, limit)) in float32 (deepseek_v41)",
     "swiglu_clamped": "down(min(silu(gate x), limit) * clip(up x, -limit, limit)) (step3p5; limit 0: plain SwiGLU)",
     "geglu": "down(gelu_approx(gate x) * up x) (gemma4)",
     "relu2_mlp": "fc2(relu(fc1 x)^2) (nemotron_h)",
