@@ -368,7 +368,8 @@ def test_merge_cli_errors(tmp_path, saliency_file, make_model):
 
 
 @pytest.mark.parametrize("model_type,overrides,match", [
-    ("gemma4_text", {"num_kv_shared_layers": 1, "num_hidden_layers": 3}, "KV-shared layers"),
+    ("gemma4_text", {"num_kv_shared_layers": 1, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "KV-shared layers"),
     ("hunyuan", {"use_cla": True}, "cross-layer attention"),
     ("kimi_k3", {"attn_res_block_size": 2}, "attention residuals"),
 ])  # fmt: skip
