@@ -34,11 +34,11 @@ from .inline import (
     MellumAdapter,
     PhiMoeAdapter,
 )
+from .latent import KimiK3Adapter, NemotronHAdapter
 from .minimax import MiniMaxAdapter, MiniMaxM3Adapter
 from .mixtral import GptOssAdapter, Llama4Adapter, MixtralAdapter, PhixtralAdapter
-from .latent import KimiK3Adapter, NemotronHAdapter
-from .step import Step3p5Adapter
 from .qwen import OlmoeAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Qwen3NextAdapter
+from .step import Step3p5Adapter
 
 _ADAPTERS: tuple[type[MoEAdapter], ...] = (
     MiniMaxAdapter,

@@ -10,39 +10,13 @@ is that dotted path.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .base import MoEAdapter, topk_desc, topk_tail
-
-
-class _NestedRouter(MoEAdapter):
-    """``router_attr`` may be a dotted path; expert tensors are the parameters under it and under the experts."""
-
-    def router(self, block):
-        for part in self.router_attr.split("."):
-            block = getattr(block, part)
-        return block
-
-    def expert_tensors(self, block) -> list[str]:
-        E = self.experts(block).up_proj.num_experts
-        heads = (self.experts_attr + ".", self.router_attr + ".")
-        return [
-            name
-            for name, value in tree_flatten(block.parameters())
-            if (name.startswith(heads) or name in self.extra_expert_params) and value.ndim >= 1 and value.shape[0] == E
-        ]
+from .base import MoEAdapter, model_function, topk_desc, topk_tail
 
 
-class _Grouped(_NestedRouter):
-    @property
-    def groups(self):
-        n_group = int(self.text_config.get("n_group") or 1)
-        if n_group > 1:
-            return n_group, int(self.text_config.get("topk_group") or n_group)
-        return None
+class _Grouped(MoEAdapter):
+    group_keys = ("n_group", "topk_group")
 
 
 class BailingMoeAdapter(_Grouped):
@@ -56,7 +30,7 @@ class BailingMoeAdapter(_Grouped):
 
     def route(self, block, x, logit_bias=None):
         gate = block.gate
-        select = sys.modules[type(gate).__module__].group_expert_select
+        select = model_function(gate, "group_expert_select")
         logits = gate.gate_proj(x)
         gates = logits if logit_bias is None else logits + logit_bias
         inds, scores = select(
@@ -73,7 +47,7 @@ class BailingMoeAdapter(_Grouped):
 
     def combine(self, block, x, y, weights):
         # looked up through the gate: the block's own class is swapped while hooked
-        y = sys.modules[type(block.gate).__module__].aggregate_expert_outputs(y, weights)
+        y = model_function(block.gate, "aggregate_expert_outputs")(y, weights)
         if block.shared_experts is not None:
             y = y + block.shared_experts(x)
         return y
@@ -101,7 +75,7 @@ class BailingMoeV3Adapter(_Grouped):
 
     def route(self, block, x, logit_bias=None):
         gate = block.gate
-        select = sys.modules[type(gate).__module__]._group_expert_select
+        select = model_function(gate, "_group_expert_select")
         logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
         gates = logits if logit_bias is None else logits + logit_bias
         inds, scores = select(
@@ -165,7 +139,7 @@ class BailingHybridAdapter(BailingMoeV3Adapter):
         return y
 
 
-class GraniteMoeAdapter(_NestedRouter):
+class GraniteMoeAdapter(MoEAdapter):
     """granitemoe: top-k (ascending idiom) on raw logits of ``router.layer``, float32 softmax over the k."""
 
     model_types = ("granitemoe",)
@@ -200,7 +174,7 @@ class GraniteMoeHybridAdapter(GraniteMoeAdapter):
         return (y * weights[..., None]).sum(axis=-2)
 
 
-class LagunaAdapter(_NestedRouter):
+class LagunaAdapter(MoEAdapter):
     """laguna: sigmoid + correction bias, renormalised; the routed scaling multiplies the sum, not the weights."""
 
     model_types = ("laguna",)

@@ -8,6 +8,7 @@ the block's ``__call__`` in mlx-lm.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -101,7 +102,10 @@ class MoEAdapter:
         return getattr(block, self.experts_attr)
 
     def router(self, block):
-        return getattr(block, self.router_attr)
+        """The router module (``router_attr`` may be a dotted path: ``gate.gate_proj``, ``router.layer``)."""
+        for part in self.router_attr.split("."):
+            block = getattr(block, part)
+        return block
 
     def expert_params(self, block) -> dict:
         """Constants of the experts' activation for ``block`` (alpha / limit of clamped SwiGLUs), from config.json."""
@@ -134,12 +138,19 @@ class MoEAdapter:
     def top_k(self) -> int:
         return int(self.text_config[self.top_k_key])
 
+    #: group-limited routers: config keys of the group count and of the groups kept (None: never group-limited)
+    group_keys: tuple[str, str] | None = None
     #: group-limited routers: experts a group is scored by (the sum of its top two; deepseek_v2: its best one)
     group_min_experts: int = 2
 
     @property
     def groups(self) -> tuple[int, int] | None:
         """(n_group, topk_group) when the router is group-limited, else None."""
+        if self.group_keys is None:
+            return None
+        n_group = int(self.text_config.get(self.group_keys[0]) or 1)
+        if n_group > 1:
+            return n_group, int(self.text_config.get(self.group_keys[1]) or n_group)
         return None
 
     def prepare(self, block, x: mx.array) -> mx.array:
@@ -177,13 +188,12 @@ class MoEAdapter:
         (weight/scales/biases/bias); never the shared experts.
         """
         E = expert_count(self.experts(block))
-        names = []
-        for name, value in tree_flatten(block.parameters()):
-            head = name.split(".", 1)[0]
-            if head in (self.experts_attr, self.router_attr) or name in self.extra_expert_params:
-                if value.ndim >= 1 and value.shape[0] == E:
-                    names.append(name)
-        return names
+        heads = (self.experts_attr + ".", self.router_attr + ".")
+        return [
+            name
+            for name, value in tree_flatten(block.parameters())
+            if (name.startswith(heads) or name in self.extra_expert_params) and value.ndim >= 1 and value.shape[0] == E
+        ]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -194,6 +204,16 @@ class MoEAdapter:
             "top_k": self.top_k,
             "groups": self.groups,
         }
+
+
+def model_function(module, name: str):
+    """The function ``name`` of the mlx-lm model file that defines ``module``'s class — its own compiled selection
+    function, say — walking the MRO, since a hooked module's class is a subclass defined in ``mlx_fun``."""
+    for cls in type(module).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"no {name} in the model file of {type(module).__name__}")
 
 
 #: expert computations with a plain-MLX oracle in ``tests/oracles.py``

@@ -8,9 +8,7 @@ that defines the block's gate, so it is the same compiled function the block run
 
 from __future__ import annotations
 
-import sys
-
-from .base import MoEAdapter
+from .base import MoEAdapter, model_function
 
 
 class DeepSeekAdapter(MoEAdapter):
@@ -28,6 +26,7 @@ class DeepSeekAdapter(MoEAdapter):
         "dots1",
     )
     num_experts_key = "n_routed_experts"
+    group_keys = ("n_group", "topk_group")
 
     def _is_moe(self, block) -> bool:
         if block is None:
@@ -42,16 +41,10 @@ class DeepSeekAdapter(MoEAdapter):
     def experts_attr(self) -> str:  # type: ignore[override]
         return "switch_mlp" if hasattr(self.block(self._moe_layers[0]), "switch_mlp") else "experts"
 
-    @property
-    def groups(self):
-        n_group = int(self.text_config.get("n_group") or 1)
-        if n_group > 1:
-            return n_group, int(self.text_config.get("topk_group") or n_group)
-        return None
 
     def route(self, block, x, logit_bias=None):
         gate = block.gate
-        select = sys.modules[type(gate).__module__].group_expert_select
+        select = model_function(gate, "group_expert_select")
         logits = x @ gate.weight.T
         gates = logits if logit_bias is None else logits + logit_bias
         inds, scores = select(

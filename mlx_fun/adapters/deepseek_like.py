@@ -9,24 +9,11 @@ operations one by one.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from .base import MoEAdapter, topk_desc
+from .base import MoEAdapter, model_function, topk_desc
 from .deepseek import DeepSeekAdapter
-
-
-def _module_fn(obj, name: str):
-    """The function ``name`` of the mlx-lm module that defines the class of ``obj`` (walking the MRO, since a
-    hooked block's class is a subclass defined elsewhere)."""
-    for cls in type(obj).__mro__:
-        fn = getattr(sys.modules.get(cls.__module__), name, None)
-        if fn is not None:
-            return fn
-    raise AttributeError(f"no {name} in the modules of {type(obj).__name__}")
 
 
 class DeepSeekV1Adapter(MoEAdapter):
@@ -110,19 +97,14 @@ class Mistral4Adapter(MoEAdapter):
 
     model_types = ("mistral4",)
     num_experts_key = "n_routed_experts"
+    group_keys = ("n_group", "topk_group")
 
-    @property
-    def groups(self):
-        n_group = int(self.text_config.get("n_group") or 1)
-        if n_group > 1:
-            return n_group, int(self.text_config.get("topk_group") or n_group)
-        return None
 
     def route(self, block, x, logit_bias=None):
         args = block.args
         logits = block.gate(x)
         gates = logits if logit_bias is None else logits + logit_bias
-        inds, scores = _module_fn(block, "mistral4_expert_select")(
+        inds, scores = model_function(block, "mistral4_expert_select")(
             gates,
             block.num_experts_per_tok,
             args.n_group,
@@ -145,29 +127,21 @@ class KimiLinearAdapter(MoEAdapter):
 
     model_types = ("kimi_linear",)
     top_k_key = "num_experts_per_token"
+    group_keys = ("num_expert_group", "topk_group")
     extra_expert_params = ("e_score_correction_bias",)
 
-    @property
-    def groups(self):
-        n_group = int(self.text_config.get("num_expert_group") or 1)
-        if n_group > 1:
-            return n_group, int(self.text_config.get("topk_group") or n_group)
-        return None
+
+    def _selection_args(self, block) -> tuple:
+        """The arguments of the model file's ``_group_expert_select`` after the gates and the bias."""
+        a = block.args
+        return (a.num_experts_per_token, a.num_expert_group, a.topk_group, a.routed_scaling_factor,
+                a.moe_renormalize, a.moe_router_activation_func)
 
     def route(self, block, x, logit_bias=None):
-        args = block.args
         logits = block.gate(x)
         gates = logits if logit_bias is None else logits + logit_bias
-        inds, scores = _module_fn(block, "_group_expert_select")(
-            gates,
-            block.e_score_correction_bias,
-            args.num_experts_per_token,
-            args.num_expert_group,
-            args.topk_group,
-            args.routed_scaling_factor,
-            args.moe_renormalize,
-            args.moe_router_activation_func,
-        )
+        select = model_function(block, "_group_expert_select")
+        inds, scores = select(gates, block.e_score_correction_bias, *self._selection_args(block))
         return inds, scores, logits
 
     def combine(self, block, x, y, weights):
@@ -181,8 +155,7 @@ class HunyuanAdapter(MoEAdapter):
     """hunyuan: precise softmax, descending top-k, never renormalised; the router is ``gate.wg``, weights are cast
     to float32 before the sum; per-layer ``moe_topk`` lists must hold one value.
 
-    Decoder layers return
-    ``(h, shared_kv_states)``; with cross-layer attention (``use_cla``) later layers read earlier layers' K/V,
+    Decoder layers return ``(h, shared_kv_states)``; with cross-layer attention (``use_cla``) later layers read earlier layers' K/V,
     which a layer-by-layer replay (merge) does not have, so merge refuses those models."""
 
     model_types = ("hunyuan",)
@@ -202,9 +175,6 @@ class HunyuanAdapter(MoEAdapter):
     def top_k(self) -> int:
         return self.config_top_k(self.config)
 
-    def router(self, block):
-        return block.gate.wg
-
     def layer_passthrough(self, x, *args, **kwargs):
         if self.text_config.get("use_cla"):
             raise UserError(
@@ -212,15 +182,6 @@ class HunyuanAdapter(MoEAdapter):
                 "supported; use prune."
             )
         return x, None
-
-    def expert_tensors(self, block) -> list[str]:
-        E = self.experts(block).up_proj.num_experts
-        names = []
-        for name, value in tree_flatten(block.parameters()):
-            if name.startswith((f"{self.experts_attr}.", f"{self.router_attr}.")):
-                if value.ndim >= 1 and value.shape[0] == E:
-                    names.append(name)
-        return names
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)

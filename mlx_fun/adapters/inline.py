@@ -12,22 +12,10 @@ Klear mixes the routed sum and the shared expert with a per-token softmax coeffi
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .base import MoEAdapter, topk_desc, topk_tail
+from .base import MoEAdapter, model_function, topk_desc, topk_tail
 from .mixtral import MixtralAdapter
-
-
-def _model_function(block, name: str):
-    """``name`` from the mlx-lm module that defines the block's class (walks past hook subclasses)."""
-    for cls in type(block).__mro__:
-        fn = getattr(sys.modules.get(cls.__module__), name, None)
-        if fn is not None:
-            return fn
-    raise AttributeError(f"no module in the class hierarchy of {type(block).__name__} defines {name}")
 
 
 def _biased(logits, logit_bias):
@@ -94,7 +82,7 @@ class PhiMoeAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        sparsemixer = _model_function(block, "sparsemixer")
+        sparsemixer = model_function(block, "sparsemixer")
         inds, scores = sparsemixer(_biased(logits, logit_bias), top_k=block.top_k, jitter_eps=block.jitter_eps)
         return inds, scores, logits
 
@@ -111,16 +99,8 @@ class AfmoeAdapter(MoEAdapter):
     experts_attr = "experts"
     router_attr = "router.gate"
     extra_expert_params = ("expert_bias",)
+    group_keys = ("n_group", "topk_group")
 
-    def router(self, block):
-        return block.router.gate
-
-    @property
-    def groups(self):
-        n_group = int(self.text_config.get("n_group") or 1)
-        if n_group > 1:
-            return n_group, int(self.text_config.get("topk_group") or n_group)
-        return None
 
     def route(self, block, x, logit_bias=None):
         logits = block.router(x)
@@ -151,14 +131,6 @@ class AfmoeAdapter(MoEAdapter):
             y = y + block.shared_experts(x)
         return y
 
-    def expert_tensors(self, block):
-        E = self.experts(block).up_proj.num_experts
-        heads = (self.experts_attr + ".", self.router_attr + ".")
-        return [
-            name
-            for name, value in tree_flatten(block.parameters())
-            if (name.startswith(heads) or name in self.extra_expert_params) and value.ndim >= 1 and value.shape[0] == E
-        ]
 
 
 class JambaAdapter(MixtralAdapter):

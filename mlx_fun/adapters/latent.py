@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .deepseek import DeepSeekAdapter
-from .deepseek_like import KimiLinearAdapter, _module_fn
+from .deepseek_like import KimiLinearAdapter
 
 
 class NemotronHAdapter(DeepSeekAdapter):
@@ -51,20 +51,8 @@ class KimiK3Adapter(KimiLinearAdapter):
         return {"beta": float(self.text_config.get("activation_situ_beta") or 1.0),
                 "linear_beta": self.text_config.get("activation_situ_linear_beta")}
 
-    def route(self, block, x, logit_bias=None):
-        args = block.args
-        logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
-        inds, scores = _module_fn(block, "_group_expert_select")(
-            gates,
-            block.e_score_correction_bias,
-            args.num_experts_per_token,
-            args.num_expert_group,
-            args.topk_group,
-            args.routed_scaling_factor,
-            args.moe_renormalize,
-        )
-        return inds, scores, logits
+    def _selection_args(self, block) -> tuple:
+        return super()._selection_args(block)[:-1]  # kimi_k3's selection has no score-function argument
 
     def expert_input(self, block, x, inds, weights):
         return block.routed_expert_down_proj(x) if block.latent_size is not None else x

@@ -6,9 +6,7 @@ Selection runs the model module's own compiled ``moe_gate_select`` on the (biase
 
 from __future__ import annotations
 
-import sys
-
-from .base import MoEAdapter
+from .base import MoEAdapter, model_function
 
 
 class Step3p5Adapter(MoEAdapter):
@@ -33,7 +31,7 @@ class Step3p5Adapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         gate = block.gate
-        select = sys.modules[type(gate).__module__].moe_gate_select
+        select = model_function(gate, "moe_gate_select")
         logits = gate.gate(x)
         gates = logits if logit_bias is None else logits + logit_bias
         inds, weights = select(gates, gate.router_bias, gate.top_k, gate.routed_scaling_factor, gate.norm_topk_prob)
