@@ -203,11 +203,14 @@ class Reservation:
             self._clean_stale()
             name = f".{self.path.name}.{TOKEN}{secrets.token_hex(4)}.tmp{self.suffix}"
             tmp = self.path.parent / name
-            if self.kind == "dir":
-                os.mkdir(tmp, 0o777)
-            else:
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
-            self.tmp = tmp
+            # a SIGTERM between creating the temp and recording it would leave it behind: hold signals back
+            # until ``self.tmp`` is set, so the Terminated it raises finds the temp to remove
+            with _signals_blocked():
+                if self.kind == "dir":
+                    os.mkdir(tmp, 0o777)
+                else:
+                    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+                self.tmp = tmp
         except OSError as e:
             raise UserError(f"cannot write {self.flag} {self.shown}: {e.strerror or e} ({e.filename or self.path.parent}); "
                             f"choose a writable location.") from None
