@@ -92,12 +92,36 @@ def _mlx_lm_moe_modules() -> list[str]:
     return sorted(p.stem for p in root.glob("*.py") if p.stem != "switch_layers" and "switch_layers" in p.read_text())
 
 
+def _mlx_lm_moe_reusers(moe: list[str]) -> list[str]:
+    """Model files that import one of those (wrappers and variants: gemma4, qwen3_vl_moe, kimi_vl, solar_open, ...),
+    closed under imports."""
+    import re
+    from pathlib import Path
+
+    import mlx_lm.models
+
+    texts = {p.stem: p.read_text() for p in Path(mlx_lm.models.__file__).parent.glob("*.py")}
+    closure = set(moe)
+    grew = True
+    while grew:
+        grew = False
+        for name, text in texts.items():
+            imported = set(re.findall(r"^from \.(\w+) import", text, re.M))
+            imported |= {m.strip() for line in re.findall(r"^from \. import ([\w, ]+)", text, re.M) for m in line.split(",")}
+            if name not in closure and name != "switch_layers" and imported & closure:
+                closure.add(name)
+                grew = True
+    return sorted(closure - set(moe))
+
+
 def test_every_mlx_lm_moe_model_type_is_supported_or_listed_with_a_reason():
     from mlx_fun.adapters import UNSUPPORTED
 
     modules = _mlx_lm_moe_modules()
     assert len(modules) >= 40, modules  # the glob found mlx-lm's MoE files
-    missing = [m for m in modules if m not in REGISTRY and m not in UNSUPPORTED]
+    reusers = _mlx_lm_moe_reusers(modules)
+    assert {"gemma4", "qwen3_5_moe", "qwen3_vl_moe"} <= set(reusers)
+    missing = [m for m in modules + reusers if m not in REGISTRY and m not in UNSUPPORTED]
     assert not missing, f"mlx-lm MoE model types neither supported nor listed in adapters.UNSUPPORTED: {missing}"
     assert all(len(reason) > 20 for reason in UNSUPPORTED.values())
     assert not set(UNSUPPORTED) & set(REGISTRY)
@@ -248,3 +272,12 @@ def test_moe_layer_rules(make_model):
     assert ad.moe_layers() == [1, 2]
     _, cfg, ad = _load(make_model, "qwen3_5_moe", None)
     assert ad.config_keys() == [("text_config", "num_experts")] and ad.num_experts == 8
+
+
+def test_a_dense_checkpoint_of_a_moe_family_is_a_one_line_error():
+    """qwen3_5 and mistral3 configs are MoE or dense; a dense one is refused in one line, not a traceback."""
+    from mlx_fun.tiny import build_model, tiny_config
+
+    cfg = tiny_config("qwen3_5", num_experts=0)
+    with pytest.raises(UserError, match="this qwen3_5 model has no MoE layers"):
+        get_adapter(build_model(cfg), cfg)

@@ -85,7 +85,7 @@ REGISTRY: dict[str, type[MoEAdapter]] = {mt: cls for cls in _ADAPTERS for mt in 
 #: mlx-lm model types whose config loads another type's module (mlx-lm's ``MODEL_REMAPPING``): same adapter
 ALIASES: dict[str, str] = {
     "joyai_llm_flash": "deepseek_v3", "gemma4_unified": "gemma4", "phi-msft": "phixtral",
-    "deepseek_v41_text": "deepseek_v41",
+    "deepseek_v41_text": "deepseek_v41", "llava": "mistral3",
 }
 REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
 
@@ -93,8 +93,11 @@ REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
 UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "the router also picks zero-computation identity experts beyond the routed ones, which saliency "
     "and pruning have no slot for",
+    "longcat_flash_ngram": "longcat_flash's MoE (see there)",
     "muse_spark": "routing and the expert combine run as custom Metal kernels (mlx_lm.kernels), which no adapter can "
     "replay with MLX operations, and which do not run off Apple GPUs",
+    "prism_hadamard_qwen35": "pre-packed 2-bit Hadamard-rotated weights laid out by a module manifest, which prune and "
+    "merge would have to rewrite",
 }
 
 

@@ -50,7 +50,10 @@ class MoEAdapter:
             i for i, layer in enumerate(self.decoder_layers()) if self._is_moe(self._block_of(layer))
         ]
         if not self._moe_layers:
-            raise ValueError(f"no MoE blocks found in this {self.model_type} model (looked for .{self.block_attr})")
+            raise UserError(
+                f"this {self.model_type} model has no MoE layers (its config has no routed experts); mlx-fun works on "
+                "mixture-of-experts models."
+            )
 
     # ----------------------------------------------------------------- config facts (no model needed)
     @classmethod

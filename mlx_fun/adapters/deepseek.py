@@ -24,6 +24,8 @@ class DeepSeekAdapter(MoEAdapter):
         "glm4_moe_lite",
         "glm_moe_dsa",
         "dots1",
+        "solar_open",
+        "kimi_vl",
     )
     num_experts_key = "n_routed_experts"
     group_keys = ("n_group", "topk_group")

@@ -92,10 +92,10 @@ class MiMoV2FlashAdapter(DeepSeekAdapter):
 
 
 class Mistral4Adapter(MoEAdapter):
-    """mistral4: float32 softmax (not precise), n_group top-2-sum group limit, weights from the unmasked scores,
+    """mistral4 (also as mistral3's text model): float32 softmax (not precise), n_group top-2-sum group limit, weights from the unmasked scores,
     optional renormalisation, routed_scaling_factor; router is a plain ``nn.Linear``, no correction bias."""
 
-    model_types = ("mistral4",)
+    model_types = ("mistral4", "mistral3")
     num_experts_key = "n_routed_experts"
     group_keys = ("n_group", "topk_group")
 

@@ -25,19 +25,20 @@ class _SoftmaxTopK(MoEAdapter):
 
 
 class Qwen3MoeAdapter(_SoftmaxTopK):
-    """qwen3_moe: precise softmax over all experts, top-k (ascending idiom), optionally renormalised."""
+    """qwen3_moe (and qwen3_vl_moe's text model): precise softmax over all experts, top-k (ascending idiom),
+    optionally renormalised."""
 
-    model_types = ("qwen3_moe",)
+    model_types = ("qwen3_moe", "qwen3_vl_moe")
 
     def combine(self, block, x, y, weights):
         return (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
 
 
 class Qwen3NextAdapter(_SoftmaxTopK):
-    """qwen3_next, qwen3_5_moe (its text model reuses the Qwen3-Next block): qwen3_moe's routing; sigmoid-gated
-    shared expert."""
+    """qwen3_next, qwen3_5_moe, qwen3_5 with experts (their text model reuses the Qwen3-Next block): qwen3_moe's
+    routing; sigmoid-gated shared expert."""
 
-    model_types = ("qwen3_next", "qwen3_5_moe")
+    model_types = ("qwen3_next", "qwen3_5_moe", "qwen3_5")
 
     def combine(self, block, x, y, weights):
         y = (y * weights[..., None]).sum(axis=-2)
