@@ -82,46 +82,15 @@ def test_registry_covers_required_families():
     assert REQUIRED <= set(supported_model_types())
 
 
-def _mlx_lm_moe_modules() -> list[str]:
-    """Model files of the installed mlx-lm that route tokens through its switch layers (SwitchGLU / SwitchMLP)."""
-    from pathlib import Path
-
-    import mlx_lm.models
-
-    root = Path(mlx_lm.models.__file__).parent
-    return sorted(p.stem for p in root.glob("*.py") if p.stem != "switch_layers" and "switch_layers" in p.read_text())
-
-
-def _mlx_lm_moe_reusers(moe: list[str]) -> list[str]:
-    """Model files that import one of those (wrappers and variants: gemma4, qwen3_vl_moe, kimi_vl, solar_open, ...),
-    closed under imports."""
-    import re
-    from pathlib import Path
-
-    import mlx_lm.models
-
-    texts = {p.stem: p.read_text() for p in Path(mlx_lm.models.__file__).parent.glob("*.py")}
-    closure = set(moe)
-    grew = True
-    while grew:
-        grew = False
-        for name, text in texts.items():
-            imported = set(re.findall(r"^from \.(\w+) import", text, re.M))
-            imported |= {m.strip() for line in re.findall(r"^from \. import ([\w, ]+)", text, re.M) for m in line.split(",")}
-            if name not in closure and name != "switch_layers" and imported & closure:
-                closure.add(name)
-                grew = True
-    return sorted(closure - set(moe))
-
-
 def test_every_mlx_lm_moe_model_type_is_supported_or_listed_with_a_reason():
     from mlx_fun.adapters import UNSUPPORTED
 
-    modules = _mlx_lm_moe_modules()
-    assert len(modules) >= 40, modules  # the glob found mlx-lm's MoE files
-    reusers = _mlx_lm_moe_reusers(modules)
-    assert {"gemma4", "qwen3_5_moe", "qwen3_vl_moe"} <= set(reusers)
-    missing = [m for m in modules + reusers if m not in REGISTRY and m not in UNSUPPORTED]
+    from mlx_fun.adapters.coverage import mlx_lm_moe_types, unknown_moe_types
+
+    modules, reusers = mlx_lm_moe_types()
+    assert len(modules) >= 40 and {"qwen3_moe", "gemma4_text", "nemotron_h"} <= set(modules)  # the scan finds them
+    assert {"gemma4", "qwen3_5_moe", "qwen3_vl_moe"} <= set(reusers) and "llama" not in modules + reusers
+    missing = unknown_moe_types()
     assert not missing, f"mlx-lm MoE model types neither supported nor listed in adapters.UNSUPPORTED: {missing}"
     assert all(len(reason) > 20 for reason in UNSUPPORTED.values())
     assert not set(UNSUPPORTED) & set(REGISTRY)
@@ -281,3 +250,12 @@ def test_a_dense_checkpoint_of_a_moe_family_is_a_one_line_error():
     cfg = tiny_config("qwen3_5", num_experts=0)
     with pytest.raises(UserError, match="this qwen3_5 model has no MoE layers"):
         get_adapter(build_model(cfg), cfg)
+
+
+def test_doctor_names_moe_types_of_a_newer_mlx_lm(monkeypatch):
+    """A type the installed mlx-lm ships but the registry lacks (as after an mlx-lm upgrade) is named by doctor."""
+    from mlx_fun.jobs.doctor import model_types
+
+    assert model_types() == f"{len(REGISTRY)} supported, 4 unsupported (see the README's table)"
+    monkeypatch.delitem(REGISTRY, "mellum")
+    assert model_types().endswith("; MoE types of this mlx-lm that mlx-fun does not know yet: mellum")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 
-@click.command("doctor", short_help="MLX backend, device, BLAS in use, versions and a measured matmul speed.")
+@click.command("doctor", short_help="MLX backend, device, BLAS in use, versions, matmul speed, model types served.")
 def command():
-    """Show the MLX backend, device, BLAS and versions, and measure a float32 matmul.
+    """Show the MLX backend, device, BLAS and versions, measure a float32 matmul, and count the model types served
+    (naming any MoE type of the installed mlx-lm that has no adapter yet).
 
     \b
     Example:

@@ -1,4 +1,5 @@
-"""The ``doctor`` job: the MLX backend, device, BLAS and versions in use, and a measured matmul speed."""
+"""The ``doctor`` job: the MLX backend, device, BLAS and versions in use, a measured matmul speed, and the model
+types mlx-fun serves (with any MoE type of the installed mlx-lm it does not know)."""
 
 from __future__ import annotations
 
@@ -59,5 +60,18 @@ def run() -> dict[str, str]:
         return facts
     facts.update({"mlx": getattr(mx, "__version__", _dist_version("mlx")), "mlx-lm": _dist_version("mlx-lm"),
                   "default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
-                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s"})
+                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "model types": model_types()})
     return facts
+
+
+def model_types() -> str:
+    """How many model types are supported / listed unsupported, and the installed mlx-lm's MoE types that are
+    neither (a newer mlx-lm than the adapters know)."""
+    from ..adapters import REGISTRY, UNSUPPORTED
+    from ..adapters.coverage import unknown_moe_types
+
+    text = f"{len(REGISTRY)} supported, {len(UNSUPPORTED)} unsupported (see the README's table)"
+    unknown = unknown_moe_types()
+    if unknown:
+        text += f"; MoE types of this mlx-lm that mlx-fun does not know yet: {', '.join(unknown)}"
+    return text
