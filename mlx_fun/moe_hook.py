@@ -43,11 +43,11 @@ class HookState:
     block: object = None
     taps: list = field(default_factory=list)
     bias: mx.array | None = None
-    pending: tuple | None = None  # split_router: the routing the router handed to the experts call
+    pending: tuple | None = None  # split_router: (inds, logits) the router handed to the experts call
 
 
 def _state(module) -> HookState:
-    return object.__getattribute__(module, _STATE)
+    return classswap.get_state(module, _STATE)
 
 
 def _bias(state: HookState, x):
@@ -82,7 +82,7 @@ def _hooked_call(self, x):
 def _hooked_router_call(self, x):
     state = _state(self)
     inds, weights, logits = state.adapter.route(state.block, x, _bias(state, x))
-    state.pending = (inds, weights, logits)
+    state.pending = (inds, logits)
     return inds, weights
 
 
@@ -91,7 +91,7 @@ def _hooked_experts_call(self, x, inds, weights):
     pending, state.pending = state.pending, None
     if pending is None or pending[0] is not inds:
         raise RuntimeError(f"MoE layer {state.layer}: the experts were called without their router's routing")
-    return _experts_and_combine(state, x, inds, weights, pending[2])
+    return _experts_and_combine(state, x, inds, weights, pending[1])
 
 
 def _swaps(adapter: MoEAdapter, block) -> list[tuple[object, Callable]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, model_function, topk_desc, topk_tail
+from .base import MoEAdapter, model_function, topk_desc, topk_tail, with_bias
 
 
 class _Grouped(MoEAdapter):
@@ -32,7 +32,7 @@ class BailingMoeAdapter(_Grouped):
         gate = block.gate
         select = model_function(gate, "group_expert_select")
         logits = gate.gate_proj(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds, scores = select(
             gates,
             gate.expert_bias,
@@ -77,7 +77,7 @@ class BailingMoeV3Adapter(_Grouped):
         gate = block.gate
         select = model_function(gate, "_group_expert_select")
         logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds, scores = select(
             gates, gate.expert_bias, gate.top_k, gate.n_group, gate.topk_group, gate.routed_scaling_factor
         )
@@ -104,7 +104,7 @@ class BailingHybridAdapter(BailingMoeV3Adapter):
         if not hasattr(gate, "gate_proj"):
             return super().route(block, x, logit_bias)
         logits = gate.gate_proj(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         in_type = gates.dtype
         gates = gates.astype(mx.float32)
         if gate.score_function == "sigmoid":
@@ -149,7 +149,7 @@ class GraniteMoeAdapter(MoEAdapter):
 
     def _top_k_logits(self, block, x, logit_bias):
         logits = block.router.layer(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds = mx.stop_gradient(topk_tail(gates, block.router.top_k))
         return inds, mx.take_along_axis(gates, inds, axis=-1), logits
 
@@ -184,7 +184,7 @@ class LagunaAdapter(MoEAdapter):
     def route(self, block, x, logit_bias=None):
         gate = block.gate
         logits = gate.proj(x).astype(mx.float32)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         if gate.softcap > 0.0:
             gates = mx.tanh(gates / gate.softcap) * gate.softcap
         scores = gate._routing_scores(gates)

@@ -209,6 +209,11 @@ class MoEAdapter:
         }
 
 
+def with_bias(logits: mx.array, logit_bias: mx.array | None) -> mx.array:
+    """``logits`` plus the steering bias (``route``'s ``logit_bias``), or ``logits`` themselves when there is none."""
+    return logits if logit_bias is None else logits + logit_bias
+
+
 def model_function(module, name: str):
     """The function ``name`` of the mlx-lm model file that defines ``module``'s class — its own compiled selection
     function, say — walking the MRO, since a hooked module's class is a subclass defined in ``mlx_fun``."""

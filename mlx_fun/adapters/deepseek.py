@@ -8,7 +8,7 @@ that defines the block's gate, so it is the same compiled function the block run
 
 from __future__ import annotations
 
-from .base import MoEAdapter, model_function
+from .base import MoEAdapter, model_function, with_bias
 
 
 class DeepSeekAdapter(MoEAdapter):
@@ -48,7 +48,7 @@ class DeepSeekAdapter(MoEAdapter):
         gate = block.gate
         select = model_function(gate, "group_expert_select")
         logits = x @ gate.weight.T
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds, scores = select(
             gates,
             gate.e_score_correction_bias,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import UserError
-from .base import MoEAdapter, model_function, topk_desc
+from .base import MoEAdapter, model_function, topk_desc, with_bias
 from .deepseek import DeepSeekAdapter
 
 
@@ -25,7 +25,7 @@ class DeepSeekV1Adapter(MoEAdapter):
     def route(self, block, x, logit_bias=None):
         gate = block.gate
         logits = x @ gate.weight.T
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         scores = mx.softmax(gates, axis=-1, precise=True)
         inds = mx.stop_gradient(topk_desc(scores, gate.top_k))
         scores = mx.take_along_axis(scores, inds, axis=-1)
@@ -57,7 +57,7 @@ class DeepSeekV2Adapter(DeepSeekV1Adapter):
     def route(self, block, x, logit_bias=None):
         gate = block.gate
         logits = x @ gate.weight.T
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         scores = mx.softmax(gates, axis=-1, precise=True)
         if gate.topk_method == "group_limited_greedy":
             bsz, seq_len = x.shape[:2]
@@ -103,7 +103,7 @@ class Mistral4Adapter(MoEAdapter):
     def route(self, block, x, logit_bias=None):
         args = block.args
         logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds, scores = model_function(block, "mistral4_expert_select")(
             gates,
             block.num_experts_per_tok,
@@ -139,7 +139,7 @@ class KimiLinearAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         select = model_function(block, "_group_expert_select")
         inds, scores = select(gates, block.e_score_correction_bias, *self._selection_args(block))
         return inds, scores, logits
@@ -185,7 +185,7 @@ class HunyuanAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         gates = mx.softmax(gates, axis=-1, precise=True)
         inds = mx.stop_gradient(topk_desc(gates, block.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)

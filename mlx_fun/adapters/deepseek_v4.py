@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import MoEAdapter
+from .base import MoEAdapter, with_bias
 
 
 class DeepSeekV41Adapter(MoEAdapter):
@@ -42,9 +42,7 @@ class DeepSeekV41Adapter(MoEAdapter):
     def route(self, block, x, logit_bias=None):
         gate = block.gate
         logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
-        scaled = logits / gate.gate_temp
-        if logit_bias is not None:
-            scaled = scaled + logit_bias
+        scaled = with_bias(logits / gate.gate_temp, logit_bias)
         if gate.score_func == "sigmoid":
             scores = mx.sigmoid(scaled)
         elif gate.score_func == "softmax":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import UserError
-from .base import MoEAdapter, topk_tail
+from .base import MoEAdapter, topk_tail, with_bias
 
 
 class Gemma4Adapter(MoEAdapter):
@@ -56,7 +56,7 @@ class Gemma4Adapter(MoEAdapter):
         k = router.config.top_k_experts
         x = mx.fast.rms_norm(x, router.scale * router._root_size, router.eps)
         logits = router.proj(x)
-        scores = logits if logit_bias is None else logits + logit_bias
+        scores = with_bias(logits, logit_bias)
         inds = mx.stop_gradient(topk_tail(scores, k))
         weights = mx.take_along_axis(scores, inds, axis=-1)
         weights = mx.softmax(weights, axis=-1)

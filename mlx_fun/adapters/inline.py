@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, model_function, topk_desc, topk_tail
+from .base import MoEAdapter, model_function, topk_desc, topk_tail, with_bias
 from .mixtral import MixtralAdapter
-
-
-def _biased(logits, logit_bias):
-    return logits if logit_bias is None else logits + logit_bias
 
 
 class Ernie45MoeAdapter(MoEAdapter):
@@ -32,7 +28,7 @@ class Ernie45MoeAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = block.gate_act(_biased(logits, logit_bias).astype(mx.float32))
+        gates = block.gate_act(with_bias(logits, logit_bias).astype(mx.float32))
         inds = mx.stop_gradient(topk_desc(gates, block.k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12)
@@ -55,7 +51,7 @@ class Lfm2MoeAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        routing_weights = mx.sigmoid(_biased(logits, logit_bias))
+        routing_weights = mx.sigmoid(with_bias(logits, logit_bias))
         k = block.top_k
         if block.use_expert_bias:
             inds = topk_tail(routing_weights.astype(mx.float32) + block.expert_bias, k)
@@ -83,7 +79,7 @@ class PhiMoeAdapter(MoEAdapter):
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
         sparsemixer = model_function(block, "sparsemixer")
-        inds, scores = sparsemixer(_biased(logits, logit_bias), top_k=block.top_k, jitter_eps=block.jitter_eps)
+        inds, scores = sparsemixer(with_bias(logits, logit_bias), top_k=block.top_k, jitter_eps=block.jitter_eps)
         return inds, scores, logits
 
     def combine(self, block, x, y, weights):
@@ -101,10 +97,9 @@ class AfmoeAdapter(MoEAdapter):
     extra_expert_params = ("expert_bias",)
     group_keys = ("n_group", "topk_group")
 
-
     def route(self, block, x, logit_bias=None):
         logits = block.router(x)
-        gates = _biased(logits, logit_bias)
+        gates = with_bias(logits, logit_bias)
         if block.score_func == "sigmoid":
             scores = mx.sigmoid(gates.astype(mx.float32))
         else:
@@ -132,7 +127,6 @@ class AfmoeAdapter(MoEAdapter):
         return y
 
 
-
 class JambaAdapter(MixtralAdapter):
     """jamba: mixtral's routing (descending top-k on raw logits, softmax over the k) in ``feed_forward.router``."""
 
@@ -149,7 +143,7 @@ class MellumAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = mx.softmax(_biased(logits, logit_bias), axis=-1, precise=True)
+        gates = mx.softmax(with_bias(logits, logit_bias), axis=-1, precise=True)
         inds = mx.stop_gradient(topk_tail(gates, block.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if block.norm_topk_prob:
@@ -170,7 +164,7 @@ class KlearAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        routing_weights = mx.sigmoid(_biased(logits, logit_bias).astype(mx.float32))
+        routing_weights = mx.sigmoid(with_bias(logits, logit_bias).astype(mx.float32))
         # the block adds expert_bias.reshape((1, 1, -1)): the same sums, but it only accepts (B, L, D) inputs
         biased_weights = routing_weights + block.expert_bias
         inds = mx.stop_gradient(topk_desc(biased_weights, block.top_k))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc
+from .base import MoEAdapter, topk_desc, with_bias
 
 
 class MiniMaxAdapter(MoEAdapter):
@@ -18,7 +18,7 @@ class MiniMaxAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x.astype(mx.float32))
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         scores = mx.sigmoid(gates)
         orig_scores = scores
         scores = scores + block.e_score_correction_bias
@@ -50,7 +50,7 @@ class MiniMaxM3Adapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         scores = mx.sigmoid(gates.astype(mx.float32))
         orig_scores = scores
         scores = scores + block.e_score_correction_bias

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc, topk_tail
+from .base import MoEAdapter, topk_desc, topk_tail, with_bias
 
 
 class MixtralAdapter(MoEAdapter):
@@ -17,7 +17,7 @@ class MixtralAdapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = self.router(block)(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds = mx.stop_gradient(self.select(gates, self.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.softmax(scores, axis=-1, precise=True)
@@ -69,7 +69,7 @@ class Llama4Adapter(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.router(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds = mx.stop_gradient(topk_desc(gates, block.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)

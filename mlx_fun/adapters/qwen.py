@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc, topk_tail
+from .base import MoEAdapter, topk_desc, topk_tail, with_bias
 
 
 class _SoftmaxTopK(MoEAdapter):
@@ -15,7 +15,7 @@ class _SoftmaxTopK(MoEAdapter):
 
     def route(self, block, x, logit_bias=None):
         logits = block.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         gates = mx.softmax(gates, axis=-1, precise=True)
         inds = mx.stop_gradient(self.select(gates, self.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)

@@ -6,7 +6,7 @@ Selection runs the model module's own compiled ``moe_gate_select`` on the (biase
 
 from __future__ import annotations
 
-from .base import MoEAdapter, model_function
+from .base import MoEAdapter, model_function, with_bias
 
 
 class Step3p5Adapter(MoEAdapter):
@@ -33,7 +33,7 @@ class Step3p5Adapter(MoEAdapter):
         gate = block.gate
         select = model_function(gate, "moe_gate_select")
         logits = gate.gate(x)
-        gates = logits if logit_bias is None else logits + logit_bias
+        gates = with_bias(logits, logit_bias)
         inds, weights = select(gates, gate.router_bias, gate.top_k, gate.routed_scaling_factor, gate.norm_topk_prob)
         return inds, weights, logits
 
