@@ -7,7 +7,8 @@ on the subclass; ``restore(obj, tag)`` puts it back. Per-instance state goes in 
 :func:`set_state` (``object.__setattr__``: outside the module's parameter tree, so saved files never change).
 
 Users: :mod:`mlx_fun.moe_hook` (tag ``hook``: MoE blocks), :mod:`mlx_fun.dispatch` (tag ``dispatch``: expert
-``SwitchGLU``\\ s), :mod:`mlx_fun.layerwise` (tag ``layerwise``: decoder layers). Different tags stack: a block can
+``SwitchGLU``\\ s), :mod:`mlx_fun.layerwise` (tag ``layerwise``: decoder layers), :mod:`mlx_fun.serve.counting`
+(tag ``serve``: the served model's own ``__call__``). Different tags stack: a block can
 be hooked while its experts are dispatched.
 """
 

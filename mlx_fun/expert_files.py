@@ -44,7 +44,8 @@ Report schemas read by :func:`load_report_experts` (the minimum; other keys are 
 
 ``domain_report.json`` (``mlx-fun domain-scan``)::
 
-    {"domain_experts": {"<decoder layer>": [experts...]}}
+    {"domain_experts": {"<decoder layer>": [experts...]},
+     "general_experts": {"<decoder layer>": [...]}}   # optional; read by steering's `suppress` mode
 
 Sets from several reports (e.g. safety protect + domain protect) merge by union (:func:`merge_expert_sets`).
 """
@@ -315,19 +316,21 @@ def load_report_experts(
 ) -> ExpertSets:
     """Expert sets of a ``safety_report.json`` / ``domain_report.json``: ``{layer position: {experts}}``.
 
-    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; domain: ``domain_experts``. Layer keys
-    are decoder-layer indices, converted to positions with ``moe_layer_indices`` (``None``: keys are positions).
+    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; domain: ``domain_experts``; general: the
+    ``general_experts`` of a domain report. Layer keys are decoder-layer indices, converted to positions with
+    ``moe_layer_indices`` (``None``: keys are positions).
     """
     path = Path(path)
-    if kind not in ("safety", "domain"):
-        raise ValueError(f"kind must be 'safety' or 'domain', got {kind!r}")
-    scan = "safety-scan" if kind == "safety" else "domain-scan"
-    data = _load_json(path, f"{kind} report", f"create it with `mlx-fun {scan}`.")
+    if kind not in ("safety", "domain", "general"):
+        raise ValueError(f"kind must be 'safety', 'domain' or 'general', got {kind!r}")
+    report = "safety" if kind == "safety" else "domain"
+    scan = f"{report}-scan"
+    data = _load_json(path, f"{report} report", f"create it with `mlx-fun {scan}`.")
     if not isinstance(data, dict):
-        raise UserError(f"{path} is not a {kind} report (expected a JSON object); create it with `mlx-fun {scan}`.")
+        raise UserError(f"{path} is not a {report} report (expected a JSON object); create it with `mlx-fun {scan}`.")
     if moe_layer_indices is None:
         keys = []
-        for k in ("safety_critical", "hcdg", "hrcg", "domain_experts"):
+        for k in ("safety_critical", "hcdg", "hrcg", "domain_experts", "general_experts"):
             if isinstance(data.get(k), dict):
                 keys += [int(x) for x in data[k] if str(x).strip().lstrip("-").isdigit()]
         moe_idx = list(range(max(keys, default=-1) + 1))
@@ -345,11 +348,10 @@ def load_report_experts(
             f"{path} has no \"safety_critical\" (nor \"hcdg\"/\"hrcg\") map; pass a safety_report.json written by "
             "`mlx-fun safety-scan`."
         )
-    if "domain_experts" not in data:
-        raise UserError(
-            f"{path} has no \"domain_experts\" map; pass a domain_report.json written by `mlx-fun domain-scan`."
-        )
-    return _read_layer_map(data["domain_experts"], "domain_experts", path, moe_idx, num_experts)
+    key = "general_experts" if kind == "general" else "domain_experts"
+    if key not in data:
+        raise UserError(f"{path} has no \"{key}\" map; pass a domain_report.json written by `mlx-fun domain-scan`.")
+    return _read_layer_map(data[key], key, path, moe_idx, num_experts)
 
 
 def merge_expert_sets(*maps: Mapping[int, Iterable[int]] | None) -> ExpertSets:

@@ -78,6 +78,23 @@ class SaliencyAccumulator:
             np.add.at(self.reap_count[layer], inds, 1.0)
             np.maximum.at(self.max_activation_norm[layer], inds, n)
 
+    def update_layers(self, inds, weights, norms=None) -> None:
+        """Add one forward's routing decisions of *every* MoE layer at once: ``inds``/``weights``/``norms`` are
+        (num_layers, N, k). Same sums as :meth:`update` per layer, in one ``np.bincount`` per array."""
+        inds = np.asarray(inds)
+        L, E = self.num_layers, self.num_experts
+        flat = (inds.reshape(L, -1).astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None]).reshape(-1)
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        counts = np.bincount(flat, minlength=L * E).reshape(L, E)
+        self.freq += counts
+        self.weighted_freq_sum += np.bincount(flat, weights=w, minlength=L * E).reshape(L, E)
+        if norms is not None:
+            n = np.asarray(norms, dtype=np.float64).reshape(-1)
+            self.reap_sum += np.bincount(flat, weights=n * w, minlength=L * E).reshape(L, E)
+            self.ean_sum += np.bincount(flat, weights=n, minlength=L * E).reshape(L, E)
+            self.reap_count += counts
+            np.maximum.at(self.max_activation_norm.reshape(-1), flat, n)
+
     def add(self, other: "SaliencyAccumulator") -> None:
         """Sum another accumulator of the same model into this one (e.g. from another process)."""
         check_same_model([self, other], ["this accumulator", "the other"])

@@ -51,6 +51,40 @@ def commands(text: str) -> list[str]:
     return out
 
 
+#: commands that keep running (servers): started in the background, ready once their stderr says "Serving", and
+#: stopped with Ctrl+C (SIGINT) before the next `mlx-fun` command or at the end, as a user in two terminals would
+BACKGROUND = ("mlx-fun serve",)
+
+
+class Background:
+    def __init__(self, cmd: str, cwd, env):
+        import threading
+
+        self.cmd = cmd
+        self.proc = subprocess.Popen(shlex.split(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.err.append(line)
+                if "Serving" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert ready.wait(120) and self.proc.poll() is None, f"$ {cmd}\n{''.join(self.err)}"
+
+    def stop(self):
+        import signal
+
+        self.proc.send_signal(signal.SIGINT)
+        out = self.proc.stdout.read()
+        assert self.proc.wait(120) == 0, f"$ {self.cmd}\n{out}\n{''.join(self.err)}"
+        assert "Error:" not in "".join(self.err) and "Traceback" not in "".join(self.err), "".join(self.err)
+
+
 def normalise(cmd: str) -> str:
     return " ".join(shlex.split(cmd))
 
@@ -64,32 +98,45 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     bundled_before = tree(ROOT / "data" / "tiny-moe")
-    ran, skipped = [], []
+    ran, skipped, servers = [], [], []
     for kind, body in blocks():  # files the README asks to save ("save this as …") exist from the start
         if kind.startswith("file:"):
             (work / kind[5:]).write_text(body)
-    for kind, body in blocks():
-        if kind != "bash":
-            continue
-        for cmd in commands(body):
-            reason = next((why for prefix, why in NOT_RUN.items() if cmd.startswith(prefix)), None)
-            if reason:
-                skipped.append(cmd)
+    try:
+        for kind, body in blocks():
+            if kind != "bash":
                 continue
-            proc = subprocess.run(cmd, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, f"$ {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, f"$ {cmd}\n{proc.stderr[-3000:]}"
-            ran.append(cmd)
+            for cmd in commands(body):
+                reason = next((why for prefix, why in NOT_RUN.items() if cmd.startswith(prefix)), None)
+                if reason:
+                    skipped.append(cmd)
+                    continue
+                if cmd.startswith("mlx-fun "):
+                    while servers:
+                        servers.pop().stop()
+                if cmd.startswith(BACKGROUND):
+                    servers.append(Background(cmd, work, env))
+                    ran.append(cmd)
+                    continue
+                proc = subprocess.run(cmd, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+                assert proc.returncode == 0, f"$ {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, f"$ {cmd}\n{proc.stderr[-3000:]}"
+                ran.append(cmd)
+        while servers:
+            servers.pop().stop()
+    finally:
+        for server in servers:
+            server.proc.kill()
     assert len(ran) >= 20 and len(skipped) == 4, (ran, skipped)
     assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
         "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
-        "tune-dispatch", "doctor"}
+        "tune-dispatch", "doctor", "serve"}
     for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
-                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24)):
+                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24)):
         assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
     report = json.loads((work / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
-    for name in ("code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
+    for name in ("online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
                  "cache/mlx-fun/dispatch_table.json"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left

@@ -1,0 +1,88 @@
+"""``mlx-fun serve``: parses, calls :func:`mlx_fun.jobs.serve.run`, prints."""
+
+from __future__ import annotations
+
+import click
+
+from .common import dispatch_option, echo_err, friendly_errors, model_option
+
+
+def _size(text: str) -> int:
+    from ..dispatch import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if n <= 0:
+        raise click.BadParameter("must be more than 0 bytes")
+    return n
+
+
+@click.command("serve", short_help="OpenAI-compatible server that counts expert use and takes steering over REST.")
+@model_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Anything but loopback exposes the model: use --api-key then.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: a free one).")
+@click.option("--mode", type=click.Choice(["lightweight", "full"]), default="lightweight", show_default=True,
+              help="lightweight: freq + weighted_freq; full: also expert output norms (reap, ean), a little slower.")
+@click.option("--auto-save", type=click.Path(dir_okay=False), default=None,
+              help="Write the statistics (.npz) here when the server stops (Ctrl+C, SIGTERM, SIGHUP), atomically.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Default max tokens per completion (a request's max_tokens wins).")
+@click.option("--chat-template", default=None, help="Chat template override: a Jinja string or a file holding one.")
+@click.option("--safety-map", type=click.Path(dir_okay=False), default=None,
+              help="safety_report.json to steer with from the start (with --steering-mode).")
+@click.option("--steering-mode", type=click.Choice(["safe", "unsafe"]), default=None,
+              help="safe: boost the report's safety-critical experts; unsafe: mask them.")
+@click.option("--domain-map", type=click.Path(dir_okay=False), default=None,
+              help="domain_report.json to steer with from the start (with --domain-steering-mode).")
+@click.option("--domain-steering-mode", type=click.Choice(["boost", "suppress"]), default=None,
+              help="boost: activate the domain experts; suppress: deactivate the general experts.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="The only directory REST requests may read reports from or save statistics to.")
+@click.option("--api-key", default=None, envvar="MLX_FUN_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer <key>' on every route but /health.")
+@click.option("--prompt-cache-size", type=click.IntRange(min=0), default=10, show_default=True,
+              help="mlx-lm prompt cache: distinct KV caches kept (their tokens are not recounted).")
+@click.option("--prompt-cache-bytes", type=_size, default=None, metavar="SIZE",
+              help="mlx-lm prompt cache: most bytes kept (e.g. 4GiB).")
+@click.option("--decode-concurrency", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests decoded together in one batch.")
+@click.option("--prompt-concurrency", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Prompts prefilled together in one batch.")
+@click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Prompt tokens per prefill forward.")
+@click.option("--max-body-bytes", type=_size, default="8MiB", show_default=True, metavar="SIZE",
+              help="Largest request body accepted (larger: 413).")
+@click.option("--allowed-origins", default="", metavar="LIST",
+              help="Comma-separated origins browsers may call from (CORS); none by default.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
+              show_default=True, help="INFO logs every request.")
+@dispatch_option
+@friendly_errors
+def command(allowed_origins, **kwargs):
+    """Serve MODEL with mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
+    /health) while counting, for every token the model processes, which experts each MoE layer routes it to.
+    The counts are read, saved and reset over REST (/v1/reap/stats, /info, /save, /reset), and experts are
+    steered on or off at run time (/v1/reap/steer).
+
+    \b
+    Example (on the bundled model):
+      mlx-fun serve --model data/tiny-moe --port 8080 --auto-save online.npz
+      curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+          -d '{"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 20}'
+      curl -s http://127.0.0.1:8080/v1/reap/info
+
+    Ctrl+C (or SIGTERM) stops the server; with --auto-save the statistics are written atomically first, ready
+    for `mlx-fun prune --saliency online.npz`.
+    """
+    from ..jobs import serve
+
+    origins = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
+    show(serve.run(**kwargs, allowed_origins=origins, log=echo_err))
+
+
+def show(result) -> None:
+    saved = f"; statistics saved to {result.saved}" if result.saved is not None else ""
+    click.echo(f"Served {result.requests:,} requests, {result.tokens:,} tokens in {result.seconds:.0f} s{saved}")

@@ -1,0 +1,221 @@
+"""The ``serve`` job: an OpenAI-compatible server (mlx-lm's) that counts expert use and takes steering over REST.
+
+``run(...)`` serves until Ctrl+C / SIGTERM / SIGHUP and returns what it served (and saved, with ``auto_save``);
+``start(...)`` takes the same arguments and returns the running :class:`mlx_fun.serve.app.Server` (tests,
+benchmarks, embedding). The machinery lives in :mod:`mlx_fun.serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError, param
+from .common import Log, check_supported, quiet, require_path
+
+MODES = ("lightweight", "full")
+API_KEY_ENV = "MLX_FUN_API_KEY"
+
+
+@dataclass
+class ServeResult:
+    url: str
+    requests: int
+    tokens: int
+    seconds: float
+    saved: Path | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safety_map, steering_mode, domain_map,
+             domain_steering_mode, auto_save, max_body_bytes, port, dequant_cache=0, **_) -> dict:
+    """Check everything that can be checked before loading; returns the normalised values."""
+    check_supported(model)
+    if mode not in MODES:
+        raise UserError(f"{param('mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
+    data = Path(data_dir).expanduser()
+    if not data.is_dir():
+        raise UserError(f"{param('data_dir')} {data_dir} is not a directory; create it or pass another one.")
+    for name, value in (("max_tokens", max_tokens), ("max_body_bytes", max_body_bytes)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{param(name)} must be a positive integer, got {value!r}.")
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise UserError(f"{param('port')} must be 0..65535 (0 picks a free port), got {port!r}.")
+    require_path("safety_map", safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
+    require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
+    for path, mode_value, path_name, mode_name in ((safety_map, steering_mode, "safety_map", "steering_mode"),
+                                                   (domain_map, domain_steering_mode, "domain_map",
+                                                    "domain_steering_mode")):
+        if (path is None) != (mode_value is None):
+            given, missing = (path_name, mode_name) if path is not None else (mode_name, path_name)
+            raise UserError(f"{param(given)} needs {param(missing)} too.")
+    template = chat_template
+    if chat_template is not None and Path(chat_template).is_file():
+        template = Path(chat_template).read_text(encoding="utf-8")
+    from ..dispatch import parse_bytes
+
+    try:
+        dequant = parse_bytes(dequant_cache)
+    except ValueError as e:
+        raise UserError(f"{param('dequant_cache')}: {e}") from None
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return {"data_dir": data.resolve(), "chat_template": template, "api_key": key, "dequant_cache": dequant,
+            "auto_save": None if auto_save is None else Path(auto_save)}
+
+
+def _params(scope: dict) -> dict:
+    """The :func:`start` arguments among ``scope`` (a job's ``locals()``)."""
+    import inspect
+
+    return {k: scope[k] for k in inspect.signature(start).parameters if k in scope}
+
+
+def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode):
+    if safety_map is None and domain_map is None:
+        return None
+
+    def build(counter):
+        from ..steering import from_reports
+
+        a = counter.adapter
+        return from_reports(moe_layer_indices=a.moe_layers(), num_experts=a.num_experts, top_k=a.top_k,
+                            safety_map=safety_map, safety_mode=steering_mode, domain_map=domain_map,
+                            domain_mode=domain_steering_mode,
+                            field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
+                                         "domain_map": param("domain_map"),
+                                         "domain_mode": param("domain_steering_mode")})
+
+    return build
+
+
+def start(
+    *,
+    model: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    mode: str = "lightweight",
+    auto_save: str | Path | None = None,
+    max_tokens: int = 512,
+    chat_template: str | None = None,
+    safety_map: str | Path | None = None,
+    steering_mode: str | None = None,
+    domain_map: str | Path | None = None,
+    domain_steering_mode: str | None = None,
+    data_dir: str | Path = ".",
+    api_key: str | None = None,
+    dispatch: str = "auto",
+    dispatch_table: str | Path | None = None,
+    dequant_cache: int | str = 0,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: int | None = None,
+    decode_concurrency: int = 32,
+    prompt_concurrency: int = 8,
+    prefill_step_size: int = 2048,
+    max_body_bytes: int = 8 << 20,
+    allowed_origins: tuple[str, ...] = (),
+    log: Log = quiet,
+):
+    """Start serving ``model`` on ``host:port`` in the background; returns the running server (``.url``,
+    ``.counter``, ``.stop()``). Arguments as :func:`run`."""
+    from ..serve.app import start as start_server
+
+    ok = _checked(**_params(locals()))
+    if ok["api_key"] is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"Warning: serving on {host} without an API key: anyone who can reach this address can use the "
+            f"model and the REST routes; set {param('api_key')} or {API_KEY_ENV}.")
+    return start_server(
+        model=str(model), host=host, port=port, mode=mode, data_dir=ok["data_dir"], api_key=ok["api_key"],
+        max_tokens=max_tokens, chat_template=ok["chat_template"], decode_concurrency=decode_concurrency,
+        prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
+        prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
+        allowed_origins=list(allowed_origins), max_body_bytes=max_body_bytes, dispatch=dispatch,
+        dispatch_table=dispatch_table, dequant_cache=ok["dequant_cache"], auto_save=ok["auto_save"],
+        steering=_startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode), log=log)
+
+
+def run(
+    *,
+    model: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    mode: str = "lightweight",
+    auto_save: str | Path | None = None,
+    max_tokens: int = 512,
+    chat_template: str | None = None,
+    safety_map: str | Path | None = None,
+    steering_mode: str | None = None,
+    domain_map: str | Path | None = None,
+    domain_steering_mode: str | None = None,
+    data_dir: str | Path = ".",
+    api_key: str | None = None,
+    dispatch: str = "auto",
+    dispatch_table: str | Path | None = None,
+    dequant_cache: int | str = 0,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: int | None = None,
+    decode_concurrency: int = 32,
+    prompt_concurrency: int = 8,
+    prefill_step_size: int = 2048,
+    max_body_bytes: int = 8 << 20,
+    allowed_origins: tuple[str, ...] = (),
+    log: Log = quiet,
+    log_level: str | None = None,
+    on_ready=None,
+) -> ServeResult:
+    """Serve ``model`` until Ctrl+C, SIGTERM or SIGHUP; with ``auto_save`` the statistics are written there
+    atomically on the way out (the output is reserved, checked writable, before the model loads).
+
+    ``mode``: ``lightweight`` counts freq and weighted_freq; ``full`` adds output norms (reap / ean). Paths a
+    request names stay inside ``data_dir``; ``api_key`` (or ``MLX_FUN_API_KEY``) requires a Bearer token.
+    ``log_level`` (DEBUG / INFO / WARNING / ERROR) sets up Python logging for the server's and mlx-lm's messages
+    (INFO logs every request); None leaves logging as it is. ``on_ready(server)`` is called once serving.
+    """
+    import contextlib
+    import logging
+
+    if log_level is not None:
+        logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
+
+    from .. import writer
+
+    kw = _params(locals())
+    _checked(**kw)
+    stop = threading.Event()
+    again = threading.Event()
+
+    def on_signal(signum, frame):
+        (again if stop.is_set() else stop).set()
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in sigs} if threading.current_thread() is \
+        threading.main_thread() else {}
+    begin = time.perf_counter()
+    try:
+        reserve = writer.output(auto_save, kind="file", suffix=".npz", inputs={param("model"): model},
+                                flag=param("auto_save")) if auto_save is not None else contextlib.nullcontext()
+        with reserve as res:
+            server = start(**kw)
+            try:
+                log(f"Serving {server.app.model_id} ({mode} counting) on {server.url}; Ctrl+C stops"
+                    + (f" and saves the statistics to {auto_save}" if auto_save is not None else "") + ".")
+                if on_ready is not None:
+                    on_ready(server)
+                while not stop.wait(0.25) and server.app.generation_alive():
+                    pass
+                if not server.app.generation_alive() and not stop.is_set():
+                    log("Warning: mlx-lm's generation thread stopped; shutting down.")
+            finally:
+                log("Stopping (Ctrl+C again: stop without waiting for the current request) ...")
+                server.stop(interrupted=again)
+            acc, totals = server.counter.snapshot()
+            if res is not None:
+                acc.write_npz(res.tmp)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return ServeResult(server.url, totals["request_count"], totals["token_count"], time.perf_counter() - begin,
+                       None if auto_save is None else Path(auto_save))

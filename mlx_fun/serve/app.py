@@ -1,0 +1,225 @@
+"""A running ``mlx-fun serve``: mlx-lm's server classes, our handler, one threading HTTP server, a clean stop.
+
+:func:`start` binds the port first (a port in use fails in a second), starts mlx-lm's generation thread (which
+loads and hooks the model), waits until the model is ready, applies the startup steering and then serves on a
+background thread; :class:`Server` is the handle (``url``, ``counter``, ``stop()``). ``mlx_lm.server.run`` is not
+used: in mlx-lm 0.32.2 it ignores its ``handler_class``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import get_system_fingerprint
+
+from ..errors import UserError
+from .counting import install_padding_probe, padding_probe_supported, remove_padding_probe
+from .generator import CountingResponseGenerator, ServedModelProvider, model_aliases, server_args
+from .handler import HTTPError, ReapHandler
+
+MAX_BODY_BYTES = 8 << 20
+ROUTES = [("GET", "/v1/reap/stats"), ("GET", "/v1/reap/info"), ("POST", "/v1/reap/save"),
+          ("POST", "/v1/reap/reset"), ("GET", "/v1/reap/steer"), ("POST", "/v1/reap/steer"),
+          ("DELETE", "/v1/reap/steer"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+          ("GET", "/v1/models"), ("GET", "/health")]
+COUNTING = ("token_count = tokens the model processed through its MoE layers: prompt tokens not served from the "
+            "prompt cache plus every generated token fed back (padding of batched prompts excluded); each adds "
+            "top_k to every MoE layer's freq row.")
+
+
+@dataclass
+class ServeApp:
+    """What the handler threads read: settings and the generator (shared, read-only after start)."""
+
+    model_path: Path
+    mode: str
+    data_dir: Path
+    api_key: str | None
+    max_body_bytes: int
+    allowed_hosts: set[str] | None
+    provider: ServedModelProvider
+    generator: CountingResponseGenerator
+    auto_save: Path | None = None
+    aliases: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def model_id(self) -> str:
+        return self.model_path.resolve().name
+
+    @property
+    def counter(self):
+        return self.provider.counter
+
+    @property
+    def vocab_size(self) -> int:
+        from ..io import read_config
+
+        config = read_config(self.model_path)
+        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        return int(size or self.provider.tokenizer.vocab_size)
+
+    def counter_or_503(self):
+        if self.counter is None:
+            raise HTTPError(503, "the model is still loading; retry in a moment.")
+        return self.counter
+
+    def generation_alive(self) -> bool:
+        return self.generator.generation_available()
+
+    def model_card(self, created: int) -> dict:
+        return {"id": self.model_id, "object": "model", "created": created, "owned_by": "mlx-fun"}
+
+    def info(self) -> dict:
+        counter = self.counter_or_503()
+        adapter = counter.adapter
+        _, totals = counter.snapshot()
+        steering = self.generator.steering
+        return {
+            "model": str(self.model_path), "model_id": self.model_id, "model_type": adapter.model_type,
+            "num_layers": len(adapter.moe_layers()), "moe_layer_indices": adapter.moe_layers(),
+            "num_experts": adapter.num_experts, "top_k": adapter.top_k, "mode": self.mode,
+            "dispatch": self.provider.dispatch_mode, **totals, "counting": COUNTING,
+            "steering": None if steering is None else steering.to_json(),
+            "data_dir": str(self.data_dir), "auto_save": None if self.auto_save is None else str(self.auto_save),
+            "api_key_required": bool(self.api_key), "uptime_s": round(time.time() - self.started, 1),
+            "routes": [f"{m} {p}" for m, p in ROUTES],
+        }
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    app: ServeApp
+
+
+class Server:
+    """A started server: ``url``, ``app``, ``counter``; ``stop()`` ends it (idempotent)."""
+
+    def __init__(self, httpd: _HTTPServer, app: ServeApp, probe: bool):
+        self.httpd, self.app, self._probe = httpd, app, probe
+        self.host, self.port = httpd.server_address[:2]
+        self._thread = threading.Thread(target=httpd.serve_forever, name="mlx-fun-http", daemon=True)
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def counter(self):
+        return self.app.counter
+
+    def _serve(self) -> None:
+        self._thread.start()
+
+    def stop(self, interrupted: threading.Event | None = None) -> None:
+        """Stop serving, let the generation loop finish its step (its last forwards are counted), release."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread.is_alive():
+            self.httpd.shutdown()
+        self.httpd.server_close()
+        gen = self.app.generator
+        gen._stop = True  # mlx-lm's own stop flag (what stop_and_join sets)
+        while gen._generation_thread.is_alive():
+            gen._generation_thread.join(0.2)
+            if interrupted is not None and interrupted.is_set():
+                break  # a second Ctrl+C: stop waiting for the current request
+        if self._probe:
+            remove_padding_probe()
+        import mlx.core as mx
+
+        # Without this, a process that ran mlx-lm's generation thread aborts at exit ("terminate called without an
+        # active exception"; plain mlx_lm.server used as a library does the same).
+        mx.synchronize()
+
+
+def _allowed_hosts(host: str, port: int) -> set[str] | None:
+    """Host headers accepted when bound to loopback (DNS-rebinding protection); None: bound elsewhere."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return None
+    names = {"127.0.0.1", "localhost", "[::1]", host if ":" not in host else f"[{host}]"}
+    return names | {f"{n}:{port}" for n in names}
+
+
+def _bind(host: str, port: int) -> _HTTPServer:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r} is not an address this machine can bind ({e.strerror}).") from None
+    family, _, _, _, address = infos[0]
+
+    class Bound(_HTTPServer):
+        address_family = family
+
+    try:
+        return Bound(address, lambda *a, **k: ReapHandler(_app_generator(a), *a, **k,
+                                                          system_fingerprint=get_system_fingerprint()))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port (0 picks a free one) "
+                        "or stop what is using it.") from None
+
+
+def _app_generator(args) -> CountingResponseGenerator:
+    return args[2].app.generator  # (request, client_address, server): the server knows its app
+
+
+def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_key: str | None,
+          max_tokens: int, chat_template: str | None, decode_concurrency: int, prompt_concurrency: int,
+          prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
+          allowed_origins: list[str], max_body_bytes: int, dispatch: str, dispatch_table, dequant_cache: int,
+          auto_save: Path | None, steering=None, log=lambda line: None) -> Server:
+    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``steering(counter) -> Steering | None``."""
+    httpd = _bind(host, port)
+    probe = padding_probe_supported()
+    if probe:
+        install_padding_probe()
+    elif prompt_concurrency > 1:
+        log("Warning: this mlx-lm pads batched prompts in a way mlx-fun cannot see; prompts are processed one at "
+            "a time (--prompt-concurrency 1) so the counts stay exact.")
+        prompt_concurrency = 1
+    args = server_args(model=model, max_tokens=max_tokens, chat_template=chat_template,
+                       decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+                       prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
+                       prompt_cache_bytes=prompt_cache_bytes, allowed_origins=allowed_origins)
+    provider = ServedModelProvider(args, aliases=model_aliases(model), norms=mode == "full", dispatch=dispatch,
+                                   dispatch_table=dispatch_table, dequant_cache=dequant_cache)
+    generator = CountingResponseGenerator(provider, LRUPromptCache(prompt_cache_size))
+    port = httpd.server_address[1]
+    app = ServeApp(Path(model), mode, data_dir, api_key, max_body_bytes, _allowed_hosts(host, port), provider,
+                   generator, auto_save, model_aliases(model))
+    httpd.app = app
+    server = Server(httpd, app, probe)
+    try:
+        while not provider.ready.wait(0.2):
+            if not generator.generation_available():
+                break
+        if provider.load_error is not None or provider.counter is None:
+            err = provider.load_error
+            raise UserError(f"could not load --model {model}: {err if err is not None else 'generation thread died'}")
+        if steering is not None:
+            s = steering(provider.counter)
+            if s is not None:
+                generator.post_steering(s)
+                provider.counter.sync(generator.generation_available)
+        server._serve()
+    except BaseException:
+        server.stop()
+        raise
+    logging.info("serving %s on %s", app.model_id, server.url)
+    return server

@@ -1,0 +1,253 @@
+"""Exact expert counts from live traffic: which tokens a served forward really processed, and their routing.
+
+**What is counted.** A *processed token* is one real token position that goes through the model's MoE layers in a
+forward pass: the prompt tokens mlx-lm feeds (those not served from its prompt cache) and every generated token
+fed back to compute the next one. Padding that mlx-lm's ``BatchGenerator`` appends to batched prompts of unequal
+length is not counted. Each processed token adds exactly ``top_k`` to every MoE layer's ``freq`` row, so per layer
+``freq.sum() == top_k × token_count`` always holds.
+
+**How.** :func:`attach` hooks the served model twice: the MoE blocks through :mod:`mlx_fun.moe_hook` (the one
+hooked call; a tap records each layer's lazy ``inds``/weights/norms) and the model's own ``__call__`` (class swap,
+tag ``serve``), which brackets each forward: it takes the forward's valid-position mask, collects the layers' taps
+into one stacked record, and queues it. Records are turned into numbers later, on the generation thread, by
+:meth:`TrafficCounter.flush` — one ``mx.eval`` and one ``np.bincount`` per array for many forwards — never while
+mlx-lm's next step is being built (records older than the newest are flushed during generation; all of them
+between the generation loop's iterations), so counting does not stall mlx-lm's asynchronous pipeline.
+
+**Padding.** mlx-lm right-pads batched prompts with ``generate._right_pad_prompts`` (called only when lengths
+differ) and then runs the padded array through the model in chunks. :func:`install_padding_probe` wraps that
+function to remember the true lengths (thread-local, on the generation thread); the next forwards of that thread
+consume them chunk by chunk. Forwards without a record are all real tokens (equal-length prompts, one-token
+generation steps, single-sequence ``stream_generate``).
+
+**Snapshots.** The float64 accumulator, the token count and the request count change together under one lock, so
+a reader (the HTTP threads) never sees a torn state; :meth:`TrafficCounter.sync` first asks the generation thread
+to flush, so a snapshot includes every forward started before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import classswap, moe_hook
+from ..adapters.base import MoEAdapter
+from ..saliency import SaliencyAccumulator
+
+_TAG = "serve"
+_STATE = "_mlxfun_serve"
+_PADDING = threading.local()
+_PROBE = {"users": 0, "original": None}
+_PROBE_LOCK = threading.Lock()
+#: records kept back during generation before an early flush (bounds memory of long single-sequence requests)
+FLUSH_EVERY = 32
+
+
+@dataclass
+class _Forward:
+    epoch: int
+    inds: mx.array  # (num_layers, N, k)
+    weights: mx.array
+    norms: mx.array | None
+    valid: np.ndarray | None  # (N,) bool, None: all positions real
+
+
+class TrafficCounter:
+    """Routing statistics of everything the served model processes (see the module docstring)."""
+
+    def __init__(self, adapter: MoEAdapter, *, norms: bool):
+        self.adapter = adapter
+        self.norms = norms
+        self.acc = SaliencyAccumulator.for_adapter(adapter)
+        self.lock = threading.Lock()
+        self.request_count = 0
+        self.padding_skipped = 0
+        self._epoch = 0
+        self._layers: list | None = None  # the current forward's per-layer (inds, weights, norms)
+        self._valid: np.ndarray | None = None
+        self._pending: list[_Forward] = []
+        self._sync = threading.Condition()
+        self._asked = 0
+        self._served = 0
+
+    # ------------------------------------------------------------------ generation thread
+    def tap(self, layer, inds, weights, logits, y) -> None:
+        """The MoE hook's tap: keep this layer's routing (lazy) for the current forward."""
+        if self._layers is None:  # a forward not bracketed by the model hook (never happens in serving)
+            return
+        k = inds.shape[-1]
+        n = mx.linalg.norm(y.astype(mx.float32), axis=-1).reshape(-1, k) if self.norms else None
+        self._layers.append((inds.reshape(-1, k), weights.astype(mx.float32).reshape(-1, k), n))
+
+    def begin_forward(self, inputs) -> None:
+        if len(self._pending) > FLUSH_EVERY:  # all but the newest: those are computed already
+            self.flush(keep_last=True)
+        self._layers = []
+        self._valid = _valid_positions(inputs)
+
+    def end_forward(self) -> None:
+        layers, self._layers = self._layers, None
+        if not layers:
+            return
+        if len(layers) != self.acc.num_layers:
+            raise RuntimeError(f"a served forward ran {len(layers)} MoE layers, expected {self.acc.num_layers}")
+        inds = mx.stack([a[0] for a in layers])
+        weights = mx.stack([a[1] for a in layers])
+        norms = mx.stack([a[2] for a in layers]) if self.norms else None
+        self._pending.append(_Forward(self._epoch, inds, weights, norms, self._valid))
+
+    def flush(self, keep_last: bool = False) -> int:
+        """Evaluate queued forwards and add them to the statistics; returns the tokens added."""
+        todo = self._pending[:-1] if keep_last else self._pending
+        if not todo:
+            return 0
+        self._pending = self._pending[-1:] if keep_last else []
+        mx.eval(*[a for f in todo for a in (f.inds, f.weights, f.norms) if a is not None])
+        delta = SaliencyAccumulator.for_adapter(self.adapter)
+        tokens = skipped = 0
+        with self.lock:
+            epoch = self._epoch
+        for f in todo:
+            if f.epoch != epoch:  # recorded before a reset
+                continue
+            inds, w = np.array(f.inds), np.array(f.weights)
+            n = None if f.norms is None else np.array(f.norms)
+            if f.valid is not None:
+                skipped += int((~f.valid).sum())
+                inds, w = inds[:, f.valid], w[:, f.valid]
+                n = None if n is None else n[:, f.valid]
+            delta.update_layers(inds, w, n)
+            tokens += inds.shape[1]
+        with self.lock:
+            if self._epoch == epoch:
+                delta.total_tokens = tokens
+                self.acc.add(delta)
+                self.padding_skipped += skipped
+        return tokens
+
+    def serve_sync(self) -> None:
+        """Called by the generation thread between loop iterations: flush everything, release waiting readers."""
+        self.flush()
+        with self._sync:
+            self._served = self._asked
+            self._sync.notify_all()
+
+    # ------------------------------------------------------------------ HTTP threads
+    def sync(self, alive, timeout: float = 10.0) -> bool:
+        """Ask the generation thread to flush and wait for it (``alive()``: is it still running?)."""
+        with self._sync:
+            self._asked += 1
+            ticket = self._asked
+            waited = 0.0
+            while self._served < ticket and waited < timeout and alive():
+                self._sync.wait(0.05)
+                waited += 0.05
+            return self._served >= ticket
+
+    def count_request(self) -> None:
+        with self.lock:
+            self.request_count += 1
+
+    def snapshot(self) -> tuple[SaliencyAccumulator, dict]:
+        """A consistent copy of the statistics and the totals."""
+        with self.lock:
+            acc = SaliencyAccumulator.for_adapter(self.adapter)
+            acc.add(self.acc)
+            totals = {"request_count": self.request_count, "token_count": self.acc.total_tokens,
+                      "padding_skipped": self.padding_skipped}
+        return acc, totals
+
+    def reset(self) -> dict:
+        with self.lock:
+            before = {"request_count": self.request_count, "token_count": self.acc.total_tokens}
+            self.acc.reset()
+            self.request_count = 0
+            self.padding_skipped = 0
+            self._epoch += 1
+        return before
+
+
+def _valid_positions(inputs) -> np.ndarray | None:
+    """The forward's real positions (flattened row-major), from the padding probe's record; None: all real."""
+    rec = getattr(_PADDING, "record", None)
+    shape = getattr(inputs, "shape", ())
+    if rec is None or len(shape) != 2:
+        return None
+    lengths, width, offset = rec
+    rows, cols = shape
+    if rows != len(lengths):  # not the padded batch (cannot happen between the probe and its forwards)
+        _PADDING.record = None
+        return None
+    pos = np.arange(offset, offset + cols)
+    valid = pos[None, :] < np.asarray(lengths)[:, None]
+    _PADDING.record = None if offset + cols >= width else (lengths, width, offset + cols)
+    return valid.reshape(-1)
+
+
+def install_padding_probe() -> None:
+    """Wrap ``mlx_lm.generate._right_pad_prompts`` so the generation thread knows which positions are padding."""
+    gen = _generate_module()
+
+    with _PROBE_LOCK:
+        if _PROBE["users"] == 0:
+            original = gen._right_pad_prompts
+
+            def probed(prompts, max_length=None):
+                out = original(prompts, max_length)
+                _PADDING.record = ([len(p) for p in prompts], out.shape[1], 0)
+                return out
+
+            _PROBE["original"] = original
+            gen._right_pad_prompts = probed
+        _PROBE["users"] += 1
+
+
+def remove_padding_probe() -> None:
+    gen = _generate_module()
+
+    with _PROBE_LOCK:
+        _PROBE["users"] -= 1
+        if _PROBE["users"] == 0:
+            gen._right_pad_prompts = _PROBE["original"]
+
+
+def padding_probe_supported() -> bool:
+    """True when this mlx-lm pads batched prompts the way the probe expects (``_right_pad_prompts``)."""
+    gen = _generate_module()
+
+    prompt = getattr(getattr(gen, "PromptProcessingBatch", None), "prompt", None)
+    return hasattr(gen, "_right_pad_prompts") and prompt is not None and \
+        "_right_pad_prompts" in prompt.__code__.co_names
+
+
+def _generate_module():
+    """``mlx_lm.generate`` the module (``mlx_lm.generate`` the attribute is the function of that name)."""
+    import importlib
+
+    return importlib.import_module("mlx_lm.generate")
+
+
+# ---------------------------------------------------------------------------------------- the model hook
+def _served_call(self, inputs, *args, **kwargs):
+    counter: TrafficCounter = classswap.get_state(self, _STATE)
+    counter.begin_forward(inputs)
+    try:
+        return classswap.original_class(self, _TAG).__call__(self, inputs, *args, **kwargs)
+    finally:
+        counter.end_forward()
+
+
+def attach(model, counter: TrafficCounter) -> None:
+    """Hook ``model`` (already loaded, on the generation thread) so every forward is counted by ``counter``."""
+    moe_hook.install(counter.adapter, [counter.tap])
+    classswap.set_state(model, _STATE, counter)
+    classswap.swap(model, _TAG, _served_call, name=f"Served{type(model).__name__}")
+
+
+def detach(model, counter: TrafficCounter) -> None:
+    moe_hook.remove(counter.adapter)
+    classswap.restore(model, _TAG)
+    classswap.drop_state(model, _STATE)

@@ -1,0 +1,140 @@
+"""mlx-lm's model provider and response generator, subclassed to count and steer (nothing of theirs is copied).
+
+- :class:`ServedModelProvider` loads the model exactly as ``mlx_lm.server`` does (on mlx-lm's generation thread),
+  then installs mlx-fun's runtime dispatch and the counting hooks (:mod:`mlx_fun.serve.counting`), and maps every
+  name of the served model to one model key, so a request never loads anything else.
+- :class:`CountingResponseGenerator` runs mlx-lm's generation loop unchanged; between its iterations (the
+  ``_next_request`` call, on the generation thread, between forward passes) it flushes the counts, applies a
+  steering change atomically (one bias swap for all layers) and empties the prompt cache when the routing
+  changed, so no KV state computed under other steering is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from pathlib import Path
+
+from mlx_lm.server import ModelProvider, ResponseGenerator
+
+from .. import moe_hook
+from .counting import TrafficCounter, attach
+
+
+def server_args(*, model: str, max_tokens: int, chat_template: str | None, decode_concurrency: int,
+                prompt_concurrency: int, prefill_step_size: int, prompt_cache_size: int,
+                prompt_cache_bytes: int | None, allowed_origins: list[str]) -> argparse.Namespace:
+    """The namespace mlx-lm's server classes read (``mlx_lm.server.main``'s options, with its defaults)."""
+    return argparse.Namespace(
+        model=model, adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
+        chat_template=chat_template or "", use_default_chat_template=False, chat_template_args={},
+        temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
+        decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+        prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes, kv_bits=None, kv_group_size=64, quantized_kv_start=0,
+        pipeline=False, allowed_origins=allowed_origins, log_level="WARNING",
+    )
+
+
+class ServedModelProvider(ModelProvider):
+    """mlx-lm's ``ModelProvider`` for one model, which it hooks for counting right after loading it."""
+
+    def __init__(self, cli_args: argparse.Namespace, *, aliases: list[str], norms: bool, dispatch: str,
+                 dispatch_table=None, dequant_cache: int = 0):
+        super().__init__(cli_args)
+        for name in aliases:  # every name a client may use → the one served model (no other path is ever loaded)
+            self._model_map[name] = cli_args.model
+            self._adapter_map[name] = None
+        self.norms = norms
+        self.dispatch = (dispatch, dispatch_table, dequant_cache)
+        self.counter: TrafficCounter | None = None
+        self.dispatch_mode = "mlx-lm"
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        try:
+            super()._load(model_path, adapter_path, draft_model_path)
+            self._hook()
+        except BaseException as e:  # shown by the main thread as one line
+            self.load_error = e
+            raise
+        finally:
+            self.ready.set()
+
+    def _hook(self) -> None:
+        from ..adapters import get_adapter
+        from ..dispatch import DispatchSettings
+        from ..io import read_config
+
+        config = read_config(self.cli_args.model)
+        adapter = get_adapter(self.model, config)
+        mode, table, cache = self.dispatch
+        report = DispatchSettings(mode, None if table is None else str(table), cache).apply(self.model)
+        self.dispatch_mode = report.mode
+        self.counter = TrafficCounter(adapter, norms=self.norms)
+        attach(self.model, self.counter)
+
+
+class CountingResponseGenerator(ResponseGenerator):
+    """mlx-lm's ``ResponseGenerator``; flushes counts and swaps steering between loop iterations."""
+
+    def __init__(self, model_provider: ServedModelProvider, prompt_cache):
+        self._steering_lock = threading.Lock()
+        self._steering_next = None  # (Steering or None, bias) posted by an HTTP thread, applied by the loop
+        self.steering = None
+        super().__init__(model_provider, prompt_cache)
+
+    @property
+    def counter(self) -> TrafficCounter | None:
+        return self.model_provider.counter
+
+    def post_steering(self, steering) -> None:
+        """Queue ``steering`` (None: remove all); the generation loop applies it before its next forward."""
+        counter = self.counter
+        bias = None
+        if steering is not None and not steering.empty:
+            bias = steering.bias(counter.adapter.moe_layers(), counter.adapter.num_experts)
+        with self._steering_lock:
+            self._steering_next = (steering, bias)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """mlx-lm's ``generate`` (called once per completion that passed mlx-lm's checks), counted."""
+        if self.counter is not None:
+            self.counter.count_request()
+        return super().generate(request, generation_args, progress_callback)
+
+    def _between_passes(self) -> None:
+        counter = self.counter
+        if counter is None:
+            return
+        with self._steering_lock:
+            change, self._steering_next = self._steering_next, None
+        if change is not None:
+            steering, bias = change
+            moe_hook.set_bias(counter.adapter, bias)
+            self.steering = steering if steering is not None and not steering.empty else None
+            self.prompt_cache.trim_to(n_sequences=0)  # KV states computed under other routing
+            logging.info("steering %s", "removed" if self.steering is None else "applied")
+        counter.serve_sync()
+
+    def _next_request(self, timeout=None):
+        self._between_passes()
+        return super()._next_request(timeout)
+
+    def _run_generate(self):
+        try:
+            super()._run_generate()
+        finally:  # the last forwards of a stopping server are still counted (on this thread, as all flushes)
+            if self.counter is not None:
+                try:
+                    self.counter.serve_sync()
+                except Exception:  # noqa: BLE001 - shutting down: never mask the loop's own outcome
+                    logging.exception("could not count the last forwards")
+
+
+def model_aliases(model: str) -> list[str]:
+    """Names a request may give the served model: ``default_model``, the path as given, resolved, its name."""
+    p = Path(model)
+    return sorted({"default_model", model, str(p.resolve()), p.resolve().name})

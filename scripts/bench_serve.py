@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""What counting costs a server: the same load against plain `mlx_lm.server` and `mlx-fun serve`, in one run.
+
+    python scripts/bench_serve.py [--model data/tiny-moe] [--clients 16] [--requests 20] [--max-tokens 32]
+                                  [--rounds 2]
+
+Each round starts, one after the other, `python -m mlx_lm server`, `mlx-fun serve --mode lightweight` and
+`mlx-fun serve --mode full` as child processes on free loopback ports (same model, same mlx-lm batching defaults,
+the same fast BLAS: the script re-execs itself with it first, and the children inherit it), warms each up, runs
+the load of `scripts/load_test_serve.py` (N clients × M requests, greedy, so every server generates the same
+tokens) and stops it. Throughput is completion tokens per second over all rounds. The last lines are
+
+    serve_overhead=<mlx-fun lightweight tok/s ÷ mlx-lm tok/s> mode=lightweight
+    serve_overhead=<mlx-fun full tok/s ÷ mlx-lm tok/s> mode=full
+
+(goals on the 2-core CPU: ≥ 0.95 lightweight, ≥ 0.85 full), each mlx-fun run also checking counts_exact.
+`--dispatch mlx-lm` runs mlx-fun serve on mlx-lm's own expert call, so the ratio is the counting hooks alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become healthy")
+
+
+def command(kind: str, model: str, port: int) -> list[str]:
+    if kind == "mlx-lm":
+        return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
+                "--log-level", "WARNING"]
+    return [sys.executable, "-m", "mlx_fun", "serve", "--model", model, "--port", str(port), "--mode", kind,
+            "--dispatch", DISPATCH[0]]
+
+
+DISPATCH = ["auto"]
+
+
+def one(kind: str, args) -> tuple[int, float, bool | None]:
+    from mlx_fun.serve.loadtest import run_load
+
+    port = free_port()
+    proc = subprocess.Popen(command(kind, args.model, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        run_load(url, clients=2, requests=2, max_tokens=8, check_counts=False)  # warm-up (graphs, caches)
+        r = run_load(url, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
+                     check_counts=kind != "mlx-lm", time_limit=args.time_limit)
+        if r.errors:
+            raise RuntimeError(f"{kind}: {r.errors} errors: {r.error_samples}")
+        print(f"{kind:<12} {r.line()} seconds={r.seconds:.1f}", flush=True)
+        return r.completion_tokens, r.seconds, r.counts_exact
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    from mlx_fun.blas import maybe_reexec
+
+    maybe_reexec()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "data" / "tiny-moe"))
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=600.0)
+    ap.add_argument("--dispatch", choices=["auto", "mlx-lm"], default="auto",
+                    help="mlx-fun's expert dispatch (its default) or mlx-lm's: the latter isolates counting's cost")
+    args = ap.parse_args()
+    DISPATCH[0] = args.dispatch
+    from mlx_fun.blas import blas_status
+
+    print(blas_status(), flush=True)
+    kinds = ("mlx-lm", "lightweight", "full")
+    totals = {k: [0, 0.0] for k in kinds}
+    exact = True
+    for _ in range(args.rounds):
+        for kind in kinds:
+            tokens, seconds, ok = one(kind, args)
+            totals[kind][0] += tokens
+            totals[kind][1] += seconds
+            exact = exact and ok is not False
+    rate = {k: t / s for k, (t, s) in totals.items()}
+    for k in kinds:
+        print(f"tok_s[{k}]={rate[k]:.1f}")
+    print(f"counts_exact={str(exact).lower()}")
+    for mode in ("lightweight", "full"):
+        print(f"serve_overhead={rate[mode] / rate['mlx-lm']:.3f} mode={mode}")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

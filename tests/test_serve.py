@@ -1,0 +1,293 @@
+"""`mlx-fun serve` over real loopback HTTP: the openai client, raw HTTP, exact counts, save → prune, steering,
+reset, every bad input's status and JSON body, concurrency. The server runs in this process on a free port."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_fun import jobs
+from mlx_fun.io import bundled_model_dir
+
+from .cli_helpers import run as cli
+
+MODEL = bundled_model_dir()
+TOP_K = 4
+MAX_BODY = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-data")
+
+
+@pytest.fixture(scope="module")
+def server(data_dir):
+    s = jobs.serve.start(model=MODEL, port=0, mode="full", data_dir=data_dir, max_body_bytes=MAX_BODY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlx_lm import load
+
+    return load(str(MODEL))[1]
+
+
+def call(server, method, path, body=None, headers=None, raw: bytes | None = None):
+    """(status, parsed JSON or text) of one request over a fresh loopback connection."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, data, {k: v for k, v in h.items() if v is not None})
+    resp = conn.getresponse()
+    text = resp.read()
+    conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text.decode(errors="replace")
+
+
+def stats(server):
+    status, out = call(server, "GET", "/v1/reap/stats")
+    assert status == 200 and out["synced"] is True
+    return out
+
+
+def chat(server, content, max_tokens=8, **extra):
+    status, out = call(server, "POST", "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra})
+    assert status == 200, out
+    return out
+
+
+def processed(usage) -> int:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return usage["prompt_tokens"] - cached + usage["completion_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI API
+def test_openai_client_chat_stream_and_models(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-moe"]
+    out = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "def add(a, b):"}],
+                                         max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 6
+    assert out.choices[0].message.role == "assistant" and out.model == "tiny-moe"
+    chunks = list(client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens <= 6 and isinstance(text, str)
+    comp = client.completions.create(model="tiny-moe", prompt="import os\n", max_tokens=5)
+    assert comp.usage.completion_tokens <= 5 and comp.choices[0].text is not None
+
+
+def test_health_and_raw_text_completion(server):
+    assert call(server, "GET", "/health") == (200, {"status": "ok"})
+    status, out = call(server, "POST", "/v1/completions", {"prompt": "x = 1\n", "max_tokens": 3})
+    assert status == 200 and out["object"] == "text_completion" and out["usage"]["completion_tokens"] <= 3
+
+
+# ---------------------------------------------------------------------------------------------- counting
+def test_counts_equal_processed_tokens(server, tokenizer):
+    """After N completions, each layer's freq sum is top_k × the processed-token count, and that count equals
+    prompt tokens (from the tokenizer, independently) − cache hits + generated tokens."""
+    call(server, "POST", "/v1/reap/reset", {})
+    expected = 0
+    extras = [{}, {"seed": 3, "temperature": 0.8}, {"stop": ["\n", "e"]}]  # batched, stream_generate, stop words
+    for i, content in enumerate(["What is a list?", "Explain os.path.join in detail, please.", "Say hi"]):
+        msgs = [{"role": "user", "content": content}]
+        out = chat(server, content, max_tokens=5 + i, **extras[i])
+        usage = out["usage"]
+        assert usage["prompt_tokens"] == len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+        if out["choices"][0]["finish_reason"] == "length":
+            assert usage["completion_tokens"] == 5 + i
+        expected += processed(usage)
+    st = stats(server)
+    assert st["token_count"] == expected and st["request_count"] == 3
+    np.testing.assert_array_equal(np.sum(st["freq"], axis=1), TOP_K * expected)
+    np.testing.assert_array_equal(np.sum(st["reap_count"], axis=1), TOP_K * expected)  # full mode: norms too
+    assert np.all(np.array(st["ean_sum"]) >= 0) and np.sum(st["ean_sum"]) > 0
+
+
+def test_prompt_cache_hits_are_not_recounted(server):
+    call(server, "POST", "/v1/reap/reset", {})
+    content = "Tell me about the json module and how to parse a file with it."
+    first = chat(server, content, max_tokens=4)
+    second = chat(server, content, max_tokens=4)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0  # mlx-lm served most of the prompt from its cache ...
+    assert stats(server)["token_count"] == processed(first["usage"]) + processed(second["usage"])  # ... uncounted
+
+
+def test_stats_shape_and_scores(server):
+    chat(server, "hello", max_tokens=3)
+    st = stats(server)
+    assert (st["num_layers"], st["num_experts"], st["top_k"], st["model_type"]) == (4, 32, 4, "qwen3_moe")
+    assert np.array(st["freq"]).shape == (4, 32) and set(st["computed_scores"]) == {"reap", "ean", "freq",
+                                                                                    "weighted_freq"}
+    np.testing.assert_allclose(st["computed_scores"]["weighted_freq"], st["weighted_freq_sum"])
+    assert st["total_samples"] == st["token_count"]
+
+
+def test_save_then_prune_and_stats_diff(server, data_dir, tmp_path):
+    chat(server, "What does itertools.chain do?", max_tokens=6)
+    status, out = call(server, "POST", "/v1/reap/save", {"path": "online.npz"})
+    assert status == 200 and Path(out["path"]) == data_dir / "online.npz"
+    saved = np.load(data_dir / "online.npz")
+    assert int(saved["total_tokens"]) == out["token_count"] and str(saved["model_type"]) == "qwen3_moe"
+    assert not [p for p in os.listdir(data_dir) if "tmp" in p or p.endswith(".lock")]
+    r = cli("prune", "--model", MODEL, "--saliency", data_dir / "online.npz", "--n-prune", 8, "--metric", "freq",
+            "--output", tmp_path / "pruned")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "pruned" / "config.json").read_text())["num_experts"] == 24
+    chat(server, "And itertools.islice?", max_tokens=6)
+    status, out = call(server, "POST", "/v1/reap/save", {"path": "sub/two.npz"})
+    assert status == 200
+    r = cli("stats-diff", "--file1", data_dir / "online.npz", "--file2", data_dir / "sub" / "two.npz")
+    assert r.exit_code == 0, r.output
+
+
+def test_reset_zeroes(server):
+    chat(server, "hi", max_tokens=2)
+    status, out = call(server, "POST", "/v1/reap/reset", {})
+    assert status == 200 and out["before"]["token_count"] > 0
+    st = stats(server)
+    assert st["token_count"] == 0 and st["request_count"] == 0 and np.sum(st["freq"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- steering
+def _hot_experts(server, layer: int, n: int) -> list[int]:
+    call(server, "POST", "/v1/reap/reset", {})
+    chat(server, "Write a function that reverses a list.", max_tokens=8)
+    return [int(e) for e in np.argsort(stats(server)["freq"][layer])[::-1][:n]]
+
+
+def test_steered_off_experts_get_no_counts_until_delete(server):
+    hot = _hot_experts(server, 1, 3)
+    status, out = call(server, "POST", "/v1/reap/steer", {"deactivate": {"1": hot}})
+    assert status == 200 and out["active"] and out["applied"] and out["steering"]["deactivate"] == {"1": sorted(hot)}
+    assert call(server, "GET", "/v1/reap/steer")[1]["steering"]["deactivate"] == {"1": sorted(hot)}
+    call(server, "POST", "/v1/reap/reset", {})
+    chat(server, "Write a function that reverses a list.", max_tokens=8)
+    chat(server, "Explain how a dictionary works.", max_tokens=8)
+    st = stats(server)
+    assert st["token_count"] > 0 and [st["freq"][1][e] for e in hot] == [0, 0, 0]
+    np.testing.assert_array_equal(np.sum(st["freq"], axis=1), TOP_K * st["token_count"])
+    status, out = call(server, "DELETE", "/v1/reap/steer")
+    assert status == 200 and out == {"active": False, "steering": None, "applied": True}
+    call(server, "POST", "/v1/reap/reset", {})
+    chat(server, "Write a function that reverses a list.", max_tokens=8)
+    assert sum(stats(server)["freq"][1][e] for e in hot) > 0
+
+
+def test_steering_from_reports(server, data_dir):
+    hot = _hot_experts(server, 2, 2)
+    (data_dir / "safety_report.json").write_text(json.dumps({"safety_critical": {"2": hot}}))
+    (data_dir / "domain_report.json").write_text(json.dumps({"domain_experts": {"0": [1]},
+                                                             "general_experts": {"3": [5, 6]}}))
+    status, out = call(server, "POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "unsafe"})
+    assert status == 200 and out["steering"]["deactivate"] == {"2": sorted(hot)}
+    call(server, "POST", "/v1/reap/reset", {})
+    chat(server, "Write a function that reverses a list.", max_tokens=8)
+    assert [stats(server)["freq"][2][e] for e in hot] == [0, 0]
+    status, out = call(server, "POST", "/v1/reap/steer", {"domain_map": str(data_dir / "domain_report.json"),
+                                                          "mode": "suppress", "activate": {"1": [7]}})
+    assert status == 200 and out["steering"]["deactivate"] == {"3": [5, 6]}
+    assert out["steering"]["activate"] == {"1": [7]}
+    call(server, "POST", "/v1/reap/reset", {})
+    chat(server, "hello there", max_tokens=4)
+    st = stats(server)
+    assert st["freq"][3][5] == st["freq"][3][6] == 0 and st["freq"][1][7] == st["token_count"]  # boosted: always
+    assert call(server, "DELETE", "/v1/reap/steer")[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+BAD = [
+    ("POST", "/v1/reap/steer", {"deactivate": {"1": [99]}}, 400, "deactivate.1"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"9": [1]}}, 400, "deactivate.9"),
+    ("POST", "/v1/reap/steer", {"deactivate": [1, 2]}, 400, "deactivate"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": ["a"]}}, 400, "deactivate.0"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": list(range(30))}}, 400, "deactivate.0"),
+    ("POST", "/v1/reap/steer", {"activate": {"0": [1]}, "deactivate": {"0": [1]}}, 400, "activate.0"),
+    ("POST", "/v1/reap/steer", {"deactivte": {"0": [1]}}, 400, "deactivte"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "mask_value": "big"}, 400, "mask_value"),
+    ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "sideways"}, 400, "mode"),
+    ("POST", "/v1/reap/steer", {"safety_map": "missing.json", "mode": "safe"}, 400, "safety_map"),
+    ("POST", "/v1/reap/steer", {"safety_map": "../outside.json", "mode": "safe"}, 403, "safety_map"),
+    ("POST", "/v1/reap/steer", {"domain_map": "/etc/passwd", "mode": "boost"}, 403, "domain_map"),
+    ("POST", "/v1/reap/steer", {}, 400, None),
+    ("POST", "/v1/reap/save", {"path": "../escape.npz"}, 403, "path"),
+    ("POST", "/v1/reap/save", {"path": "/tmp/escape.npz"}, 403, "path"),
+    ("POST", "/v1/reap/save", {"path": "link/escape.npz"}, 403, "path"),
+    ("POST", "/v1/reap/save", {"path": "stats.txt"}, 400, "path"),
+    ("POST", "/v1/reap/save", {"path": 7}, 400, "path"),
+    ("POST", "/v1/reap/save", {}, 400, "path"),
+    ("POST", "/v1/reap/nothing", {}, 404, None),
+    ("GET", "/v1/reap/nothing", None, 404, None),
+    ("DELETE", "/v1/reap/stats", None, 405, None),
+    ("PUT", "/v1/reap/steer", {}, 405, None),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"model": "../../other", "messages": [{"role": "user", "content": "x"}]},
+     404, "model"),
+    ("POST", "/v1/chat/completions", {"adapters": "/tmp/a", "messages": [{"role": "user", "content": "x"}]},
+     400, "adapters"),
+    ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "stream_options": {}}, 400, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,param", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs_get_json_errors(server, data_dir, tmp_path_factory, method, path, body, status, param):
+    (data_dir / "safety_report.json").write_text(json.dumps({"safety_critical": {"2": [1]}}))
+    outside = tmp_path_factory.mktemp("outside")
+    if not (data_dir / "link").exists():
+        (data_dir / "link").symlink_to(outside, target_is_directory=True)
+    got, out = call(server, method, path, body)
+    assert got == status, out
+    assert isinstance(out, dict) and set(out["error"]) == {"message", "type", "param", "code"}, out
+    assert out["error"]["code"] == status and out["error"]["param"] == param and "\n" not in out["error"]["message"]
+    assert "Traceback" not in out["error"]["message"]
+    assert not list(outside.iterdir()) and not (data_dir.parent / "escape.npz").exists()
+
+
+def test_malformed_bodies_and_limits(server):
+    for raw, ctype, status in [(b"{not json", "application/json", 400), (b"[1, 2]", "application/json", 400),
+                               (b"\xff\xfe", "application/json", 400),
+                               (b'{"path": "a.npz"}', "text/plain", 415)]:
+        got, out = call(server, "POST", "/v1/reap/save", raw=raw, headers={"Content-Type": ctype})
+        assert got == status and out["error"]["code"] == status, out
+    got, out = call(server, "POST", "/v1/chat/completions", raw=b"{" + b" " * MAX_BODY + b"}")
+    assert got == 413 and "limit" in out["error"]["message"]
+    got, out = call(server, "POST", "/v1/completions", raw=b"{oops")
+    assert got == 400
+    got, out = call(server, "GET", "/v1/reap/info", headers={"Host": "evil.example:80"})
+    assert got == 403 and out["error"]["param"] == "Host"
+    # still serving after all of it
+    assert call(server, "GET", "/health")[0] == 200 and chat(server, "still there?", max_tokens=2)
+
+
+# ---------------------------------------------------------------------------------------------- concurrency
+def test_concurrent_load_is_exact(server):
+    from mlx_fun.serve.loadtest import run_load
+
+    call(server, "POST", "/v1/reap/reset", {})
+    result = run_load(server.url, clients=4, requests=5, max_tokens=12, time_limit=300)
+    assert result.errors == 0 and result.ok == 20, result.error_samples
+    assert result.counts_exact, (result.counted_tokens, result.expected_tokens)
+    st = stats(server)
+    np.testing.assert_array_equal(np.sum(st["freq"], axis=1), TOP_K * st["token_count"])
+    assert result.line().endswith("counts_exact=true")

@@ -1,0 +1,124 @@
+"""`mlx-fun serve` as a user runs it: the real command in a child process stopped by SIGTERM / Ctrl+C (the
+statistics saved atomically), startup errors as one line, and the API key over real HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mlx_fun import jobs
+from mlx_fun.io import bundled_model_dir
+
+from .cli_helpers import expect_error
+from .cli_helpers import run as cli
+
+MODEL = bundled_model_dir()
+
+
+def _start_cli(tmp_path, *extra, env=None):
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_fun", "serve", "--model", str(MODEL), "--port", "0",
+                             "--data-dir", str(tmp_path), *map(str, extra)], cwd=tmp_path, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    line = ""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, int(m.group(1))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start: {line} {proc.stderr.read()}")
+
+
+def _post(port, path, body, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    return resp.status, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_auto_save_on_signal(tmp_path, sig):
+    proc, port = _start_cli(tmp_path, "--auto-save", "online.npz", "--mode", "full")
+    try:
+        status, out = _post(port, "/v1/completions", {"prompt": "import sys\n", "max_tokens": 5})
+        assert status == 200
+        tokens = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+        assert not (tmp_path / "online.npz").exists()
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert f"Served 1 requests, {tokens} tokens" in stdout and "saved to online.npz" in stdout
+    saved = np.load(tmp_path / "online.npz")
+    assert int(saved["total_tokens"]) == tokens and saved["freq"].sum() == 4 * 4 * tokens
+    assert saved["reap_count"].sum() == saved["freq"].sum()  # --mode full
+    assert sorted(os.listdir(tmp_path)) == ["online.npz"]  # no temp, no lock
+
+
+def test_startup_errors_are_one_line(tmp_path):
+    expect_error(cli("serve", "--model", tmp_path / "nope"), "nope")
+    expect_error(cli("serve", "--model", MODEL, "--data-dir", tmp_path / "missing"), "--data-dir", "not a directory")
+    expect_error(cli("serve", "--model", MODEL, "--safety-map", tmp_path / "r.json"), "--safety-map")
+    (tmp_path / "r.json").write_text("{}")
+    expect_error(cli("serve", "--model", MODEL, "--safety-map", tmp_path / "r.json"), "--safety-map",
+                 "--steering-mode")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        expect_error(cli("serve", "--model", MODEL, "--port", s.getsockname()[1]), "cannot listen", "--port")
+    expect_error(cli("serve", "--model", MODEL, "--port", 0, "--data-dir", tmp_path, "--safety-map",
+                     tmp_path / "r.json", "--steering-mode", "safe"), "safety_critical")
+
+
+def test_api_key(tmp_path, monkeypatch):
+    import openai
+
+    monkeypatch.setenv("MLX_FUN_API_KEY", "s3cret")
+    server = jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path)
+    try:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+            status, out = _post(server.port, "/v1/reap/reset", {}, headers)
+            assert status == 401 and out["error"]["type"] == "authentication_error", (headers, out)
+        status, _ = _post(server.port, "/v1/reap/reset", {}, {"Authorization": "Bearer s3cret"})
+        assert status == 200
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200  # health stays open for probes
+        conn.close()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        out = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=3)
+        assert out.usage.completion_tokens <= 3
+    finally:
+        server.stop()
+
+
+def test_warns_when_exposed_without_a_key(tmp_path):
+    lines: list[str] = []
+    server = jobs.serve.start(model=MODEL, host="0.0.0.0", port=0, data_dir=tmp_path, log=lines.append)
+    try:
+        assert any("without an API key" in line and "api_key=" in line for line in lines), lines
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/health", headers={"Host": "my-box.lan:8080"})  # no loopback Host check off loopback
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        server.stop()
