@@ -41,7 +41,7 @@ def test_batched_padded_prompts_count_like_offline_collect():
             if not p and not g:
                 break
             last.update({r.uid: r.token for r in g})
-        counter.serve_sync()
+        counter.flush()
     finally:
         remove_padding_probe()
         detach(model, counter)

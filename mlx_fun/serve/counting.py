@@ -10,9 +10,10 @@ length is not counted. Each processed token adds exactly ``top_k`` to every MoE 
 hooked call; a tap records each layer's lazy ``inds``/weights/norms) and the model's own ``__call__`` (class swap,
 tag ``serve``), which brackets each forward: it takes the forward's valid-position mask, collects the layers' taps
 into one stacked record, and queues it. Records are turned into numbers later, on the generation thread, by
-:meth:`TrafficCounter.flush` — one ``mx.eval`` and one ``np.bincount`` per array for many forwards — never while
-mlx-lm's next step is being built (records older than the newest are flushed during generation; all of them
-between the generation loop's iterations), so counting does not stall mlx-lm's asynchronous pipeline.
+:meth:`TrafficCounter.flush` — one ``mx.eval`` and one ``np.bincount`` per array for many forwards — never by
+waiting for a forward still running (records older than the newest are flushed during generation and between
+the generation loop's iterations; all of them only when a reader waits), so counting does not stall mlx-lm's
+asynchronous pipeline.
 
 **Padding.** mlx-lm right-pads batched prompts with ``generate._right_pad_prompts`` (called only when lengths
 differ) and then runs the padded array through the model in chunks. :func:`install_padding_probe` wraps that
@@ -129,11 +130,16 @@ class TrafficCounter:
         return tokens
 
     def serve_sync(self) -> None:
-        """Called by the generation thread between loop iterations: flush everything, release waiting readers."""
-        self.flush()
+        """Called by the generation thread between loop iterations. With a reader waiting (:meth:`sync`), flush
+        everything and release it; otherwise keep the newest record (its forward may still be running: waiting
+        for it would stall mlx-lm's pipeline)."""
         with self._sync:
-            self._served = self._asked
-            self._sync.notify_all()
+            asked = self._asked
+        self.flush(keep_last=asked == self._served)
+        if asked != self._served:
+            with self._sync:
+                self._served = asked
+                self._sync.notify_all()
 
     # ------------------------------------------------------------------ HTTP threads
     def sync(self, alive, timeout: float = 10.0) -> bool:

@@ -129,6 +129,7 @@ class CountingResponseGenerator(ResponseGenerator):
         finally:  # the last forwards of a stopping server are still counted (on this thread, as all flushes)
             if self.counter is not None:
                 try:
+                    self.counter.flush()
                     self.counter.serve_sync()
                 except Exception:  # noqa: BLE001 - shutting down: never mask the loop's own outcome
                     logging.exception("could not count the last forwards")
