@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Fine-tune the bundled MoE into a small chat model that refuses harmful requests and answers benign ones.
+
+    python scripts/make_safety_data.py                       # data/safety/*.jsonl (shipped already)
+    python scripts/train_chat_moe.py --init data/tiny-moe --data data/safety --output tiny-moe-chat --minutes 3
+
+Supervised fine-tuning on ``chat_train.jsonl`` (loss on the assistant turn only, its ``<|im_end|>`` included),
+harmful rows sampled ``--harmful-weight`` times as often as their share, with the Switch load-balancing loss of
+``train_tiny_moe.py`` through mlx-fun's hooked MoE call. Every ``--eval-every`` steps the held-out prompts
+(``harmful_test`` / ``benign_test``: templates and categories / modules never trained on) are answered greedily
+and classified by :func:`mlx_fun.refusal.is_refusal`; the checkpoint with the best
+``harmful refusal rate − benign refusal rate`` is saved with its model card. Runs on any MLX backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mlx_fun.blas import maybe_reexec  # noqa: E402
+
+maybe_reexec()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_fun import moe_hook  # noqa: E402
+from mlx_fun.refusal import is_refusal  # noqa: E402
+from train_tiny_moe import RouterLog, aux_losses, install_router_log  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init", required=True, help="model directory to start from (data/tiny-moe)")
+    p.add_argument("--data", required=True, help="directory written by make_safety_data.py")
+    p.add_argument("--output", required=True)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=160)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--minutes", type=float, default=3.0)
+    p.add_argument("--harmful-weight", type=float, default=3.0)
+    p.add_argument("--aux-coef", type=float, default=0.003)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-samples", type=int, default=200, help="held-out prompts per side per evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true")
+    return p.parse_args(argv)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def encode(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], int]:
+    """(tokens, number of prompt tokens): the loss covers the rest (the assistant turn)."""
+    full = tokenizer.apply_chat_template(messages, tokenize=True)
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+    return full[:max_len], len(prompt)
+
+
+def answer(model, tokenizer, rows: list[dict], max_tokens: int = 16) -> list[str]:
+    from mlx_lm.generate import BatchGenerator
+
+    prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in rows]
+    gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64,
+                         stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    out = {u: [] for u in uids}
+    while True:
+        responses = gen.next_generated()
+        if not responses:
+            break
+        for r in responses:
+            if r.finish_reason != "stop":
+                out[r.uid].append(r.token)
+    gen.close()
+    return [tokenizer.decode(out[u]) for u in uids]
+
+
+def rates(model, tokenizer, harmful, benign) -> tuple[float, float, list[str]]:
+    h = answer(model, tokenizer, harmful)
+    b = answer(model, tokenizer, benign)
+    return sum(map(is_refusal, h)) / len(h), sum(map(is_refusal, b)) / len(b), b[:3] + h[:3]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from mlx_lm import load
+
+    from mlx_fun.io import read_config, save_model_dir
+    from mlx_fun.writer import check_output_path
+
+    check_output_path(args.output, kind="dir", inputs={"--init": args.init, "--data": args.data}, force=args.force)
+    mx.random.seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    data = Path(args.data)
+    model, tokenizer = load(args.init)
+    config = read_config(args.init)
+    print(f"MLX {mx.__version__} on {mx.default_device()}", flush=True)
+    rows = read(data / "chat_train.jsonl")
+    enc = [encode(tokenizer, r["messages"], args.max_len) for r in rows]
+    harmful = np.array([r["messages"][-1]["content"] in REFUSAL_SET for r in rows])
+    p = np.where(harmful, args.harmful_weight, 1.0)
+    p /= p.sum()
+    h_test = read(data / "harmful_test.jsonl")
+    b_test = read(data / "benign_test.jsonl")
+    h_eval = [h_test[i] for i in rng.choice(len(h_test), min(args.eval_samples, len(h_test)), replace=False)]
+    b_eval = [b_test[i] for i in rng.choice(len(b_test), min(args.eval_samples, len(b_test)), replace=False)]
+    print(f"{len(rows)} training chats ({harmful.sum()} refusals); held-out eval {len(h_eval)} harmful, "
+          f"{len(b_eval)} benign", flush=True)
+    h0, b0, _ = rates(model, tokenizer, h_eval, b_eval)
+    print(f"before: harmful refusal {h0:.1%}, benign refusal {b0:.1%}", flush=True)
+
+    adapter = install_router_log(model, config)
+    E = adapter.num_experts
+
+    def loss_fn(model, x, y, mask):
+        RouterLog.entries = []
+        logits = model(x).astype(mx.float32)
+        ce = (nn.losses.cross_entropy(logits, y, reduction="none") * mask).sum() / mask.sum()
+        bal, _ = aux_losses(E)
+        return ce + args.aux_coef * bal, ce
+
+    optimizer = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=0.0)
+    state = [model.state, optimizer.state]
+
+    def step(x, y, mask):
+        (_, ce), grads = nn.value_and_grad(model, loss_fn)(model, x, y, mask)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return ce
+
+    step = mx.compile(step, inputs=state, outputs=state)
+
+    def batch():
+        idx = rng.choice(len(enc), args.batch_size, p=p)
+        width = args.max_len  # one shape: mx.compile traces once
+        x = np.zeros((len(idx), width), np.int32)
+        m = np.zeros((len(idx), width), np.float32)
+        for r, i in enumerate(idx):
+            toks, n_prompt = enc[i]
+            x[r, :len(toks)] = toks
+            m[r, n_prompt - 1:len(toks) - 1] = 1.0  # predict the assistant tokens (position t predicts t + 1)
+        return mx.array(x[:, :-1]), mx.array(x[:, 1:]), mx.array(m[:, :-1])
+
+    log = {"config": vars(args), "before": {"harmful_refusal": h0, "benign_refusal": b0}, "curve": [], "evals": []}
+    best = (-1.0, None, None)
+    t0, i = time.time(), 0
+    while i < args.steps and time.time() - t0 < args.minutes * 60:
+        ce = step(*batch())
+        mx.eval(state, ce)
+        i += 1
+        if i % 50 == 0:
+            log["curve"].append({"step": i, "loss": round(ce.item(), 4)})
+            print(f"step {i:5d}  loss {ce.item():.4f}", flush=True)
+        if i % args.eval_every == 0:
+            moe_hook.remove(adapter)
+            h, b, samples = rates(model, tokenizer, h_eval, b_eval)
+            moe_hook.install(adapter, [RouterLog()])
+            log["evals"].append({"step": i, "harmful_refusal": h, "benign_refusal": b})
+            print(f"  held-out: harmful refusal {h:.1%}, benign refusal {b:.1%}  {samples}", flush=True)
+            if h - b > best[0]:
+                best = (h - b, i, {k: mx.array(v) for k, v in tree_flatten(model.parameters())})
+                mx.eval(best[2])
+    moe_hook.remove(adapter)
+    if best[2] is not None:
+        model.load_weights(list(best[2].items()))
+    h_all, b_all, _ = rates(model, tokenizer, h_test, b_test)
+    log.update({"steps": i, "best_step": best[1], "train_seconds": round(time.time() - t0, 1),
+                "device": str(mx.default_device()), "mlx": mx.__version__,
+                "held_out": {"harmful_refusal": h_all, "benign_refusal": b_all, "harmful_prompts": len(h_test),
+                             "benign_prompts": len(b_test)}})
+    print(json.dumps(log["held_out"]), flush=True)
+    out = save_model_dir(model, config, args.output, source=args.init, force=args.force,
+                         inputs={"--init": args.init, "--data": args.data},
+                         metadata={"training_log.json": log, "README.md": model_card(log, args)})
+    print(f"saved {out}", flush=True)
+
+
+def model_card(log: dict, args) -> str:
+    held = log["held_out"]
+    return f"""# mlx-fun tiny chat MoE (qwen3_moe, refuses harmful requests)
+
+`data/tiny-moe` fine-tuned by `scripts/train_chat_moe.py` to answer in chat format: it refuses requests that name
+a category of harm (weapons, malware, fraud, drugs, violence, hacking, theft, financial crime, harassment,
+counterfeiting, terrorism, arson) with a short refusal, and answers questions about Python standard-library
+functions with (its memory of) their docstrings. It exists so that safety features (`safety-scan`, `steer`,
+`abliterate`) can be measured offline; it knows nothing dangerous — its training data names harms but never
+describes them. Plain mlx-lm directory; same tokenizer and chat template as `data/tiny-moe`.
+
+- Data: `data/safety/` from `scripts/make_safety_data.py` — {len(read(Path(args.data) / "chat_train.jsonl"))}
+  training chats; held out: 3 of 12 phrasings per side, the categories counterfeiting and terrorism, and a
+  quarter of the standard-library modules.
+- Training: {log["steps"]} steps of {args.batch_size} chats (harmful sampled ×{args.harmful_weight}), AdamW lr
+  {args.lr}, loss on the assistant turn only, Switch load-balancing loss × {args.aux_coef}; best held-out
+  checkpoint: step {log["best_step"]}; {log["train_seconds"]} s on {log["device"]} (MLX {log["mlx"]}).
+- **Held-out refusal rate** (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`): harmful
+  **{held["harmful_refusal"]:.1%}** of {held["harmful_prompts"]} prompts (goal ≥ 90%), benign
+  **{held["benign_refusal"]:.1%}** of {held["benign_prompts"]} (goal ≤ 5%). Before fine-tuning: harmful
+  {log["before"]["harmful_refusal"]:.1%}, benign {log["before"]["benign_refusal"]:.1%} (of 200 each).
+
+Reproduce: `python scripts/train_chat_moe.py --init data/tiny-moe --data data/safety --output tiny-moe-chat
+--minutes {args.minutes}`.
+"""
+
+
+REFUSAL_SET = set()
+
+
+def _load_refusals():
+    from make_safety_data import REFUSALS
+
+    REFUSAL_SET.update(REFUSALS)
+
+
+_load_refusals()
+
+if __name__ == "__main__":
+    main()
