@@ -97,6 +97,7 @@ def load_samples(
     text_key: str = DEFAULT_TEXT_KEY,
     seed: int | None = None,
     extensions: Sequence[str] | str = DEFAULT_EXTENSIONS,
+    generation_prompt: bool = False,
 ) -> list[list[int]]:
     """Token ids of every sample of the dataset at ``path`` (see the module docstring for the formats).
 
@@ -109,6 +110,8 @@ def load_samples(
 
     ``max_tokens``: every sample is truncated to at most this many tokens (``None``: no truncation).
     ``text_key``: the JSON key of plain-text lines. ``extensions``: the file suffixes read from a directory.
+    ``generation_prompt``: a chat whose last message is the user's is tokenized with the template's generation
+    prompt (the assistant header the model answers after), as a prompt is served — what routing scans read.
     """
     samples = load_dataset(
         path,
@@ -118,6 +121,7 @@ def load_samples(
         text_key=text_key,
         seed=seed,
         extensions=extensions,
+        generation_prompt=generation_prompt,
     )
     return [s.tokens for s in samples]
 
@@ -131,6 +135,7 @@ def load_dataset(
     text_key: str = DEFAULT_TEXT_KEY,
     seed: int | None = None,
     extensions: Sequence[str] | str = DEFAULT_EXTENSIONS,
+    generation_prompt: bool = False,
 ) -> list[Sample]:
     """Like :func:`load_samples`, but each sample also carries its source (``file:line`` or file path)."""
     if max_samples is not None and max_samples < 1:
@@ -162,7 +167,7 @@ def load_dataset(
     for index in order:
         if len(chosen) >= limit:
             break
-        tokens = _tokenize(items[index], tokenizer)
+        tokens = _tokenize(items[index], tokenizer, generation_prompt)
         if not tokens:
             continue  # nothing to route
         if max_tokens is not None:
@@ -346,9 +351,10 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
 # tokenization
 
 
-def _tokenize(item: _Item, tokenizer: Any) -> list[int]:
+def _tokenize(item: _Item, tokenizer: Any, generation_prompt: bool = False) -> list[int]:
     if item.kind == "messages":
-        return _apply_chat_template(tokenizer, item.payload, item.where)
+        prompt = generation_prompt and item.payload[-1].get("role") == "user"
+        return _apply_chat_template(tokenizer, item.payload, item.where, prompt)
     if item.kind == "file":
         try:
             text = Path(item.payload).read_text(encoding="utf-8", errors="replace")
@@ -368,14 +374,15 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
     return _as_ids(tokenizer.encode(text))
 
 
-def _apply_chat_template(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
+def _apply_chat_template(tokenizer: Any, messages: list[dict], where: str, generation_prompt: bool = False) -> list[int]:
     if getattr(tokenizer, "has_chat_template", True) is False:
         raise UserError(
             f"{where}: 'messages' needs a chat template, but the tokenizer has none; "
             f"use prompt/completion or plain-text lines instead"
         )
     try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True)
+        extra = {"add_generation_prompt": True} if generation_prompt else {}
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **extra)
     except Exception as e:  # jinja errors, "no chat template", role-order checks of templates, ...
         detail = " ".join(str(e).split())[:200]
         raise UserError(

@@ -92,12 +92,13 @@ def normalise(cmd: str) -> str:
 def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
-    for name in ("tiny-moe", "calibration_sample.jsonl"):
+    for name in ("tiny-moe", "tiny-moe-chat", "safety", "calibration_sample.jsonl"):
         (work / "data" / name).symlink_to(ROOT / "data" / name)
     (work / "scripts").symlink_to(ROOT / "scripts")
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     bundled_before = tree(ROOT / "data" / "tiny-moe")
+    chat_before = tree(ROOT / "data" / "tiny-moe-chat")
     ran, skipped, servers = [], [], []
     for kind, body in blocks():  # files the README asks to save ("save this as …") exist from the start
         if kind.startswith("file:"):
@@ -130,17 +131,19 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     assert len(ran) >= 20 and len(skipped) == 4, (ran, skipped)
     assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
         "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
-        "tune-dispatch", "doctor", "serve"}
+        "tune-dispatch", "doctor", "serve", "safety-scan", "domain-scan"}
     for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
-                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24)):
+                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24),
+                          ("pruned-domain", 24)):
         assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
     report = json.loads((work / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
-    for name in ("online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
+    for name in ("safety_report.json", "domain_report.json", "online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
                  "cache/mlx-fun/dispatch_table.json"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left
-    assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled model is only ever read
+    assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled models are only ever read
+    assert tree(ROOT / "data" / "tiny-moe-chat") == chat_before
 
 
 def _help_examples(cmd_name: str) -> list[str]:

@@ -146,6 +146,32 @@ def dataset_options(fn):
     return fn
 
 
+def scan_options(names: tuple[str, str], helps: tuple[str, str]):
+    """The two datasets of a differential scan plus --output and the sampling / threshold options."""
+
+    def deco(fn):
+        fn = click.option("--threshold-percentile", type=FiniteFloat(50, 100, min_open=True, max_open=True),
+                          default=90.0, show_default=True,
+                          help="Composite-score percentile above which (and below 100 minus which) experts are "
+                               "classified.")(fn)
+        fn = click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
+                          help="Samples per forward pass (padding excluded).")(fn)
+        fn = click.option("--seed", type=int, default=None, help="Seed for the random subset of samples.")(fn)
+        fn = click.option("--text-key", default="content", show_default=True,
+                          help="JSON key of plain-text JSONL lines.")(fn)
+        fn = click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+                          help="Truncate every sample to this many tokens.")(fn)
+        fn = click.option("--max-samples", type=click.IntRange(min=1), default=128, show_default=True,
+                          help="Samples per dataset (a random subset when it has more).")(fn)
+        fn = click.option("--output", required=True, type=click.Path(dir_okay=False),
+                          help="The report to write (JSON).")(fn)
+        for name, text in reversed(list(zip(names, helps))):
+            fn = click.option(f"--{name}", required=True, type=click.Path(), help=text)(fn)
+        return fn
+
+    return deco
+
+
 def echo_err(line: str) -> None:
     """Status lines and warnings go to stderr (stdout carries the results)."""
     click.echo(line, err=True)

@@ -82,3 +82,43 @@ def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str) -
         return engine.budget_for(requested, top_k=top_k, dispatched=dispatch_mode == "auto")
     except UserError as e:
         raise UserError(f"{param('token_budget')}: {e}") from None
+
+
+def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
+                     max_samples: int, max_tokens: int, text_key: str, threshold_percentile: float,
+                     seed: int | None, batch_size: int, dispatch: str, dispatch_table, dequant_cache,
+                     token_budget: int | None, progress: bool, log: Log, extra: dict | None = None) -> dict:
+    """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
+
+    ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general.
+    """
+    import math
+
+    from .. import writer
+    from ..data import load_samples, pad_id
+    from ..differential import report, scan
+
+    if not (isinstance(threshold_percentile, (int, float)) and math.isfinite(threshold_percentile)
+            and 50 < threshold_percentile < 100):
+        raise UserError(f"{param('threshold_percentile')} must be above 50 and below 100, got {threshold_percentile}.")
+    check_supported(model)
+    for name, path in (dataset_a, dataset_b):
+        require_path(name, path, "pass a JSONL file or a directory of text files")
+    inputs = {param("model"): model, param(dataset_a[0]): dataset_a[1], param(dataset_b[0]): dataset_b[1]}
+    with writer.output(output, kind="file", inputs=inputs) as res:
+        mdl, tokenizer, config, adapter = load_moe(model, log=log)
+        mode = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
+                              log=log).mode
+        budget = forward_budget(token_budget, config=config, dispatch_mode=mode)
+        taps, datasets = [], {}
+        for name, path in (dataset_a, dataset_b):
+            samples = load_samples(path, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
+                                   text_key=text_key, seed=seed, generation_prompt=True)
+            taps.append(scan(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id(tokenizer),
+                             token_budget=budget, progress=progress, desc=name.replace("_dataset", "")))
+            datasets[name.replace("_dataset", "")] = {"path": str(path), "samples": len(samples),
+                                                       "tokens": taps[-1].tokens}
+        out = report(kind, taps[0], taps[1], adapter, percentile=float(threshold_percentile), datasets=datasets,
+                     extra={"model": str(model), **(extra or {})})
+        res.write_json(out)
+    return out
