@@ -316,14 +316,14 @@ def load_report_experts(
 ) -> ExpertSets:
     """Expert sets of a ``safety_report.json`` / ``domain_report.json``: ``{layer position: {experts}}``.
 
-    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; domain: ``domain_experts``; general: the
+    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; hrcg: ``hrcg`` (else as safety); domain: ``domain_experts``; general: the
     ``general_experts`` of a domain report. Layer keys are decoder-layer indices, converted to positions with
     ``moe_layer_indices`` (``None``: keys are positions).
     """
     path = Path(path)
-    if kind not in ("safety", "domain", "general"):
-        raise ValueError(f"kind must be 'safety', 'domain' or 'general', got {kind!r}")
-    report = "safety" if kind == "safety" else "domain"
+    if kind not in ("safety", "hrcg", "domain", "general"):
+        raise ValueError(f"kind must be 'safety', 'hrcg', 'domain' or 'general', got {kind!r}")
+    report = "safety" if kind in ("safety", "hrcg") else "domain"
     scan = f"{report}-scan"
     data = _load_json(path, f"{report} report", f"create it with `mlx-fun {scan}`.")
     if not isinstance(data, dict):
@@ -336,6 +336,10 @@ def load_report_experts(
         moe_idx = list(range(max(keys, default=-1) + 1))
     else:
         moe_idx = [int(i) for i in moe_layer_indices]
+    if kind == "hrcg":  # steering's safe mode boosts the experts more active on benign prompts
+        if "hrcg" in data:
+            return _read_layer_map(data["hrcg"], "hrcg", path, moe_idx, num_experts)
+        kind = "safety"
     if kind == "safety":
         if "safety_critical" in data:
             return _read_layer_map(data["safety_critical"], "safety_critical", path, moe_idx, num_experts)

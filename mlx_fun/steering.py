@@ -6,8 +6,9 @@ never selected) and to **activate** (bias ``boost_value``, default +1e4: selecte
 router logits *before selection*, inside each adapter's ``route`` — so group-limited and correction-bias routers
 steer with their own selection rules, and nothing here knows how any family routes.
 
-Sources: a ``safety_report.json`` (``safe``: boost its safety-critical experts; ``unsafe``: mask them), a
-``domain_report.json`` (``boost``: boost its domain experts; ``suppress``: mask its general experts) and direct
+Sources: a ``safety_report.json`` (``safe``: boost its HRCG experts, the ones more active on benign prompts, at
+most top_k per layer; ``unsafe``: mask all its safety-critical experts), a ``domain_report.json`` (``boost``: boost
+its domain experts, at most top_k per layer; ``suppress``: mask its general experts) and direct
 ``{"deactivate": {"<layer>": [experts]}, "activate": {...}}`` configs (the server's REST body). Every check raises
 :class:`SteeringError` naming the offending field, which the CLI shows as one line and the server as a 400.
 """
@@ -164,8 +165,10 @@ def from_reports(
             raise SteeringError(names[mode_key], f"{names[mode_key]} must be one of {', '.join(modes)} with "
                                                  f"{names[path_key]}, got {mode!r}.")
         try:
-            which = "general" if mode == "suppress" else kind
+            which = {"suppress": "general", "safe": "hrcg"}.get(mode, kind)
             sets = load_report_experts(path, which, moe_layer_indices, num_experts)
+            if mode in ("safe", "boost"):
+                sets = _cap(sets, path, moe_layer_indices, top_k, lowest=mode == "safe", warnings=s.warnings)
         except SteeringError:
             raise
         except UserError as e:
@@ -177,6 +180,28 @@ def from_reports(
         s.sources.append({"report": str(path), "kind": kind, "mode": mode})
     _check(s, moe_layer_indices, num_experts, top_k)
     return s
+
+
+def _cap(sets: dict, path, moe_layer_indices: list[int], top_k: int, *, lowest: bool, warnings: list) -> dict:
+    """At most ``top_k`` boosted experts per layer (more cannot all be chosen): those with the most extreme
+    composite score of the report (lowest for HRCG, highest for domain experts), else the first ``top_k``."""
+    import json
+
+    try:
+        comp = np.asarray(json.loads(Path(path).read_text())["scores"]["composite"], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError):
+        comp = None
+    out = {}
+    for pos, experts in sets.items():
+        experts = sorted(experts)
+        if len(experts) > top_k:
+            if comp is not None and comp.shape[0] > pos:
+                experts = sorted(experts, key=lambda e: comp[pos, e] if lowest else -comp[pos, e])
+            warnings.append(f"layer {moe_layer_indices[pos]}: the report lists {len(experts)} experts to boost; "
+                            f"the {top_k} with the most extreme composite score are boosted (top_k = {top_k}).")
+            experts = sorted(experts[:top_k])
+        out[pos] = set(experts)
+    return out
 
 
 def _check(s: Steering, moe_layer_indices: list[int], num_experts: int, top_k: int) -> None:

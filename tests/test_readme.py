@@ -131,14 +131,15 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     assert len(ran) >= 20 and len(skipped) == 4, (ran, skipped)
     assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
         "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
-        "tune-dispatch", "doctor", "serve", "safety-scan", "domain-scan"}
+        "tune-dispatch", "doctor", "serve", "safety-scan", "domain-scan",
+        "steer", "amplify"}
     for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
                           ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24),
                           ("pruned-domain", 24)):
         assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
     report = json.loads((work / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
-    for name in ("safety_report.json", "domain_report.json", "online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
+    for name in ("amplified/amplification_metadata.json", "safety_report.json", "domain_report.json", "online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
                  "cache/mlx-fun/dispatch_table.json"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left

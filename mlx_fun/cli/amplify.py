@@ -1,0 +1,39 @@
+"""``mlx-fun amplify``: parses, calls :func:`mlx_fun.jobs.amplify.run`, prints."""
+
+from __future__ import annotations
+
+import click
+
+from .common import FiniteFloat, echo_err, friendly_errors, model_option
+
+
+@click.command("amplify", short_help="Permanently favour a domain's experts (router bias), loadable by mlx_lm.load.")
+@model_option
+@click.option("--domain-map", required=True, type=click.Path(dir_okay=False),
+              help="domain_report.json from `mlx-fun domain-scan` (its domain experts and composite scores).")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Model directory to write.")
+@click.option("--scale", type=FiniteFloat(min=0.0), default=1.0, show_default=True,
+              help="Boost = scale × max(0, composite − threshold) per domain expert.")
+@click.option("--threshold", type=FiniteFloat(), default=0.0, show_default=True,
+              help="Composite score a domain expert must exceed to be boosted.")
+@click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
+@friendly_errors
+def command(**kwargs):
+    """Add a boost to each domain expert's router bias — the family's own selection-only bias (DeepSeek-V3,
+    GLM-4 MoE, MiniMax, … correction biases) or the router's linear bias (gpt-oss) — so the written model favours
+    the domain with no hooks at inference time and opens with plain `mlx_lm.load`. Families whose router has no
+    bias (qwen3_moe, mixtral, olmoe, …) are refused: boost them at run time with `steer` or `serve`.
+
+    \b
+    Example (a tiny random deepseek_v3 from scripts/make_tiny_moe.py, scanned with domain-scan):
+      mlx-fun amplify --model tiny-dsv3 --domain-map dsv3_domain.json --output amplified --scale 1.0
+    """
+    from ..jobs import amplify
+
+    show(amplify.run(**kwargs, log=echo_err))
+
+
+def show(result) -> None:
+    n = sum(len(v) for v in result.boosted.values())
+    click.echo(f"Wrote {result.output} ({n} domain experts boosted through the {result.target} bias; "
+               "amplification_metadata.json beside the weights)")

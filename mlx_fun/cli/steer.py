@@ -1,0 +1,53 @@
+"""``mlx-fun steer``: parses, calls :func:`mlx_fun.jobs.steer.run` (text streamed), prints."""
+
+from __future__ import annotations
+
+import click
+
+from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option
+
+
+@click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
+@model_option
+@click.option("--prompt", required=True, help="Prompt text (raw unless --chat).")
+@click.option("--safety-map", type=click.Path(dir_okay=False), default=None,
+              help="safety_report.json from `mlx-fun safety-scan` (with --mode).")
+@click.option("--mode", type=click.Choice(["safe", "unsafe"]), default=None,
+              help="safe: boost the HRCG experts (at most top_k per layer); unsafe: mask all safety-critical experts.")
+@click.option("--domain-map", type=click.Path(dir_okay=False), default=None,
+              help="domain_report.json from `mlx-fun domain-scan` (with --domain-mode); combinable with --safety-map.")
+@click.option("--domain-mode", type=click.Choice(["boost", "suppress"]), default=None,
+              help="boost: activate the domain experts; suppress: deactivate the general experts.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--mask-value", type=FiniteFloat(max=0, max_open=True), default=-1e9, show_default=True,
+              help="Router-logit bias of a deactivated expert.")
+@click.option("--boost-value", type=FiniteFloat(min=0, min_open=True), default=1e4, show_default=True,
+              help="Router-logit bias of an activated expert.")
+@click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the Gumbel-max sampler.")
+@click.option("--chat", is_flag=True, default=False, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--compare", is_flag=True, default=False, help="First print the unsteered reply (same sampler).")
+@dispatch_option
+@friendly_errors
+def command(**kwargs):
+    """Generate after --prompt while a bias is added to the router logits of chosen experts before every MoE
+    layer's own selection (group-limited, correction-biased and softmax-after-top-k routers included): masked
+    experts are never chosen, boosted ones are chosen whenever the layer has room.
+
+    \b
+    Example (the bundled refusing chat model, after the safety-scan example):
+      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode unsafe --chat --compare \\
+          --prompt "How do I pick a lock?" --max-tokens 20
+    """
+    from ..jobs import steer
+
+    show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), log=echo_err))
+
+
+def show(result) -> None:
+    click.echo("")
+    if result.baseline is not None:
+        click.echo(f"[unsteered: {result.baseline.text!r}]", err=True)
+    n_off = sum(map(len, result.steering.deactivate.values()))
+    n_on = sum(map(len, result.steering.activate.values()))
+    click.echo(f"[steered: {n_off} experts masked, {n_on} boosted] {result.generation.stats_line()}", err=True)

@@ -1,0 +1,86 @@
+"""The ``steer`` job: generate with experts forced off or on (SteerMoE router-logit steering)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError, param
+from .common import Log, apply_dispatch, check_supported, load_moe, quiet, require_path
+
+
+@dataclass
+class SteerResult:
+    steering: object  # mlx_fun.steering.Steering
+    generation: object  # mlx_fun.sampling.GenerationResult
+    baseline: object | None = None  # the unsteered generation (compare=True)
+    warnings: list[str] = field(default_factory=list)
+
+
+def run(
+    *,
+    model: str | Path,
+    prompt: str,
+    safety_map: str | Path | None = None,
+    mode: str | None = None,
+    domain_map: str | Path | None = None,
+    domain_mode: str | None = None,
+    max_tokens: int = 100,
+    mask_value: float = -1e9,
+    boost_value: float = 1e4,
+    temp: float = 0.0,
+    seed: int | None = None,
+    chat: bool = False,
+    compare: bool = False,
+    dispatch: str = "auto",
+    dispatch_table: str | Path | None = None,
+    dequant_cache: int | str = 0,
+    on_text: Callable[[str], None] | None = None,
+    log: Log = quiet,
+) -> SteerResult:
+    """Generate after ``prompt`` with the router-logit steering of a safety report (``mode`` ``safe``: boost its
+    HRCG experts, at most top_k per layer; ``unsafe``: mask its safety-critical experts) and/or a domain report
+    (``domain_mode`` ``boost`` / ``suppress``), through the hooked MoE call of every family. ``compare`` first
+    generates without steering (same sampler, same seed)."""
+    from .. import moe_hook
+    from ..sampling import encode_prompt, make_sampler, run_generation
+    from ..steering import SteeringError, from_reports
+
+    check_supported(model)
+    if safety_map is None and domain_map is None:
+        raise UserError(f"nothing to steer: pass {param('safety_map')} with {param('mode')} and/or "
+                        f"{param('domain_map')} with {param('domain_mode')}.")
+    require_path("safety_map", safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
+    require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
+    if not prompt:
+        raise UserError(f"{param('prompt')} is empty; pass the text to answer.")
+    try:
+        make_sampler(temp=temp, seed=seed)
+    except ValueError as e:
+        raise UserError(f"{e}; check {param('temp')} and {param('seed')}.") from None
+    mdl, tokenizer, _config, adapter = load_moe(model, log=log)
+    layers = adapter.moe_layers()
+    try:
+        steering = from_reports(moe_layer_indices=layers, num_experts=adapter.num_experts, top_k=adapter.top_k,
+                                safety_map=safety_map, safety_mode=mode, domain_map=domain_map,
+                                domain_mode=domain_mode, mask_value=mask_value, boost_value=boost_value,
+                                field_names={k: param(v) for k, v in (("safety_map", "safety_map"),
+                                                                       ("safety_mode", "mode"),
+                                                                       ("domain_map", "domain_map"),
+                                                                       ("domain_mode", "domain_mode"),
+                                                                       ("mask_value", "mask_value"),
+                                                                       ("boost_value", "boost_value"))})
+    except SteeringError as e:
+        raise UserError(str(e)) from None
+    for w in steering.warnings:
+        log(f"Warning: {w}")
+    apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
+    ids = encode_prompt(tokenizer, prompt, chat)
+    baseline = None
+    if compare:
+        baseline = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed)
+    with moe_hook.hooked(adapter, [], None if steering.empty else steering.bias(layers, adapter.num_experts)):
+        generation = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
+                                    on_text=on_text)
+    return SteerResult(steering, generation, baseline, list(steering.warnings))

@@ -1,0 +1,62 @@
+"""Amplify: a permanent boost for domain experts, written into a router bias the family's mlx-lm class loads.
+
+Where the boost goes (:func:`target`): a selection-only bias of the block (``e_score_correction_bias``,
+``expert_bias``, ``router_bias``: added to the scores that pick the experts, not to their weights) when the family
+has one, else the router's own linear bias (gpt-oss: added to the logits before its top-k). A family whose router
+has neither (qwen3_moe, qwen2_moe, olmoe, mixtral, …) cannot be amplified without adding a parameter its mlx-lm
+class would refuse to load, so :func:`target` returns None and the job says so; ``steer`` / ``serve`` boost such
+models at run time instead.
+
+``boost = scale × max(0, composite − threshold)`` per domain expert, from the domain report's composite scores.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..adapters.base import MoEAdapter
+
+SELECTION_BIASES = ("e_score_correction_bias", "expert_bias", "router_bias")
+
+
+def target(adapter: MoEAdapter, block) -> tuple[str, str] | None:
+    """``(parameter path relative to the block, "selection" | "logit")`` to add the boost to, or None."""
+    E = adapter.num_experts
+    params = dict(tree_flatten(block.parameters()))
+    for name, value in params.items():
+        if name.rsplit(".", 1)[-1] in SELECTION_BIASES and value.ndim == 1 and value.shape[0] == E:
+            return name, "selection"
+    router_bias = f"{adapter.router_attr}.bias"
+    value = params.get(router_bias)
+    if value is not None and value.ndim == 1 and value.shape[0] == E:
+        return router_bias, "logit"
+    return None
+
+
+def boosts(composite: np.ndarray, domain: dict[int, set[int]], *, scale: float, threshold: float) -> np.ndarray:
+    """(layers, experts) boost: ``scale × max(0, composite − threshold)`` on the domain experts, 0 elsewhere."""
+    out = np.zeros_like(composite, dtype=np.float64)
+    for pos, experts in domain.items():
+        for e in experts:
+            out[pos, e] = scale * max(0.0, float(composite[pos, e]) - threshold)
+    return out
+
+
+def apply(adapter: MoEAdapter, boost: np.ndarray) -> list[str]:
+    """Add ``boost[pos]`` to each MoE block's target parameter (in its dtype); returns the parameter paths."""
+    paths = []
+    for pos, block in enumerate(adapter.blocks()):
+        found = target(adapter, block)
+        if found is None:
+            raise ValueError(f"MoE layer {adapter.moe_layers()[pos]} has no router bias to amplify")
+        name, _ = found
+        obj = block
+        *parents, leaf = name.split(".")
+        for part in parents:
+            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+        old = getattr(obj, leaf)
+        setattr(obj, leaf, (old.astype(mx.float32) + mx.array(boost[pos], dtype=mx.float32)).astype(old.dtype))
+        paths.append(f"layer {adapter.moe_layers()[pos]}: {name}")
+    return paths

@@ -1,0 +1,91 @@
+"""`mlx-fun amplify`: the boost lands in the family's own router bias, scale 0 changes nothing, the result opens with
+plain mlx_lm.load and routes the domain to its experts more often; bias-less families are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+
+from mlx_fun import jobs
+from mlx_fun.adapters import get_adapter
+from mlx_fun.io import load_model
+from mlx_fun.rewrite.amplify import target
+
+from .cli_helpers import expect_error
+from .cli_helpers import run as cli
+from .conftest import FAMILIES
+
+
+def _report(path, adapter, experts: dict[int, list[int]], score: float = 2.0):
+    comp = np.zeros((len(adapter.moe_layers()), adapter.num_experts))
+    for pos, es in experts.items():
+        comp[pos, es] = score
+    path.write_text(json.dumps({"domain_name": "test", "scores": {"composite": comp.tolist()},
+                                "domain_experts": {str(adapter.moe_layers()[p]): es for p, es in experts.items()}}))
+    return path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_amplify_every_family_or_refuse(make_model, tmp_path, family):
+    path = make_model(family)
+    model, tok, config = load_model(path)
+    adapter = get_adapter(model, config)
+    report = _report(tmp_path / "d.json", adapter, {0: [0, 1]})
+    found = target(adapter, adapter.blocks()[0])
+    if found is None:
+        expect_error(cli("amplify", "--model", path, "--domain-map", report, "--output", tmp_path / "out"),
+                     "no router bias", "steer")
+        assert not (tmp_path / "out").exists()
+        return
+    got = jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "out", scale=0.5)
+    assert got.boosted == {str(adapter.moe_layers()[0]): {"0": 1.0, "1": 1.0}}
+    amplified, _ = mlx_lm_load(str(tmp_path / "out"))  # plain mlx-lm, strict
+    a2 = get_adapter(amplified, json.loads((tmp_path / "out" / "config.json").read_text()))
+    name = found[0]
+    before = dict(tree_flatten(adapter.blocks()[0].parameters()))[name]
+    after = dict(tree_flatten(a2.blocks()[0].parameters()))[name]
+    delta = np.array((after.astype(mx.float32) - before.astype(mx.float32)))
+    np.testing.assert_allclose(delta[:2], 1.0, atol=1e-2)
+    assert np.all(delta[2:] == 0)
+    meta = json.loads((tmp_path / "out" / "amplification_metadata.json").read_text())
+    assert meta["target"] == found[1] and meta["scale"] == 0.5 and meta["domain_name"] == "test"
+
+
+def test_scale_zero_is_identity_and_boost_raises_domain_routing(make_model, tmp_path):
+    from mlx_fun.collect import collect
+
+    path = make_model("deepseek_v3")
+    model, tok, config = load_model(path)
+    adapter = get_adapter(model, config)
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(3, 200, size=16).tolist() for _ in range(8)]
+    base = collect(model, adapter, samples, norms=False)
+    cold = {p: [int(np.argmin(base.freq[p]))] for p in range(len(adapter.moe_layers()))}
+    report = _report(tmp_path / "d.json", adapter, cold, score=3.0)
+    jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "zero", scale=0.0)
+    m0, _ = mlx_lm_load(str(tmp_path / "zero"))
+    x = mx.array([samples[0]])
+    assert mx.array_equal(m0(x), model(x)).item()
+    jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "amp", scale=1.0)
+    m1, _, c1 = load_model(tmp_path / "amp")
+    after = collect(m1, get_adapter(m1, c1), samples, norms=False)
+    for p, (e,) in cold.items():
+        assert after.freq[p, e] > base.freq[p, e], (p, e)
+
+
+def test_amplify_errors(make_model, tmp_path):
+    path = make_model("deepseek_v3")
+    (tmp_path / "bare.json").write_text(json.dumps({"domain_experts": {"1": [0]}}))
+    expect_error(cli("amplify", "--model", path, "--domain-map", tmp_path / "bare.json", "--output",
+                     tmp_path / "o"), "scores.composite", "domain-scan")
+    expect_error(cli("amplify", "--model", path, "--domain-map", tmp_path / "none.json", "--output", tmp_path / "o"),
+                 "--domain-map", "does not exist")
+    r = cli("amplify", "--model", path, "--domain-map", tmp_path / "bare.json", "--output", tmp_path / "o",
+            "--scale", -1)
+    assert r.exit_code == 2 and "--scale" in r.output
+    assert not (tmp_path / "o").exists()

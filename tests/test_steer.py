@@ -1,0 +1,56 @@
+"""`mlx-fun steer`: generation under report-driven steering equals generation under the same hook bias, safe mode
+boosts at most top_k HRCG experts per layer (the most benign-leaning), errors are one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from mlx_fun import jobs, moe_hook
+from mlx_fun.io import load_model
+from mlx_fun.steering import from_reports
+
+from .cli_helpers import expect_error
+from .cli_helpers import run as cli
+
+
+def test_steer_generates_under_the_report_bias(make_model, tmp_path):
+    from mlx_fun.adapters import get_adapter
+    from mlx_fun.sampling import run_generation
+
+    path = make_model("deepseek_v3")
+    report = tmp_path / "domain_report.json"
+    report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
+    got = jobs.steer.run(model=path, prompt="hello world", domain_map=report, domain_mode="suppress",
+                         max_tokens=8, compare=True, dispatch="mlx-lm")
+    assert got.steering.deactivate == {1: [1, 2], 2: [3]} and not got.steering.activate
+    model, tok, config = load_model(path)
+    adapter = get_adapter(model, config)
+    with moe_hook.hooked(adapter, [], got.steering.bias(adapter.moe_layers(), adapter.num_experts)):
+        again = run_generation(model, tok, "hello world", max_tokens=8)
+    plain = run_generation(model, tok, "hello world", max_tokens=8)
+    assert got.generation.tokens == again.tokens and got.baseline.tokens == plain.tokens
+
+
+def test_safe_mode_boosts_at_most_top_k_most_benign_hrcg_experts(tmp_path):
+    comp = np.zeros((2, 8))
+    comp[1, [0, 1, 2, 3, 4]] = [-0.5, -3.0, -1.0, -2.0, -4.0]
+    report = tmp_path / "safety_report.json"
+    report.write_text(json.dumps({"hcdg": {"3": [7]}, "hrcg": {"3": [0, 1, 2, 3, 4]},
+                                  "safety_critical": {"3": [0, 1, 2, 3, 4, 7]}, "scores": {"composite": comp.tolist()}}))
+    s = from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=report, safety_mode="safe")
+    assert s.activate == {3: [1, 4]} and s.warnings  # the two lowest composite scores
+    s = from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=report, safety_mode="unsafe")
+    assert s.deactivate == {3: [0, 1, 2, 3, 4, 7]}
+
+
+def test_steer_errors(make_model, tmp_path):
+    path = make_model("qwen3_moe")
+    expect_error(cli("steer", "--model", path, "--prompt", "x"), "nothing to steer")
+    (tmp_path / "r.json").write_text(json.dumps({"safety_critical": {"0": [99]}}))
+    expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json", "--mode",
+                     "unsafe"), "expert 99")
+    expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json"), "--mode")
+    expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "none.json", "--mode",
+                     "safe"), "--safety-map", "does not exist")
