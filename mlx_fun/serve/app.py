@@ -8,6 +8,7 @@ used: in mlx-lm 0.32.2 it ignores its ``handler_class``.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import threading
@@ -58,8 +59,9 @@ class ServeApp:
     def counter(self):
         return self.provider.counter
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
+        """The model's output size (what a logit_bias key must be below), read once."""
         from ..io import read_config
 
         config = read_config(self.model_path)
