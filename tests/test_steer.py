@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from mlx_fun import jobs, moe_hook
 from mlx_fun.io import load_model
@@ -13,6 +14,7 @@ from mlx_fun.steering import from_reports
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
+from .conftest import FAMILIES
 
 
 def test_steer_generates_under_the_report_bias(make_model, tmp_path):
@@ -54,3 +56,30 @@ def test_steer_errors(make_model, tmp_path):
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json"), "--mode")
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "none.json", "--mode",
                      "safe"), "--safety-map", "does not exist")
+
+
+@pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("glm4_moe", 4)])
+def test_a_masked_expert_is_never_selected(make_model, family, bits):
+    """Every family, through its own routing: the two experts a layer uses most get no tokens once masked."""
+    import mlx.core as mx
+
+    from mlx_fun.adapters import get_adapter
+    from mlx_fun.collect import SaliencyTap, collect
+    from mlx_fun.saliency import SaliencyAccumulator
+
+    model, _, config = load_model(make_model(family, bits=bits))
+    adapter = get_adapter(model, config)
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(3, 200, size=12).tolist() for _ in range(6)]
+    base = collect(model, adapter, samples, norms=False)
+    layers = adapter.moe_layers()
+    hot = {str(layer): [int(e) for e in np.argsort(base.freq[p])[::-1][:2]] for p, layer in enumerate(layers)}
+    s = from_reports(moe_layer_indices=layers, num_experts=adapter.num_experts, top_k=adapter.top_k, deactivate=hot)
+    tap, acc = SaliencyTap(norms=False), SaliencyAccumulator.for_adapter(adapter)
+    with moe_hook.hooked(adapter, [tap], s.bias(layers, adapter.num_experts)):
+        for sample in samples:
+            model(mx.array([sample]))
+            tap.flush(acc)
+    np.testing.assert_array_equal(acc.freq.sum(axis=1), adapter.top_k * sum(map(len, samples)))
+    for p, layer in enumerate(layers):
+        assert base.freq[p, hot[str(layer)]].sum() > 0 and acc.freq[p, hot[str(layer)]].sum() == 0, layer
