@@ -1,7 +1,7 @@
 """Differential routing analysis (SAFEx / SteerMoE style): how each expert's routing differs between two datasets.
 
 One :class:`RoutingTap` per dataset, on the hooked MoE call and the forward engine (padding excluded, float64,
-fed once per batch), accumulates per layer × expert: how many tokens select the expert (``count``), the sum of its
+fed once per batch; the counts are ``collect``'s own), accumulates per layer × expert: how many tokens select the expert (``count``), the sum of its
 mixing weight (``weight_sum``, 0 where not selected) and the sum of its raw router logit (``logit_sum``, every
 token). Divided by the token count: **activation rate**, **mean router weight**, **mean gate logit**.
 
@@ -23,40 +23,38 @@ import numpy as np
 
 from . import engine, moe_hook
 from .adapters.base import MoEAdapter
+from .collect import SaliencyTap
+from .saliency import SaliencyAccumulator
 
 REPORT_VERSION = 1
 
 
-class RoutingTap:
-    """Per-dataset routing sums of every MoE layer (see the module docstring)."""
+class RoutingTap(SaliencyTap):
+    """Per-dataset routing sums of every MoE layer (see the module docstring): ``collect``'s frequency counting
+    (:class:`mlx_fun.collect.SaliencyTap` into a :class:`SaliencyAccumulator`) plus the gate-logit sums."""
 
-    def __init__(self, num_layers: int, num_experts: int):
-        self.num_experts = num_experts
-        self.count = np.zeros((num_layers, num_experts))
-        self.weight_sum = np.zeros((num_layers, num_experts))
-        self.logit_sum = np.zeros((num_layers, num_experts))
-        self.tokens = 0
-        self.pending: list[tuple[int, mx.array, mx.array, mx.array]] = []
+    def __init__(self, adapter: MoEAdapter):
+        super().__init__(norms=False)
+        self.acc = SaliencyAccumulator.for_adapter(adapter)
+        self.logit_sum = np.zeros_like(self.acc.freq)
+        self.logits: list[tuple[int, mx.array]] = []
+
+    count = property(lambda self: self.acc.freq)  # tokens selecting the expert
+    weight_sum = property(lambda self: self.acc.weighted_freq_sum)  # Σ mixing weight where selected
+    tokens = property(lambda self: self.acc.total_tokens)
 
     def __call__(self, layer, inds, weights, logits, y):
-        k = inds.shape[-1]
-        self.pending.append((layer, inds.reshape(-1, k), weights.astype(mx.float32).reshape(-1, k),
-                             logits.astype(mx.float32).reshape(-1, logits.shape[-1])))
+        super().__call__(layer, inds, weights, logits, y)
+        self.logits.append((layer, logits.astype(mx.float32).reshape(-1, logits.shape[-1])))
 
-    def flush(self, valid: np.ndarray | None = None, evaluate=mx.eval) -> None:
-        pending, self.pending = self.pending, []
-        evaluate(*[a for item in pending for a in item[1:]])
-        E, n = self.num_experts, 0
-        for layer, inds, weights, logits in pending:
-            i, w, lg = np.array(inds), np.array(weights, dtype=np.float64), np.array(logits, dtype=np.float64)
-            if valid is not None:
-                m = valid.reshape(-1)
-                i, w, lg = i[m], w[m], lg[m]
-            self.count[layer] += np.bincount(i.reshape(-1), minlength=E)
-            self.weight_sum[layer] += np.bincount(i.reshape(-1), weights=w.reshape(-1), minlength=E)
-            self.logit_sum[layer] += lg.sum(axis=0)
-            n = len(i)
-        self.tokens += n
+    def flush(self, valid: np.ndarray | None = None, evaluate=mx.eval) -> int:
+        logits, self.logits = self.logits, []
+        n = super().flush(self.acc, valid, evaluate=lambda *a: evaluate(*a, *[lg for _, lg in logits]))
+        self.acc.total_tokens += n
+        for layer, lg in logits:
+            lg = np.array(lg, dtype=np.float64)
+            self.logit_sum[layer] += (lg if valid is None else lg[valid.reshape(-1)]).sum(axis=0)
+        return n
 
     def means(self) -> dict[str, np.ndarray]:
         t = max(self.tokens, 1)
@@ -67,7 +65,7 @@ class RoutingTap:
 def scan(model, adapter: MoEAdapter, samples, *, batch_size: int = 1, pad_id: int = 0, token_budget=None,
          progress: bool = False, desc: str = "scan") -> RoutingTap:
     """Run ``samples`` through the hooked model on the forward engine and return the dataset's tap."""
-    tap = RoutingTap(len(adapter.moe_layers()), adapter.num_experts)
+    tap = RoutingTap(adapter)
 
     def on_chunk(chunk, _output):
         tap.flush(None if chunk.valid.all() else chunk.valid, evaluate=chunk.eval)

@@ -62,8 +62,12 @@ class Steering:
             "warnings": self.warnings,
         }
 
+    def bias_for(self, adapter) -> dict[int, "mx.array"]:  # noqa: F821
+        """:meth:`bias` for ``adapter``'s model (what ``moe_hook.install`` / ``set_bias`` take)."""
+        return self.bias(adapter.moe_layers(), adapter.num_experts)
+
     def bias(self, moe_layer_indices: list[int], num_experts: int) -> dict[int, "mx.array"]:  # noqa: F821
-        """``{MoE position: (E,) float32 bias}`` for the layers this steering touches."""
+        """``{MoE position: (E,) float32 bias}`` for the layers this steering touches (empty: no steering)."""
         import mlx.core as mx
 
         pos_of = {layer: pos for pos, layer in enumerate(moe_layer_indices)}
@@ -202,6 +206,12 @@ def _cap(sets: dict, path, moe_layer_indices: list[int], top_k: int, *, lowest: 
             experts = sorted(experts[:top_k])
         out[pos] = set(experts)
     return out
+
+
+def for_adapter(adapter, **kwargs) -> Steering:
+    """:func:`from_reports` for ``adapter``'s model (its MoE layers, expert count and top-k)."""
+    return from_reports(moe_layer_indices=adapter.moe_layers(), num_experts=adapter.num_experts, top_k=adapter.top_k,
+                        **kwargs)
 
 
 def _check(s: Steering, moe_layer_indices: list[int], num_experts: int, top_k: int) -> None:

@@ -45,7 +45,7 @@ def main() -> int:
     from mlx_fun.adapters import get_adapter
     from mlx_fun.io import read_config
     from mlx_fun.refusal import refusal_rate
-    from mlx_fun.steering import from_reports
+    from mlx_fun.steering import for_adapter
     from mlx_fun.writer import write_text
 
     data = Path(args.data)
@@ -56,7 +56,7 @@ def main() -> int:
     rep = scan.report
     model, tok = load(args.model)
     adapter = get_adapter(model, read_config(args.model))
-    layers, E, k = adapter.moe_layers(), adapter.num_experts, adapter.top_k
+    E, k = adapter.num_experts, adapter.top_k
     harmful = read(data / "harmful_test.jsonl")
     benign = read(data / "benign_test.jsonl")[:args.benign_test]
     prompts = [mx.array(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True))
@@ -74,8 +74,8 @@ def main() -> int:
     mx.eval(reference)
 
     def measure(label, **steer):
-        s = from_reports(moe_layer_indices=layers, num_experts=E, top_k=k, **steer)
-        moe_hook.install(adapter, [], None if s.empty else s.bias(layers, E))
+        s = for_adapter(adapter, **steer)
+        moe_hook.install(adapter, [], s.bias_for(adapter))
         try:
             h, b = refusal_rate(answer(model, tok, harmful)), refusal_rate(answer(model, tok, benign))
             kl = sum(mx.sum(mx.exp(r) * (r - q)).item() for r, q in zip(reference, first_logprobs())) / len(prompts)

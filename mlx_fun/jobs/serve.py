@@ -79,15 +79,13 @@ def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mod
         return None
 
     def build(counter):
-        from ..steering import from_reports
+        from ..steering import for_adapter
 
-        a = counter.adapter
-        return from_reports(moe_layer_indices=a.moe_layers(), num_experts=a.num_experts, top_k=a.top_k,
-                            safety_map=safety_map, safety_mode=steering_mode, domain_map=domain_map,
-                            domain_mode=domain_steering_mode,
-                            field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
-                                         "domain_map": param("domain_map"),
-                                         "domain_mode": param("domain_steering_mode")})
+        return for_adapter(counter.adapter, safety_map=safety_map, safety_mode=steering_mode, domain_map=domain_map,
+                           domain_mode=domain_steering_mode,
+                           field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
+                                        "domain_map": param("domain_map"),
+                                        "domain_mode": param("domain_steering_mode")})
 
     return build
 

@@ -45,7 +45,7 @@ def run(
     generates without steering (same sampler, same seed)."""
     from .. import moe_hook
     from ..sampling import encode_prompt, make_sampler, run_generation
-    from ..steering import SteeringError, from_reports
+    from ..steering import for_adapter
 
     check_supported(model)
     if safety_map is None and domain_map is None:
@@ -60,19 +60,11 @@ def run(
     except ValueError as e:
         raise UserError(f"{e}; check {param('temp')} and {param('seed')}.") from None
     mdl, tokenizer, _config, adapter = load_moe(model, log=log)
-    layers = adapter.moe_layers()
-    try:
-        steering = from_reports(moe_layer_indices=layers, num_experts=adapter.num_experts, top_k=adapter.top_k,
-                                safety_map=safety_map, safety_mode=mode, domain_map=domain_map,
-                                domain_mode=domain_mode, mask_value=mask_value, boost_value=boost_value,
-                                field_names={k: param(v) for k, v in (("safety_map", "safety_map"),
-                                                                       ("safety_mode", "mode"),
-                                                                       ("domain_map", "domain_map"),
-                                                                       ("domain_mode", "domain_mode"),
-                                                                       ("mask_value", "mask_value"),
-                                                                       ("boost_value", "boost_value"))})
-    except SteeringError as e:
-        raise UserError(str(e)) from None
+    steering = for_adapter(adapter, safety_map=safety_map, safety_mode=mode, domain_map=domain_map,
+                           domain_mode=domain_mode, mask_value=mask_value, boost_value=boost_value,
+                           field_names={"safety_map": param("safety_map"), "safety_mode": param("mode"),
+                                        "domain_map": param("domain_map"), "domain_mode": param("domain_mode"),
+                                        "mask_value": param("mask_value"), "boost_value": param("boost_value")})
     for w in steering.warnings:
         log(f"Warning: {w}")
     apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
@@ -80,7 +72,7 @@ def run(
     baseline = None
     if compare:
         baseline = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed)
-    with moe_hook.hooked(adapter, [], None if steering.empty else steering.bias(layers, adapter.num_experts)):
+    with moe_hook.hooked(adapter, [], steering.bias_for(adapter)):
         generation = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
                                     on_text=on_text)
     return SteerResult(steering, generation, baseline, list(steering.warnings))

@@ -92,10 +92,7 @@ class CountingResponseGenerator(ResponseGenerator):
 
     def post_steering(self, steering) -> None:
         """Queue ``steering`` (None: remove all); the generation loop applies it before its next forward."""
-        counter = self.counter
-        bias = None
-        if steering is not None and not steering.empty:
-            bias = steering.bias(counter.adapter.moe_layers(), counter.adapter.num_experts)
+        bias = None if steering is None else steering.bias_for(self.counter.adapter)
         with self._steering_lock:
             self._steering_next = (steering, bias)
 

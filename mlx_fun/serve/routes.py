@@ -152,7 +152,7 @@ def save(app, body: dict) -> dict:
 
 
 def post_steer(app, body: dict) -> dict:
-    from ..steering import SteeringError, from_reports
+    from ..steering import SteeringError, for_adapter
 
     counter = app.counter_or_503()
     unknown = sorted(set(body) - set(STEER_KEYS))
@@ -174,11 +174,9 @@ def post_steer(app, body: dict) -> dict:
     if not paths and not kw.keys() & {"deactivate", "activate"}:
         raise _error(400, "nothing to steer: give safety_map, domain_map, deactivate or activate "
                           "(DELETE /v1/reap/steer removes steering).")
-    adapter = counter.adapter
     try:
-        steering = from_reports(moe_layer_indices=adapter.moe_layers(), num_experts=adapter.num_experts,
-                                top_k=adapter.top_k, safety_map=paths.get("safety_map"), safety_mode=safety_mode,
-                                domain_map=paths.get("domain_map"), domain_mode=domain_mode, field_names=names, **kw)
+        steering = for_adapter(counter.adapter, safety_map=paths.get("safety_map"), safety_mode=safety_mode,
+                               domain_map=paths.get("domain_map"), domain_mode=domain_mode, field_names=names, **kw)
     except SteeringError as e:
         raise _error(400, str(e), e.field) from None
     except UserError as e:
