@@ -1,14 +1,14 @@
-"""The single hooked MoE call: route → (bias) → experts → taps → combine.
+"""The single hooked MoE call: route (steered) → experts → taps → combine.
 
 ``install`` swaps the class of every MoE block for a subclass whose ``__call__`` does the above (Python looks
 special methods up on the type, so patching the instance would not work, and wrapping the block in another
-module would change the weight keys). ``remove`` restores the original classes. With no bias the hooked call
+module would change the weight keys). ``remove`` restores the original classes. With no steering the hooked call
 computes exactly what the block computes: the same routing (the adapter replays it), the block's own
 ``SwitchGLU`` / ``SwitchMLP`` run once, and the same combine.
 
 Families whose decoder layer calls the router and the experts itself (``adapter.split_router``: gemma4) have no
 single block call to swap; there the router module and the experts module are swapped: the hooked router routes
-(with the bias) and hands its routing to the hooked experts call of the same layer, which runs the rest.
+(steered) and hands its routing to the hooked experts call of the same layer, which runs the rest.
 
 A tap is any callable ``tap(layer, inds, weights, logits, y)``: ``layer`` is the position of the block in
 ``adapter.moe_layers()``, ``inds``/``weights`` are (..., k) (``weights``: each expert's weight in the block output,
@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from . import classswap
 from .adapters.base import MoEAdapter
+from .adapters.steer import RouteSteer
 
 Tap = Callable[[int, mx.array, mx.array, mx.array, mx.array], None]
 
@@ -42,18 +43,12 @@ class HookState:
     layer: int
     block: object = None
     taps: list = field(default_factory=list)
-    bias: mx.array | None = None
+    steer: RouteSteer | None = None
     pending: tuple | None = None  # split_router: (inds, logits) the router handed to the experts call
 
 
 def _state(module) -> HookState:
     return classswap.get_state(module, _STATE)
-
-
-def _bias(state: HookState, x):
-    """The layer's logit bias in the activations' dtype (a float32 bias would turn a bf16 block's output float32)."""
-    bias = state.bias
-    return bias if bias is None or bias.dtype == x.dtype else bias.astype(x.dtype)
 
 
 def _experts_and_combine(state: HookState, h, inds, weights, logits):
@@ -74,14 +69,14 @@ def _experts_and_combine(state: HookState, h, inds, weights, logits):
 def _hooked_call(self, x):
     state = _state(self)
     h = state.adapter.prepare(self, x)
-    inds, weights, logits = state.adapter.route(self, h, _bias(state, h))
+    inds, weights, logits = state.adapter.route(self, h, state.steer)
     out = _experts_and_combine(state, h, inds, weights, logits)
     return out if h is x else out.reshape(x.shape)
 
 
 def _hooked_router_call(self, x):
     state = _state(self)
-    inds, weights, logits = state.adapter.route(state.block, x, _bias(state, x))
+    inds, weights, logits = state.adapter.route(state.block, x, state.steer)
     state.pending = (inds, logits)
     return inds, weights
 
@@ -113,18 +108,18 @@ def is_hooked(block) -> bool:
 def install(
     adapter: MoEAdapter,
     taps: Sequence[Tap] = (),
-    bias: dict[int, mx.array] | None = None,
+    steer: dict[int, RouteSteer] | None = None,
 ) -> list:
     """Hook every MoE block of ``adapter.model``. Returns the blocks (in ``moe_layers`` order).
 
-    ``bias`` maps a block position (index into ``moe_layers()``) to an (E,) logit bias added before selection.
-    Installing on an already hooked model replaces its taps and bias.
+    ``steer`` maps a block position (index into ``moe_layers()``) to the :class:`RouteSteer` its ``route`` applies
+    (``Steering.route_steers`` builds it). Installing on an already hooked model replaces its taps and steering.
     """
     blocks = adapter.blocks()
     for pos, block in enumerate(blocks):
         if getattr(block, "sharding_group", None) is not None:
             raise ValueError("sharded (distributed) MoE blocks are not supported by the hooks; load unsharded")
-        state = HookState(adapter, pos, block, list(taps), None if bias is None else bias.get(pos))
+        state = HookState(adapter, pos, block, list(taps), None if steer is None else steer.get(pos))
         classswap.set_state(block, _STATE, state)
         for module, call in _swaps(adapter, block):
             classswap.set_state(module, _STATE, state)
@@ -141,16 +136,16 @@ def remove(adapter: MoEAdapter) -> None:
         classswap.drop_state(block, _STATE)
 
 
-def set_bias(adapter: MoEAdapter, bias: dict[int, mx.array] | None) -> None:
-    """Swap the logit biases of a hooked model in place (no re-install)."""
+def set_steer(adapter: MoEAdapter, steer: dict[int, RouteSteer] | None) -> None:
+    """Swap the steering of a hooked model in place (no re-install)."""
     for pos, block in enumerate(adapter.blocks()):
-        _state(block).bias = None if bias is None else bias.get(pos)
+        _state(block).steer = None if steer is None else steer.get(pos)
 
 
 @contextlib.contextmanager
-def hooked(adapter: MoEAdapter, taps: Sequence[Tap] = (), bias: dict[int, mx.array] | None = None):
+def hooked(adapter: MoEAdapter, taps: Sequence[Tap] = (), steer: dict[int, RouteSteer] | None = None):
     """``with hooked(adapter, taps): model(x)`` — install, run, always remove."""
-    install(adapter, taps, bias)
+    install(adapter, taps, steer)
     try:
         yield adapter
     finally:

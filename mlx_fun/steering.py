@@ -1,10 +1,13 @@
-"""Expert steering (SteerMoE): which experts to force off or on, per MoE layer, as router-logit biases.
+"""Expert steering (SteerMoE): which experts to force off or on, per MoE layer, and by which scheme.
 
-A :class:`Steering` holds, per decoder layer, the experts to **deactivate** (bias ``mask_value``, default −1e9:
-never selected) and to **activate** (bias ``boost_value``, default +1e4: selected whenever the layer has room).
-:meth:`Steering.bias` turns it into the ``{MoE position: (E,) bias}`` that :mod:`mlx_fun.moe_hook` adds to the
-router logits *before selection*, inside each adapter's ``route`` — so group-limited and correction-bias routers
-steer with their own selection rules, and nothing here knows how any family routes.
+A :class:`Steering` holds, per decoder layer, the experts to **deactivate** and to **activate**, and a scheme:
+``additive`` (the seed's: ``mask_value`` −1e9 / ``boost_value`` +1e4 added to the router logits) or ``rank``
+(SteerMoE's: per token, activated experts' logits set to the max + ε, deactivated ones to the min − ε; at most
+top_k activated experts per layer). :meth:`Steering.route_steers` turns it into the
+``{MoE position: RouteSteer}`` that :mod:`mlx_fun.moe_hook` hands each adapter's ``route``, which applies it to the
+logits and, where the family ranks by a selection-only score (sigmoid + correction bias), to that score too — so
+group-limited and correction-bias routers steer with their own selection rules, and nothing here knows how any
+family routes (:mod:`mlx_fun.adapters.steer`).
 
 Sources: a ``safety_report.json`` (``safe``: boost its HRCG experts, the ones more active on benign prompts, at
 most top_k per layer; ``unsafe``: mask all its safety-critical experts), a ``domain_report.json`` (``boost``: boost
@@ -25,6 +28,7 @@ from .errors import UserError
 
 MASK_VALUE = -1e9
 BOOST_VALUE = 1e4
+SCHEMES = ("additive", "rank")
 SAFETY_MODES = ("safe", "unsafe")
 DOMAIN_MODES = ("boost", "suppress")
 
@@ -45,6 +49,7 @@ class Steering:
     activate: dict[int, list[int]] = field(default_factory=dict)
     mask_value: float = MASK_VALUE
     boost_value: float = BOOST_VALUE
+    scheme: str = "additive"
     sources: list[dict] = field(default_factory=list)  # where the sets came from (report path and mode)
     warnings: list[str] = field(default_factory=list)
 
@@ -56,28 +61,25 @@ class Steering:
         return {
             "deactivate": {str(k): v for k, v in sorted(self.deactivate.items()) if v},
             "activate": {str(k): v for k, v in sorted(self.activate.items()) if v},
+            "scheme": self.scheme,
             "mask_value": self.mask_value,
             "boost_value": self.boost_value,
             "sources": self.sources,
             "warnings": self.warnings,
         }
 
-    def bias_for(self, adapter) -> dict[int, "mx.array"]:  # noqa: F821
-        """:meth:`bias` for ``adapter``'s model (what ``moe_hook.install`` / ``set_bias`` take)."""
-        return self.bias(adapter.moe_layers(), adapter.num_experts)
+    def route_steers(self, adapter) -> dict[int, "RouteSteer"]:  # noqa: F821
+        """``{MoE position: RouteSteer}`` for ``adapter``'s model, for the layers this steering touches (what
+        ``moe_hook.install`` / ``set_steer`` take; empty: no steering)."""
+        from .adapters.steer import RouteSteer
 
-    def bias(self, moe_layer_indices: list[int], num_experts: int) -> dict[int, "mx.array"]:  # noqa: F821
-        """``{MoE position: (E,) float32 bias}`` for the layers this steering touches (empty: no steering)."""
-        import mlx.core as mx
-
-        pos_of = {layer: pos for pos, layer in enumerate(moe_layer_indices)}
+        pos_of = {layer: pos for pos, layer in enumerate(adapter.moe_layers())}
         out = {}
         for layer in sorted(set(self.deactivate) | set(self.activate)):
-            b = np.zeros(num_experts, dtype=np.float32)
-            b[self.deactivate.get(layer, [])] = self.mask_value
-            b[self.activate.get(layer, [])] = self.boost_value
-            if b.any():
-                out[pos_of[layer]] = mx.array(b)
+            on, off = self.activate.get(layer, []), self.deactivate.get(layer, [])
+            if on or off:
+                out[pos_of[layer]] = RouteSteer.build(self.scheme, adapter.num_experts, on, off, self.mask_value,
+                                                      self.boost_value)
         return out
 
 
@@ -144,6 +146,7 @@ def from_reports(
     activate=None,
     mask_value=MASK_VALUE,
     boost_value=BOOST_VALUE,
+    scheme: str = "additive",
     field_names: dict[str, str] | None = None,
 ) -> Steering:
     """Build and check one :class:`Steering` from reports and/or direct expert maps (their union).
@@ -154,8 +157,11 @@ def from_reports(
     from .expert_files import load_report_experts
 
     names = {"safety_map": "safety_map", "safety_mode": "safety_mode", "domain_map": "domain_map",
-             "domain_mode": "domain_mode", **(field_names or {})}
-    s = Steering(mask_value=_finite(mask_value, "mask_value", -1), boost_value=_finite(boost_value, "boost_value", 1))
+             "domain_mode": "domain_mode", "scheme": "scheme", **(field_names or {})}
+    if scheme not in SCHEMES:
+        raise SteeringError(names["scheme"], f"{names['scheme']} must be one of {', '.join(SCHEMES)}, got {scheme!r}.")
+    s = Steering(mask_value=_finite(mask_value, "mask_value", -1), boost_value=_finite(boost_value, "boost_value", 1),
+                 scheme=scheme)
     s.deactivate = _layer_map(deactivate, "deactivate", moe_layer_indices, num_experts)
     s.activate = _layer_map(activate, "activate", moe_layer_indices, num_experts)
     reports = (("safety", safety_map, safety_mode, SAFETY_MODES, "safety_map", "safety_mode"),
@@ -225,6 +231,10 @@ def _check(s: Steering, moe_layer_indices: list[int], num_experts: int, top_k: i
             raise SteeringError(f"deactivate.{layer}", f"layer {layer}: deactivating {len(off)} of {num_experts} "
                                                        f"experts leaves fewer than the {top_k} each token is routed "
                                                        "to; deactivate fewer.")
+        if len(on) > top_k and s.scheme == "rank":
+            raise SteeringError(f"activate.{layer}", f"layer {layer}: {len(on)} experts are activated but the rank "
+                                                     f"scheme puts them all at the top, so at most top_k = {top_k} "
+                                                     "may be; activate fewer, or use the additive scheme.")
         if len(on) > top_k:
             s.warnings.append(f"layer {layer}: {len(on)} experts are activated but each token is routed to {top_k}; "
                               f"the {top_k} with the highest router logits win.")

@@ -181,30 +181,29 @@ def test_hooked_equals_unhooked_and_remove_restores(make_model, model_type, bits
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_logit_bias_steers_selection(make_model, model_type):
+def test_steering_through_the_hook(make_model, model_type):
+    from mlx_fun.adapters.steer import RouteSteer
+
     model, config, adapter = _load(make_model, model_type, None)
     E = adapter.num_experts
-    boost = mx.zeros((E,)).at[3].add(1e4)
-    if adapter.groups:  # group-limited: a group is chosen by its top-2 sum, so boost expert 3's whole group
-        size = E // adapter.groups[0]
-        boost = mx.zeros((E,)).at[mx.arange(3 // size * size, 3 // size * size + size)].add(1e4)
+    boost = RouteSteer.build("additive", E, [3], [], -1e9, 1e4)  # group-limited too: the selection score is boosted
     chosen = []
     bias = {pos: boost for pos in range(len(adapter.moe_layers()))}
-    with moe_hook.hooked(adapter, [lambda layer, i, w, lg, y: chosen.append(np.array(i))], bias=bias):
+    with moe_hook.hooked(adapter, [lambda layer, i, w, lg, y: chosen.append(np.array(i))], steer=bias):
         mx.eval(model(mx.array(SMALL)))
     assert len(chosen) == len(adapter.moe_layers())
     for inds in chosen:
         assert (inds.reshape(-1, adapter.top_k) == 3).any(axis=-1).all()
-    # a second install replaces the state without wrapping twice; set_bias swaps biases in place
+    # a second install replaces the state without wrapping twice; set_steer swaps steering in place
     swapped = moe_hook.swapped_modules(adapter, adapter.blocks()[0])
     originals = [type(m) for m in swapped]
     moe_hook.install(adapter, [])
     moe_hook.install(adapter, [])
     assert [type(m).__bases__ for m in swapped] == [(o,) for o in originals]
     ref = model(mx.array(SMALL))
-    moe_hook.set_bias(adapter, bias)
+    moe_hook.set_steer(adapter, bias)
     steered = model(mx.array(SMALL))
-    moe_hook.set_bias(adapter, None)
+    moe_hook.set_steer(adapter, None)
     unsteered = model(mx.array(SMALL))
     moe_hook.remove(adapter)
     assert not np.array_equal(np.array(ref), np.array(steered))

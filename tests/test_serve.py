@@ -173,10 +173,12 @@ def _hot_experts(server, layer: int, n: int) -> list[int]:
     return [int(e) for e in np.argsort(stats(server)["freq"][layer])[::-1][:n]]
 
 
-def test_steered_off_experts_get_no_counts_until_delete(server):
+@pytest.mark.parametrize("scheme", ["additive", "rank"])
+def test_steered_off_experts_get_no_counts_until_delete(server, scheme):
     hot = _hot_experts(server, 1, 3)
-    status, out = call(server, "POST", "/v1/reap/steer", {"deactivate": {"1": hot}})
+    status, out = call(server, "POST", "/v1/reap/steer", {"deactivate": {"1": hot}, "scheme": scheme})
     assert status == 200 and out["active"] and out["applied"] and out["steering"]["deactivate"] == {"1": sorted(hot)}
+    assert out["steering"]["scheme"] == scheme
     assert call(server, "GET", "/v1/reap/steer")[1]["steering"]["deactivate"] == {"1": sorted(hot)}
     call(server, "POST", "/v1/reap/reset", {})
     chat(server, "Write a function that reverses a list.", max_tokens=8)
@@ -222,6 +224,8 @@ BAD = [
     ("POST", "/v1/reap/steer", {"activate": {"0": [1]}, "deactivate": {"0": [1]}}, 400, "activate.0"),
     ("POST", "/v1/reap/steer", {"deactivte": {"0": [1]}}, 400, "deactivte"),
     ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "mask_value": "big"}, 400, "mask_value"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "scheme": "ranked"}, 400, "scheme"),
+    ("POST", "/v1/reap/steer", {"activate": {"0": [1, 2, 3, 4, 5]}, "scheme": "rank"}, 400, "activate.0"),
     ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "sideways"}, 400, "mode"),
     ("POST", "/v1/reap/steer", {"safety_map": "missing.json", "mode": "safe"}, 400, "safety_map"),
     ("POST", "/v1/reap/steer", {"safety_map": "../outside.json", "mode": "safe"}, 403, "safety_map"),

@@ -111,4 +111,4 @@ def test_steering_checks_name_the_field(tmp_path):
         from_reports(**kw, domain_mode="boost")
     assert e.value.field == "domain_mode"
     s = from_reports(**kw, activate={"2": [0, 1, 2]}, boost_value=50)
-    assert s.warnings and s.bias([1, 2, 3], 8)[1].tolist() == [50, 50, 50, 0, 0, 0, 0, 0]
+    assert s.warnings and s.activate == {2: [0, 1, 2]} and s.boost_value == 50 and s.scheme == "additive"

@@ -17,7 +17,8 @@ from .cli_helpers import run as cli
 from .conftest import FAMILIES
 
 
-def test_steer_generates_under_the_report_bias(make_model, tmp_path):
+@pytest.mark.parametrize("scheme", ["additive", "rank"])
+def test_steer_generates_under_the_report_steering(make_model, tmp_path, scheme):
     from mlx_fun.adapters import get_adapter
     from mlx_fun.sampling import run_generation
 
@@ -25,11 +26,12 @@ def test_steer_generates_under_the_report_bias(make_model, tmp_path):
     report = tmp_path / "domain_report.json"
     report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
     got = jobs.steer.run(model=path, prompt="hello world", domain_map=report, domain_mode="suppress",
-                         max_tokens=8, compare=True, dispatch="mlx-lm")
+                         max_tokens=8, compare=True, dispatch="mlx-lm", scheme=scheme)
     assert got.steering.deactivate == {1: [1, 2], 2: [3]} and not got.steering.activate
+    assert got.steering.scheme == scheme
     model, tok, config = load_model(path)
     adapter = get_adapter(model, config)
-    with moe_hook.hooked(adapter, [], got.steering.bias(adapter.moe_layers(), adapter.num_experts)):
+    with moe_hook.hooked(adapter, [], got.steering.route_steers(adapter)):
         again = run_generation(model, tok, "hello world", max_tokens=8)
     plain = run_generation(model, tok, "hello world", max_tokens=8)
     assert got.generation.tokens == again.tokens and got.baseline.tokens == plain.tokens
@@ -56,6 +58,10 @@ def test_steer_errors(make_model, tmp_path):
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json"), "--mode")
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "none.json", "--mode",
                      "safe"), "--safety-map", "does not exist")
+    (tmp_path / "d.json").write_text(json.dumps({"domain_experts": {"0": [0, 1, 2, 3, 4]}}))
+    got = cli("steer", "--model", path, "--prompt", "x", "--domain-map", tmp_path / "d.json", "--domain-mode", "boost",
+              "--scheme", "rank", "--max-tokens", "2")
+    assert got.exit_code == 0 and "[steered (rank): 0 experts masked" in got.output
 
 
 @pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("glm4_moe", 4)])
@@ -76,7 +82,7 @@ def test_a_masked_expert_is_never_selected(make_model, family, bits):
     hot = {str(layer): [int(e) for e in np.argsort(base.freq[p])[::-1][:2]] for p, layer in enumerate(layers)}
     s = from_reports(moe_layer_indices=layers, num_experts=adapter.num_experts, top_k=adapter.top_k, deactivate=hot)
     tap, acc = SaliencyTap(norms=False), SaliencyAccumulator.for_adapter(adapter)
-    with moe_hook.hooked(adapter, [tap], s.bias(layers, adapter.num_experts)):
+    with moe_hook.hooked(adapter, [tap], s.route_steers(adapter)):
         for sample in samples:
             model(mx.array([sample]))
             tap.flush(acc)

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, model_function, topk_desc, topk_tail, with_bias
+from .base import MoEAdapter, model_function, topk_desc, topk_tail
+from .steer import steered, steered_correction, steered_selection
+
+
+def _scores(gates, score_function: str):
+    """Bailing's float32 scores before the expert bias (what its ``group_expert_select`` computes first)."""
+    gates = gates.astype(mx.float32)
+    return mx.sigmoid(gates) if score_function == "sigmoid" else mx.softmax(gates, axis=-1)
 
 
 class _Grouped(MoEAdapter):
@@ -28,14 +35,14 @@ class BailingMoeAdapter(_Grouped):
     router_attr = "gate.gate_proj"
     extra_expert_params = ("gate.expert_bias",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         select = model_function(gate, "group_expert_select")
         logits = gate.gate_proj(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds, scores = select(
             gates,
-            gate.expert_bias,
+            steered_correction(gate.expert_bias, steer, lambda: _scores(gates, gate.score_function)),
             gate.top_k,
             gate.n_group,
             gate.topk_group,
@@ -73,13 +80,18 @@ class BailingMoeV3Adapter(_Grouped):
     model_types = ("bailing_moe_v3",)
     router_attr = "gate"
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         select = model_function(gate, "_group_expert_select")
         logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds, scores = select(
-            gates, gate.expert_bias, gate.top_k, gate.n_group, gate.topk_group, gate.routed_scaling_factor
+            gates,
+            steered_correction(gate.expert_bias, steer, lambda: mx.sigmoid(gates.astype(mx.float32))),
+            gate.top_k,
+            gate.n_group,
+            gate.topk_group,
+            gate.routed_scaling_factor,
         )
         return inds, scores, logits
 
@@ -99,12 +111,12 @@ class BailingHybridAdapter(BailingMoeV3Adapter):
     def router_attr(self) -> str:  # type: ignore[override]
         return "gate.gate_proj" if hasattr(self.block(self._moe_layers[0]).gate, "gate_proj") else "gate"
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         if not hasattr(gate, "gate_proj"):
-            return super().route(block, x, logit_bias)
+            return super().route(block, x, steer)
         logits = gate.gate_proj(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         in_type = gates.dtype
         gates = gates.astype(mx.float32)
         if gate.score_function == "sigmoid":
@@ -114,6 +126,7 @@ class BailingHybridAdapter(BailingMoeV3Adapter):
         orig_scores = scores
         if gate.expert_bias is not None:
             scores = scores + gate.expert_bias
+        scores = steered_selection(scores, steer)
         n_drop = gate.n_group - gate.topk_group
         if n_drop > 0:
             scores = mx.unflatten(scores, axis=-1, shape=(gate.n_group, -1))
@@ -147,14 +160,14 @@ class GraniteMoeAdapter(MoEAdapter):
     router_attr = "router.layer"
     num_experts_key = "num_local_experts"
 
-    def _top_k_logits(self, block, x, logit_bias):
+    def _top_k_logits(self, block, x, steer):
         logits = block.router.layer(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds = mx.stop_gradient(topk_tail(gates, block.router.top_k))
         return inds, mx.take_along_axis(gates, inds, axis=-1), logits
 
-    def route(self, block, x, logit_bias=None):
-        inds, top, logits = self._top_k_logits(block, x, logit_bias)
+    def route(self, block, x, steer=None):
+        inds, top, logits = self._top_k_logits(block, x, steer)
         return inds, mx.softmax(top.astype(mx.float32), axis=-1), logits
 
     def combine(self, block, x, y, weights):
@@ -166,8 +179,8 @@ class GraniteMoeHybridAdapter(GraniteMoeAdapter):
 
     model_types = ("granitemoehybrid",)
 
-    def route(self, block, x, logit_bias=None):
-        inds, top, logits = self._top_k_logits(block, x, logit_bias)
+    def route(self, block, x, steer=None):
+        inds, top, logits = self._top_k_logits(block, x, steer)
         return inds, mx.softmax(top, precise=True, axis=-1), logits
 
     def combine(self, block, x, y, weights):
@@ -181,14 +194,14 @@ class LagunaAdapter(MoEAdapter):
     router_attr = "gate.proj"
     extra_expert_params = ("gate.e_score_correction_bias",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         logits = gate.proj(x).astype(mx.float32)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         if gate.softcap > 0.0:
             gates = mx.tanh(gates / gate.softcap) * gate.softcap
         scores = gate._routing_scores(gates)
-        inds = mx.stop_gradient(topk_desc(scores + gate.e_score_correction_bias, gate.top_k))
+        inds = mx.stop_gradient(topk_desc(steered_selection(scores + gate.e_score_correction_bias, steer), gate.top_k))
         weights = mx.take_along_axis(scores, inds, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights, logits

@@ -166,10 +166,11 @@ class MoEAdapter:
         return x
 
     # ----------------------------------------------------------------- routing
-    def route(self, block, x: mx.array, logit_bias: mx.array | None = None):
+    def route(self, block, x: mx.array, steer: "RouteSteer | None" = None):  # noqa: F821
         """Return ``(inds, weights, logits)`` exactly as the block computes them.
 
-        ``logit_bias`` (shape (E,)) is added to the router logits before selection; ``logits`` returned are the
+        ``steer`` (:class:`~mlx_fun.adapters.steer.RouteSteer`) is applied to the router logits before the family's
+        activation and, where the family ranks by a selection-only score, to that score too; ``logits`` returned are the
         raw, unbiased router logits.
         """
         raise NotImplementedError
@@ -207,11 +208,6 @@ class MoEAdapter:
             "top_k": self.top_k,
             "groups": self.groups,
         }
-
-
-def with_bias(logits: mx.array, logit_bias: mx.array | None) -> mx.array:
-    """``logits`` plus the steering bias (``route``'s ``logit_bias``), or ``logits`` themselves when there is none."""
-    return logits if logit_bias is None else logits + logit_bias
 
 
 def model_function(module, name: str):

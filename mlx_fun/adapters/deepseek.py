@@ -8,7 +8,10 @@ that defines the block's gate, so it is the same compiled function the block run
 
 from __future__ import annotations
 
-from .base import MoEAdapter, model_function, with_bias
+import mlx.core as mx
+
+from .base import MoEAdapter, model_function
+from .steer import steered, steered_correction
 
 
 class DeepSeekAdapter(MoEAdapter):
@@ -44,14 +47,14 @@ class DeepSeekAdapter(MoEAdapter):
         return "switch_mlp" if hasattr(self.block(self._moe_layers[0]), "switch_mlp") else "experts"
 
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         select = model_function(gate, "group_expert_select")
         logits = x @ gate.weight.T
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds, scores = select(
             gates,
-            gate.e_score_correction_bias,
+            steered_correction(gate.e_score_correction_bias, steer, lambda: mx.sigmoid(gates.astype(mx.float32))),
             gate.top_k,
             gate.n_group,
             gate.topk_group,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import UserError
-from .base import MoEAdapter, model_function, topk_desc, with_bias
+from .base import MoEAdapter, model_function, topk_desc
+from .steer import selection_order, steered, steered_correction
 from .deepseek import DeepSeekAdapter
 
 
@@ -22,12 +23,12 @@ class DeepSeekV1Adapter(MoEAdapter):
     model_types = ("deepseek",)
     num_experts_key = "n_routed_experts"
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         logits = x @ gate.weight.T
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         scores = mx.softmax(gates, axis=-1, precise=True)
-        inds = mx.stop_gradient(topk_desc(scores, gate.top_k))
+        inds = mx.stop_gradient(topk_desc(selection_order(scores, gates, steer), gate.top_k))
         scores = mx.take_along_axis(scores, inds, axis=-1)
         return inds, scores, logits
 
@@ -54,11 +55,12 @@ class DeepSeekV2Adapter(DeepSeekV1Adapter):
             return n_group, int(cfg.get("topk_group") or n_group)
         return None
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         logits = x @ gate.weight.T
-        gates = with_bias(logits, logit_bias)
-        scores = mx.softmax(gates, axis=-1, precise=True)
+        gates = steered(logits, steer)
+        probs = mx.softmax(gates, axis=-1, precise=True)
+        scores = selection_order(probs, gates, steer)
         if gate.topk_method == "group_limited_greedy":
             bsz, seq_len = x.shape[:2]
             scores = scores.reshape(bsz, seq_len, gate.n_group, -1)
@@ -66,12 +68,13 @@ class DeepSeekV2Adapter(DeepSeekV1Adapter):
             k = gate.n_group - gate.topk_group
             group_idx = mx.argpartition(group_scores, kth=k - 1, axis=-2)[..., :k, :]
             group_idx = mx.stop_gradient(group_idx)
-            scores = mx.put_along_axis(scores, group_idx, mx.array(0.0, scores.dtype), axis=-2)
+            fill = 0.0 if steer is None else -mx.inf  # steered: ranked by logits, where a dropped group is -inf
+            scores = mx.put_along_axis(scores, group_idx, mx.array(fill, scores.dtype), axis=-2)
             scores = scores.reshape(bsz, seq_len, -1)
         k = gate.top_k
         inds = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
         inds = mx.stop_gradient(inds)
-        scores = mx.take_along_axis(scores, inds, axis=-1)
+        scores = mx.take_along_axis(probs, inds, axis=-1)
         scores = scores * gate.routed_scaling_factor
         return inds, scores, logits
 
@@ -100,10 +103,12 @@ class Mistral4Adapter(MoEAdapter):
     group_keys = ("n_group", "topk_group")
 
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         args = block.args
         logits = block.gate(x)
-        gates = with_bias(logits, logit_bias)
+        if steer is not None:
+            return (*self._steered_select(block, steered(logits, steer)), logits)
+        gates = logits
         inds, scores = model_function(block, "mistral4_expert_select")(
             gates,
             block.num_experts_per_tok,
@@ -113,6 +118,28 @@ class Mistral4Adapter(MoEAdapter):
             args.norm_topk_prob,
         )
         return inds, scores, logits
+
+    def _steered_select(self, block, gates):
+        """``mistral4_expert_select`` on steered gates, ranked in log space: the same choice in exact arithmetic,
+        but a +1e4 boost cannot saturate the softmax into ties (group score log(p1 + p2) = logaddexp of the top 2
+        log-probabilities; dropped groups at -inf); weights from the softmax as the family computes them."""
+        args = block.args
+        logp = gates.astype(mx.float32)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        order = logp
+        if args.n_group > 1:
+            grouped = mx.unflatten(logp, axis=-1, shape=(args.n_group, -1))
+            top2 = mx.topk(grouped, 2, axis=-1)
+            group_scores = mx.logaddexp(top2[..., :1], top2[..., 1:])
+            k = args.n_group - args.topk_group
+            group_idx = mx.argpartition(group_scores, kth=k - 1, axis=-2)[..., :k, :]
+            grouped = mx.put_along_axis(grouped, mx.stop_gradient(group_idx), mx.array(-mx.inf), axis=-2)
+            order = mx.flatten(grouped, -2, -1)
+        inds = mx.stop_gradient(topk_desc(order, block.num_experts_per_tok))
+        scores = mx.take_along_axis(mx.softmax(gates.astype(mx.float32), axis=-1), inds, axis=-1)
+        if args.norm_topk_prob:
+            scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, scores * args.routed_scaling_factor
 
     def combine(self, block, x, y, weights):
         y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
@@ -137,11 +164,18 @@ class KimiLinearAdapter(MoEAdapter):
         return (a.num_experts_per_token, a.num_expert_group, a.topk_group, a.routed_scaling_factor,
                 a.moe_renormalize, a.moe_router_activation_func)
 
-    def route(self, block, x, logit_bias=None):
+    def _scores(self, block, gates):
+        """The scores ``_group_expert_select`` adds the bias to (sigmoid in the gates' dtype, or precise softmax)."""
+        if block.args.moe_router_activation_func == "softmax":
+            return mx.softmax(gates, axis=-1, precise=True)
+        return mx.sigmoid(gates)
+
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         select = model_function(block, "_group_expert_select")
-        inds, scores = select(gates, block.e_score_correction_bias, *self._selection_args(block))
+        bias = steered_correction(block.e_score_correction_bias, steer, lambda: self._scores(block, gates))
+        inds, scores = select(gates, bias, *self._selection_args(block))
         return inds, scores, logits
 
     def combine(self, block, x, y, weights):
@@ -183,12 +217,12 @@ class HunyuanAdapter(MoEAdapter):
             )
         return x, None
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = with_bias(logits, logit_bias)
-        gates = mx.softmax(gates, axis=-1, precise=True)
-        inds = mx.stop_gradient(topk_desc(gates, block.top_k))
-        scores = mx.take_along_axis(gates, inds, axis=-1)
+        gates = steered(logits, steer)
+        probs = mx.softmax(gates, axis=-1, precise=True)
+        inds = mx.stop_gradient(topk_desc(selection_order(probs, gates, steer), block.top_k))
+        scores = mx.take_along_axis(probs, inds, axis=-1)
         return inds, scores, logits
 
     def combine(self, block, x, y, weights):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import MoEAdapter, with_bias
+from .base import MoEAdapter
+from .steer import steered, steered_selection
 
 
 class DeepSeekV41Adapter(MoEAdapter):
@@ -39,17 +40,17 @@ class DeepSeekV41Adapter(MoEAdapter):
     def prepare(self, block, x):
         return x.reshape(-1, block.dim)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
-        scaled = with_bias(logits / gate.gate_temp, logit_bias)
+        scaled = steered(logits / gate.gate_temp, steer)
         if gate.score_func == "sigmoid":
             scores = mx.sigmoid(scaled)
         elif gate.score_func == "softmax":
             scores = mx.softmax(scaled, axis=-1)
         else:
             scores = mx.sqrt(nn.softplus(scaled))
-        biased = scores + gate.e_score_correction_bias
+        biased = steered_selection(scores + gate.e_score_correction_bias, steer)
         chosen = mx.argpartition(-biased, gate.top_k - 1, axis=-1)[..., : gate.top_k]
         weights = mx.take_along_axis(scores, chosen, axis=-1)
         if gate.norm_topk_prob and gate.top_k > 1:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import UserError
-from .base import MoEAdapter, topk_tail, with_bias
+from .base import MoEAdapter, topk_tail
+from .steer import steered
 
 
 class Gemma4Adapter(MoEAdapter):
@@ -51,12 +52,12 @@ class Gemma4Adapter(MoEAdapter):
     def expert_caller(self, block):
         return block.experts
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         router = block.router
         k = router.config.top_k_experts
         x = mx.fast.rms_norm(x, router.scale * router._root_size, router.eps)
         logits = router.proj(x)
-        scores = with_bias(logits, logit_bias)
+        scores = steered(logits, steer)
         inds = mx.stop_gradient(topk_tail(scores, k))
         weights = mx.take_along_axis(scores, inds, axis=-1)
         weights = mx.softmax(weights, axis=-1)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, model_function, topk_desc, topk_tail, with_bias
+from .base import MoEAdapter, model_function, topk_desc, topk_tail
+from .steer import selection_order, steered, steered_selection
 from .mixtral import MixtralAdapter
 
 
@@ -26,10 +27,11 @@ class Ernie45MoeAdapter(MoEAdapter):
     num_experts_key = "moe_num_experts"
     top_k_key = "moe_k"
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = block.gate_act(with_bias(logits, logit_bias).astype(mx.float32))
-        inds = mx.stop_gradient(topk_desc(gates, block.k))
+        steered_logits = steered(logits, steer)
+        gates = block.gate_act(steered_logits.astype(mx.float32))
+        inds = mx.stop_gradient(topk_desc(selection_order(gates, steered_logits, steer), block.k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12)
         return inds, scores, logits
@@ -49,12 +51,12 @@ class Lfm2MoeAdapter(MoEAdapter):
     block_attr = "feed_forward"
     extra_expert_params = ("expert_bias",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        routing_weights = mx.sigmoid(with_bias(logits, logit_bias))
+        routing_weights = mx.sigmoid(steered(logits, steer))
         k = block.top_k
         if block.use_expert_bias:
-            inds = topk_tail(routing_weights.astype(mx.float32) + block.expert_bias, k)
+            inds = topk_tail(steered_selection(routing_weights.astype(mx.float32) + block.expert_bias, steer), k)
         else:
             inds = topk_tail(routing_weights, k)
         inds = mx.stop_gradient(inds)
@@ -76,10 +78,10 @@ class PhiMoeAdapter(MoEAdapter):
     block_attr = "block_sparse_moe"
     num_experts_key = "num_local_experts"
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
         sparsemixer = model_function(block, "sparsemixer")
-        inds, scores = sparsemixer(with_bias(logits, logit_bias), top_k=block.top_k, jitter_eps=block.jitter_eps)
+        inds, scores = sparsemixer(steered(logits, steer), top_k=block.top_k, jitter_eps=block.jitter_eps)
         return inds, scores, logits
 
     def combine(self, block, x, y, weights):
@@ -97,14 +99,14 @@ class AfmoeAdapter(MoEAdapter):
     extra_expert_params = ("expert_bias",)
     group_keys = ("n_group", "topk_group")
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.router(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         if block.score_func == "sigmoid":
             scores = mx.sigmoid(gates.astype(mx.float32))
         else:
             scores = mx.softmax(gates.astype(mx.float32), axis=-1)
-        selection_scores = scores + block.expert_bias
+        selection_scores = steered_selection(scores + block.expert_bias, steer)
         if block.n_group > 1:
             selection_scores = mx.unflatten(selection_scores, axis=-1, shape=(block.n_group, -1))
             group_scores = mx.topk(selection_scores, 2, axis=-1).sum(axis=-1, keepdims=True)
@@ -141,10 +143,11 @@ class MellumAdapter(MoEAdapter):
 
     model_types = ("mellum",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = mx.softmax(with_bias(logits, logit_bias), axis=-1, precise=True)
-        inds = mx.stop_gradient(topk_tail(gates, block.top_k))
+        steered_logits = steered(logits, steer)
+        gates = mx.softmax(steered_logits, axis=-1, precise=True)
+        inds = mx.stop_gradient(topk_tail(selection_order(gates, steered_logits, steer), block.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if block.norm_topk_prob:
             scores = scores / mx.sum(scores, axis=-1, keepdims=True)
@@ -162,11 +165,11 @@ class KlearAdapter(MoEAdapter):
     experts_attr = "experts"
     extra_expert_params = ("expert_bias",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        routing_weights = mx.sigmoid(with_bias(logits, logit_bias).astype(mx.float32))
+        routing_weights = mx.sigmoid(steered(logits, steer).astype(mx.float32))
         # the block adds expert_bias.reshape((1, 1, -1)): the same sums, but it only accepts (B, L, D) inputs
-        biased_weights = routing_weights + block.expert_bias
+        biased_weights = steered_selection(routing_weights + block.expert_bias, steer)
         inds = mx.stop_gradient(topk_desc(biased_weights, block.top_k))
         scores = mx.take_along_axis(routing_weights, inds, axis=-1)
         if block.norm_topk_prob:

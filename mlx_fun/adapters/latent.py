@@ -12,6 +12,8 @@ always sees ``x``. ``y`` handed to taps is the experts' latent output.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ..errors import UserError
 from .deepseek import DeepSeekAdapter
 from .deepseek_like import KimiLinearAdapter
@@ -53,6 +55,9 @@ class KimiK3Adapter(KimiLinearAdapter):
 
     def _selection_args(self, block) -> tuple:
         return super()._selection_args(block)[:-1]  # kimi_k3's selection has no score-function argument
+
+    def _scores(self, block, gates):
+        return mx.sigmoid(gates.astype(mx.float32))  # kimi_k3's selection: float32 sigmoid only
 
     def expert_input(self, block, x, inds, weights):
         return block.routed_expert_down_proj(x) if block.latent_size is not None else x

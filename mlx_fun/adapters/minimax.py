@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc, with_bias
+from .base import MoEAdapter, topk_desc
+from .steer import steered, steered_selection
 
 
 class MiniMaxAdapter(MoEAdapter):
@@ -16,12 +17,12 @@ class MiniMaxAdapter(MoEAdapter):
     num_experts_key = "num_local_experts"
     extra_expert_params = ("e_score_correction_bias",)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x.astype(mx.float32))
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         scores = mx.sigmoid(gates)
         orig_scores = scores
-        scores = scores + block.e_score_correction_bias
+        scores = steered_selection(scores + block.e_score_correction_bias, steer)
         inds = mx.stop_gradient(topk_desc(scores, self.top_k))
         scores = mx.take_along_axis(orig_scores, inds, axis=-1)
         scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)
@@ -48,12 +49,12 @@ class MiniMaxM3Adapter(MoEAdapter):
     def prepare(self, block, x):
         return x.reshape(-1, x.shape[-1])
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         scores = mx.sigmoid(gates.astype(mx.float32))
         orig_scores = scores
-        scores = scores + block.e_score_correction_bias
+        scores = steered_selection(scores + block.e_score_correction_bias, steer)
         inds = mx.stop_gradient(topk_desc(scores, self.top_k))
         scores = mx.take_along_axis(orig_scores, inds, axis=-1)
         scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc, topk_tail, with_bias
+from .base import MoEAdapter, topk_desc, topk_tail
+from .steer import steered
 
 
 class MixtralAdapter(MoEAdapter):
@@ -15,9 +16,9 @@ class MixtralAdapter(MoEAdapter):
     num_experts_key = "num_local_experts"
     select = staticmethod(topk_desc)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = self.router(block)(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds = mx.stop_gradient(self.select(gates, self.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.softmax(scores, axis=-1, precise=True)
@@ -67,9 +68,9 @@ class Llama4Adapter(MoEAdapter):
     def _is_moe(self, block) -> bool:
         return block is not None and hasattr(block, "router")
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.router(x)
-        gates = with_bias(logits, logit_bias)
+        gates = steered(logits, steer)
         inds = mx.stop_gradient(topk_desc(gates, block.top_k))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         scores = mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)

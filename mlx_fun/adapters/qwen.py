@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import MoEAdapter, topk_desc, topk_tail, with_bias
+from .base import MoEAdapter, topk_desc, topk_tail
+from .steer import selection_order, steered
 
 
 class _SoftmaxTopK(MoEAdapter):
@@ -13,12 +14,12 @@ class _SoftmaxTopK(MoEAdapter):
     normalise_attr = "norm_topk_prob"
     select = staticmethod(topk_tail)
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         logits = block.gate(x)
-        gates = with_bias(logits, logit_bias)
-        gates = mx.softmax(gates, axis=-1, precise=True)
-        inds = mx.stop_gradient(self.select(gates, self.top_k))
-        scores = mx.take_along_axis(gates, inds, axis=-1)
+        gates = steered(logits, steer)
+        probs = mx.softmax(gates, axis=-1, precise=True)
+        inds = mx.stop_gradient(self.select(selection_order(probs, gates, steer), self.top_k))
+        scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.normalise_attr and getattr(block, self.normalise_attr, False):
             scores = scores / mx.sum(scores, axis=-1, keepdims=True)
         return inds, scores, logits

@@ -6,7 +6,10 @@ Selection runs the model module's own compiled ``moe_gate_select`` on the (biase
 
 from __future__ import annotations
 
-from .base import MoEAdapter, model_function, with_bias
+import mlx.core as mx
+
+from .base import MoEAdapter, model_function
+from .steer import steered, steered_correction
 
 
 class Step3p5Adapter(MoEAdapter):
@@ -29,12 +32,13 @@ class Step3p5Adapter(MoEAdapter):
     def _is_moe(self, block) -> bool:
         return block is not None and hasattr(block, "switch_mlp")
 
-    def route(self, block, x, logit_bias=None):
+    def route(self, block, x, steer=None):
         gate = block.gate
         select = model_function(gate, "moe_gate_select")
         logits = gate.gate(x)
-        gates = with_bias(logits, logit_bias)
-        inds, weights = select(gates, gate.router_bias, gate.top_k, gate.routed_scaling_factor, gate.norm_topk_prob)
+        gates = steered(logits, steer)
+        bias = steered_correction(gate.router_bias, steer, lambda: mx.sigmoid(gates.astype(mx.float32)))
+        inds, weights = select(gates, bias, gate.top_k, gate.routed_scaling_factor, gate.norm_topk_prob)
         return inds, weights, logits
 
     def combine(self, block, x, y, weights):

@@ -34,11 +34,14 @@ def _size(text: str) -> int:
 @click.option("--safety-map", type=click.Path(dir_okay=False), default=None,
               help="safety_report.json to steer with from the start (with --steering-mode).")
 @click.option("--steering-mode", type=click.Choice(["safe", "unsafe"]), default=None,
-              help="safe: boost the report's safety-critical experts; unsafe: mask them.")
+              help="safe: boost the report's HRCG experts (at most top_k per layer); unsafe: mask its safety-critical "
+                   "experts.")
 @click.option("--domain-map", type=click.Path(dir_okay=False), default=None,
               help="domain_report.json to steer with from the start (with --domain-steering-mode).")
 @click.option("--domain-steering-mode", type=click.Choice(["boost", "suppress"]), default=None,
               help="boost: activate the domain experts; suppress: deactivate the general experts.")
+@click.option("--steering-scheme", type=click.Choice(["additive", "rank"]), default="additive", show_default=True,
+              help="How the startup steering acts (see `mlx-fun steer --help`); REST bodies say their own \"scheme\".")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="The only directory REST requests may read reports from or save statistics to.")
 @click.option("--api-key", default=None, envvar="MLX_FUN_API_KEY", show_envvar=True,

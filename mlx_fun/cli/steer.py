@@ -19,10 +19,15 @@ from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, mod
 @click.option("--domain-mode", type=click.Choice(["boost", "suppress"]), default=None,
               help="boost: activate the domain experts; suppress: deactivate the general experts.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--scheme", type=click.Choice(["additive", "rank"]), default="additive", show_default=True,
+              help="additive: add --mask-value / --boost-value to the router logits; rank (SteerMoE): per token, "
+                   "boosted experts' logits go to the max + 0.01, masked ones to the min - 0.01, so a boosted "
+                   "expert weighs about as much as the token's favourite instead of all of it (at most top_k boosted "
+                   "per layer).")
 @click.option("--mask-value", type=FiniteFloat(max=0, max_open=True), default=-1e9, show_default=True,
-              help="Router-logit bias of a deactivated expert.")
+              help="Router-logit bias of a deactivated expert (additive scheme).")
 @click.option("--boost-value", type=FiniteFloat(min=0, min_open=True), default=1e4, show_default=True,
-              help="Router-logit bias of an activated expert.")
+              help="Router-logit bias of an activated expert (additive scheme).")
 @click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the Gumbel-max sampler.")
 @click.option("--chat", is_flag=True, default=False, help="Wrap the prompt in the tokenizer's chat template.")
@@ -30,14 +35,17 @@ from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, mod
 @dispatch_option
 @friendly_errors
 def command(**kwargs):
-    """Generate after --prompt while a bias is added to the router logits of chosen experts before every MoE
-    layer's own selection (group-limited, correction-biased and softmax-after-top-k routers included): masked
-    experts are never chosen, boosted ones are chosen whenever the layer has room.
+    """Generate after --prompt with chosen experts steered before every MoE layer's own selection
+    (group-limited, correction-biased and softmax-after-top-k routers included): masked experts are never
+    chosen, boosted ones are chosen whenever the layer has room. Where a router ranks by sigmoid + correction
+    bias, the steering is applied to that selection score too, so no correction bias can undo it.
 
     \b
     Example (the bundled refusing chat model, after the safety-scan example):
       mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode unsafe --chat --compare \\
           --prompt "How do I pick a lock?" --max-tokens 20
+      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \
+          --chat --prompt "What does os.path.join do?" --max-tokens 20
     """
     from ..jobs import steer
 
@@ -50,4 +58,5 @@ def show(result) -> None:
         click.echo(f"[unsteered: {result.baseline.text!r}]", err=True)
     n_off = sum(map(len, result.steering.deactivate.values()))
     n_on = sum(map(len, result.steering.activate.values()))
-    click.echo(f"[steered: {n_off} experts masked, {n_on} boosted] {result.generation.stats_line()}", err=True)
+    click.echo(f"[steered ({result.steering.scheme}): {n_off} experts masked, {n_on} boosted] "
+               f"{result.generation.stats_line()}", err=True)

@@ -74,7 +74,7 @@ def _params(scope: dict) -> dict:
     return {k: scope[k] for k in inspect.signature(start).parameters if k in scope}
 
 
-def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode):
+def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode, steering_scheme):
     if safety_map is None and domain_map is None:
         return None
 
@@ -82,10 +82,11 @@ def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mod
         from ..steering import for_adapter
 
         return for_adapter(counter.adapter, safety_map=safety_map, safety_mode=steering_mode, domain_map=domain_map,
-                           domain_mode=domain_steering_mode,
+                           domain_mode=domain_steering_mode, scheme=steering_scheme,
                            field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
                                         "domain_map": param("domain_map"),
-                                        "domain_mode": param("domain_steering_mode")})
+                                        "domain_mode": param("domain_steering_mode"),
+                                        "scheme": param("steering_scheme")})
 
     return build
 
@@ -103,6 +104,7 @@ def start(
     steering_mode: str | None = None,
     domain_map: str | Path | None = None,
     domain_steering_mode: str | None = None,
+    steering_scheme: str = "additive",
     data_dir: str | Path = ".",
     api_key: str | None = None,
     dispatch: str = "auto",
@@ -132,7 +134,8 @@ def start(
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
         allowed_origins=list(allowed_origins), max_body_bytes=max_body_bytes, dispatch=dispatch,
         dispatch_table=dispatch_table, dequant_cache=ok["dequant_cache"], auto_save=ok["auto_save"],
-        steering=_startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode), log=log)
+        steering=_startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode, steering_scheme),
+        log=log)
 
 
 def run(
@@ -148,6 +151,7 @@ def run(
     steering_mode: str | None = None,
     domain_map: str | Path | None = None,
     domain_steering_mode: str | None = None,
+    steering_scheme: str = "additive",
     data_dir: str | Path = ".",
     api_key: str | None = None,
     dispatch: str = "auto",

@@ -29,6 +29,7 @@ def run(
     max_tokens: int = 100,
     mask_value: float = -1e9,
     boost_value: float = 1e4,
+    scheme: str = "additive",
     temp: float = 0.0,
     seed: int | None = None,
     chat: bool = False,
@@ -39,7 +40,7 @@ def run(
     on_text: Callable[[str], None] | None = None,
     log: Log = quiet,
 ) -> SteerResult:
-    """Generate after ``prompt`` with the router-logit steering of a safety report (``mode`` ``safe``: boost its
+    """Generate after ``prompt`` with the router steering (``scheme`` additive or rank) of a safety report (``mode`` ``safe``: boost its
     HRCG experts, at most top_k per layer; ``unsafe``: mask its safety-critical experts) and/or a domain report
     (``domain_mode`` ``boost`` / ``suppress``), through the hooked MoE call of every family. ``compare`` first
     generates without steering (same sampler, same seed)."""
@@ -61,10 +62,11 @@ def run(
         raise UserError(f"{e}; check {param('temp')} and {param('seed')}.") from None
     mdl, tokenizer, _config, adapter = load_moe(model, log=log)
     steering = for_adapter(adapter, safety_map=safety_map, safety_mode=mode, domain_map=domain_map,
-                           domain_mode=domain_mode, mask_value=mask_value, boost_value=boost_value,
+                           domain_mode=domain_mode, mask_value=mask_value, boost_value=boost_value, scheme=scheme,
                            field_names={"safety_map": param("safety_map"), "safety_mode": param("mode"),
                                         "domain_map": param("domain_map"), "domain_mode": param("domain_mode"),
-                                        "mask_value": param("mask_value"), "boost_value": param("boost_value")})
+                                        "mask_value": param("mask_value"), "boost_value": param("boost_value"),
+                                        "scheme": param("scheme")})
     for w in steering.warnings:
         log(f"Warning: {w}")
     apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
@@ -72,7 +74,7 @@ def run(
     baseline = None
     if compare:
         baseline = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed)
-    with moe_hook.hooked(adapter, [], steering.bias_for(adapter)):
+    with moe_hook.hooked(adapter, [], steering.route_steers(adapter)):
         generation = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
                                     on_text=on_text)
     return SteerResult(steering, generation, baseline, list(steering.warnings))

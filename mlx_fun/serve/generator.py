@@ -82,7 +82,7 @@ class CountingResponseGenerator(ResponseGenerator):
 
     def __init__(self, model_provider: ServedModelProvider, prompt_cache):
         self._steering_lock = threading.Lock()
-        self._steering_next = None  # (Steering or None, bias) posted by an HTTP thread, applied by the loop
+        self._steering_next = None  # (Steering or None, its route steers) posted by an HTTP thread, applied by the loop
         self.steering = None
         super().__init__(model_provider, prompt_cache)
 
@@ -92,9 +92,9 @@ class CountingResponseGenerator(ResponseGenerator):
 
     def post_steering(self, steering) -> None:
         """Queue ``steering`` (None: remove all); the generation loop applies it before its next forward."""
-        bias = None if steering is None else steering.bias_for(self.counter.adapter)
+        steers = None if steering is None else steering.route_steers(self.counter.adapter)
         with self._steering_lock:
-            self._steering_next = (steering, bias)
+            self._steering_next = (steering, steers)
 
     def generate(self, request, generation_args, progress_callback=None):
         """mlx-lm's ``generate`` (called once per completion that passed mlx-lm's checks), counted."""
@@ -109,8 +109,8 @@ class CountingResponseGenerator(ResponseGenerator):
         with self._steering_lock:
             change, self._steering_next = self._steering_next, None
         if change is not None:
-            steering, bias = change
-            moe_hook.set_bias(counter.adapter, bias)
+            steering, steers = change
+            moe_hook.set_steer(counter.adapter, steers)
             self.steering = steering if steering is not None and not steering.empty else None
             self.prompt_cache.trim_to(n_sequences=0)  # KV states computed under other routing
             logging.info("steering %s", "removed" if self.steering is None else "applied")

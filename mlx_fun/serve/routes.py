@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..saliency import ARRAY_KEYS, METRICS
 
 STEER_KEYS = ("safety_map", "domain_map", "mode", "safety_mode", "domain_mode", "deactivate", "activate",
-              "mask_value", "boost_value")
+              "mask_value", "boost_value", "scheme")
 
 
 def _error(*args):
@@ -158,7 +158,7 @@ def post_steer(app, body: dict) -> dict:
     unknown = sorted(set(body) - set(STEER_KEYS))
     if unknown:
         raise _error(400, f"unknown field {unknown[0]!r}; steering takes {', '.join(STEER_KEYS)}.", unknown[0])
-    kw = {k: body[k] for k in ("deactivate", "activate", "mask_value", "boost_value") if k in body}
+    kw = {k: body[k] for k in ("deactivate", "activate", "mask_value", "boost_value", "scheme") if k in body}
     safety_mode, domain_mode = body.get("safety_mode"), body.get("domain_mode")
     if "mode" in body:
         if ("safety_map" in body) == ("domain_map" in body):
