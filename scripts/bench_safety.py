@@ -83,7 +83,7 @@ def main() -> int:
         finally:
             moe_hook.remove(adapter)
         n = sum(map(len, (s.deactivate | s.activate).values()))
-        row = (label, s.scheme, n, h, b, kl)
+        row = (label, "—" if s.empty else s.scheme, n, h, b, kl)
         print(f"{label:<40} {s.scheme:<8} experts {n:3d}  harmful refusal {h:6.1%}  benign refusal {b:6.1%}  "
               f"benign KL {kl:.4f}", flush=True)
         return row
@@ -145,10 +145,13 @@ report's own modes (`safe`: at most top_k HRCG experts per layer, the most benig
 
 On this 4-layer, 6M-parameter model the refusal does not hinge on a few experts: no routing-selected 10% of them
 switches it off. This is reported as measured; the benchmark was not tuned. For masking, the two schemes choose the
-same experts (a masked expert is never chosen either way) and differ only in the weights of the ones that remain,
-so their rows are close. For boosting they differ in kind: the additive +1e4 makes a boosted expert take almost all
+same experts (a masked expert is never chosen either way) and differ only in the softmax's normaliser, which a
+router that renormalises over its k chosen experts (this one: qwen3_moe, `norm_topk_prob`) divides out, so the
+masking rows agree exactly. For boosting they differ in kind: the additive +1e4 makes a boosted expert take almost all
 of a softmax router's weight (benign KL {add_safe[5]:.2f} nats), while rank gives it about the weight of the
-token's favourite expert (benign KL {rank_safe[5]:.2f} nats).
+token's favourite expert (benign KL {rank_safe[5]:.2f} nats). Either way, boosting the benign-leaning (HRCG) experts
+*lowers* harmful refusals on this model: the seed's `safe` mode routes harmful prompts as if they were benign, so
+here it makes the model less cautious, not more; the numbers are shown as they came out.
 """
 
 
