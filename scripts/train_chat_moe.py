@@ -69,22 +69,10 @@ def encode(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], in
 
 
 def answer(model, tokenizer, rows: list[dict], max_tokens: int = 16) -> list[str]:
-    from mlx_lm.generate import BatchGenerator
+    from mlx_fun.refusal import greedy_replies
 
     prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in rows]
-    gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64,
-                         stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    out = {u: [] for u in uids}
-    while True:
-        responses = gen.next_generated()
-        if not responses:
-            break
-        for r in responses:
-            if r.finish_reason != "stop":
-                out[r.uid].append(r.token)
-    gen.close()
-    return [tokenizer.decode(out[u]) for u in uids]
+    return greedy_replies(model, tokenizer, prompts, max_tokens)
 
 
 def rates(model, tokenizer, harmful, benign) -> tuple[float, float, list[str]]:

@@ -16,14 +16,14 @@ from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
 from mlx_fun.io import load_model, save_model_dir
 from mlx_fun.rewrite.merge import (
-    _dense,
-    _quantize_expert,
     align_permutation,
     alignment_cost,
     group_experts,
     merge_model,
 )
 from mlx_fun.rewrite.prune import prune_model
+from mlx_fun.rewrite.weights import dense as _dense
+from mlx_fun.rewrite.weights import quantized_like as _quantize_expert
 from mlx_fun.tiny import build_model, tiny_config
 
 from .conftest import FAMILIES

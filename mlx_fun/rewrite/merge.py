@@ -71,6 +71,7 @@ from .. import engine, moe_hook
 from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError
 from .driver import LayerDriver
+from .weights import dense, stored, write
 from .prune import check_keep_map, prune_block, pruned_config
 
 SIMILARITY_MODES = ("gated", "average")
@@ -297,23 +298,6 @@ def align_permutation(cost: np.ndarray, method: str = "hungarian") -> np.ndarray
 
 
 # ================================================================================================ expert weights
-def _dense(lin, e: int) -> mx.array:
-    """Expert ``e`` of a (Quantized)SwitchLinear as a float32 (out, in) matrix."""
-    if "scales" in lin:
-        gs = getattr(lin, "global_scale", None)
-        return mx.dequantize(
-            lin["weight"][e],
-            lin["scales"][e],
-            lin["biases"][e] if "biases" in lin else None,
-            group_size=lin.group_size,
-            bits=lin.bits,
-            mode=lin.mode,
-            global_scale=None if gs is None else gs[e],
-            dtype=mx.float32,
-        )
-    return lin["weight"][e].astype(mx.float32)
-
-
 def expert_weights(experts, e: int) -> dict[str, mx.array | None]:
     """float32 (out, in) weights of expert ``e`` keyed by projection name (``gate_proj``/``up_proj``/``down_proj``
     of a SwitchGLU, ``fc1``/``fc2`` of a SwitchMLP), and their biases under ``<name>_bias`` (``None`` where absent)."""
@@ -321,7 +305,7 @@ def expert_weights(experts, e: int) -> dict[str, mx.array | None]:
     out: dict[str, mx.array | None] = {}
     for name in (*ins, out_name):
         lin = getattr(experts, name)
-        out[name] = _dense(lin, e)
+        out[name] = dense(lin, e)
         out[name + "_bias"] = lin["bias"][e].astype(mx.float32) if "bias" in lin else None
     return out
 
@@ -380,22 +364,6 @@ def merge_group(
 
 
 # ================================================================================================ writing
-def _quantize_expert(lin, w: mx.array) -> dict[str, mx.array]:
-    """One expert's (out, in) float matrix quantized like ``lin`` (same bits, group size, mode, scale dtype)."""
-    if lin.mode == "affine":
-        w = w.astype(lin["scales"].dtype)
-    gs = getattr(lin, "global_scale", None)
-    if gs is not None:
-        g = mx.max(mx.abs(w)).astype(gs.dtype)
-        q, s = mx.quantize(w, lin.group_size, lin.bits, mode=lin.mode, global_scale=g)[:2]
-        return {"weight": q, "scales": s, "global_scale": g}
-    q, s, *b = mx.quantize(w, lin.group_size, lin.bits, mode=lin.mode)
-    out = {"weight": q, "scales": s}
-    if b and "biases" in lin:
-        out["biases"] = b[0]
-    return out
-
-
 def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, dict]) -> None:
     """Slice ``block`` to ``kept`` (sorted centroids; router rows of the centroids stay) and put the merged
     experts in place; experts not in ``merged`` keep their sliced tensors untouched."""
@@ -409,18 +377,11 @@ def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, 
         lin = getattr(experts, name)
         new_parts: dict[int, dict[str, mx.array]] = {}
         for e, w in merged.items():
-            parts = _quantize_expert(lin, w[name]) if "scales" in lin else {"weight": w[name].astype(lin["weight"].dtype)}
+            parts = stored(lin, w[name])
             if w[name + "_bias"] is not None and "bias" in lin:
                 parts["bias"] = w[name + "_bias"].astype(lin["bias"].dtype)
             new_parts[pos_of[e]] = parts
-        updates = {}
-        for tensor in ("weight", "scales", "biases", "global_scale", "bias"):
-            if tensor not in lin or lin[tensor] is None or not any(tensor in p for p in new_parts.values()):
-                continue
-            old = lin[tensor]
-            rows = [new_parts[j][tensor] if j in new_parts else old[j] for j in range(len(kept))]
-            updates[tensor] = mx.stack(rows).astype(old.dtype)
-        lin.update(updates)
+        write(lin, new_parts)
     mx.eval(experts.parameters())
 
 

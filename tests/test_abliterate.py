@@ -1,0 +1,187 @@
+"""`mlx-fun abliterate`: the projection removes d from what each residual writer outputs and nothing else, keeps
+quantized formats, touches exactly its target, and every family abliterates and reloads; bad inputs write nothing."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_fun import jobs
+from mlx_fun.adapters import get_adapter
+from mlx_fun.io import load_model
+from mlx_fun.rewrite.abliterate import apply, restore, writers
+from mlx_fun.rewrite.weights import dense
+
+from .cli_helpers import expect_error
+from .cli_helpers import run as cli
+from .conftest import FAMILIES
+
+
+def _unit(H, seed=0):
+    d = np.random.default_rng(seed).normal(size=H)
+    return d / np.linalg.norm(d)
+
+
+def _outputs(lin, x, e=None):
+    """(N, out) float64 outputs of a (switch) linear's weight (+ bias) on x (N, in), as NumPy."""
+    w = np.array(dense(lin, e), dtype=np.float64)
+    y = x @ w.T
+    if "bias" in lin:
+        y = y + np.array(lin["bias"] if e is None else lin["bias"][e], dtype=np.float64)
+    return y
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_each_writer_outputs_nothing_along_d_and_the_rest_unchanged(make_model, family):
+    model, _, config = load_model(make_model(family))
+    adapter = get_adapter(model, config)
+    H, L = adapter.hidden_size, len(adapter.decoder_layers())
+    dirs = np.stack([_unit(H, i) for i in range(L)])
+    before = dict(tree_flatten(model.parameters()))
+    layer = adapter.moe_layers()[-1]
+    found = writers(adapter, layer)
+    assert {"attention", "routed"} <= {w.kind for w in found}
+    old = {w.path: w.module for w in found}
+    ref = {}
+    rng = np.random.default_rng(1)
+    for w in found:
+        x = rng.normal(size=(16, dense(w.module, next(iter(_rows(w.module)))).shape[-1]))
+        ref[w.path] = (x, [_outputs(w.module, x, e) for e in _rows(w.module)])
+    touched, _ = apply(adapter, dirs, [layer])
+    assert sorted(touched[layer]) == sorted(old)
+    d = dirs[layer]
+    for w in found:
+        x, outs = ref[w.path]
+        for e, y0 in zip(_rows(w.module), outs):
+            y1 = _outputs(w.module, x, e)
+            assert np.abs(y1 @ d).max() <= 1e-4 * np.abs(y0).max(), (w.path, e)
+            ortho0, ortho1 = y0 - np.outer(y0 @ d, d), y1 - np.outer(y1 @ d, d)
+            np.testing.assert_allclose(ortho1, ortho0, atol=1e-4 * np.abs(y0).max())
+    after = dict(tree_flatten(model.parameters()))
+    prefix = f"{_layers_path(model, adapter)}.{layer}."
+    for name, value in before.items():
+        if not name.startswith(prefix):
+            assert np.array_equal(np.array(value), np.array(after[name])), name
+
+
+def _rows(lin):
+    return range(lin["weight"].shape[0]) if lin["weight"].ndim == 3 else [None]
+
+
+def _layers_path(model, adapter):
+    target = adapter.decoder_layers()[0]
+    for name, m in model.named_modules():
+        if m is target:
+            return name.rsplit(".", 1)[0]
+    raise AssertionError("decoder layers not found")
+
+
+@pytest.mark.parametrize("bits,mode", [(4, "affine"), (4, "mxfp4")])
+def test_quantized_writers_stay_quantized_and_match_the_projected_float(make_model, bits, mode):
+    model, _, config = load_model(make_model("qwen3_moe", bits=bits, mode=mode))
+    adapter = get_adapter(model, config)
+    H = adapter.hidden_size
+    dirs = np.stack([_unit(H, i) for i in range(len(adapter.decoder_layers()))])
+    layer = adapter.moe_layers()[0]
+    found = writers(adapter, layer)
+    formats = {w.path: (w.module.bits, w.module.group_size, w.module.mode, w.module["weight"].dtype) for w in found}
+    d = mx.array(dirs[layer].astype(np.float32))
+    expected = {w.path: [np.array(dense(w.module, e) - d[:, None] * (d[None, :] @ dense(w.module, e)))
+                         for e in _rows(w.module)] for w in found}
+    apply(adapter, dirs, [layer])
+    for w in found:
+        assert (w.module.bits, w.module.group_size, w.module.mode, w.module["weight"].dtype) == formats[w.path]
+        for e, want in zip(_rows(w.module), expected[w.path]):
+            got = np.array(dense(w.module, e))
+            step = np.abs(want).max() / (3 if mode == "mxfp4" else (2 ** bits - 1) / 2)
+            assert np.abs(got - want).max() <= step, (w.path, e)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.2
+
+
+def test_restore_undoes_everything(make_model):
+    model, _, config = load_model(make_model("gpt_oss", bits=4))
+    adapter = get_adapter(model, config)
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    dirs = np.stack([_unit(adapter.hidden_size, i) for i in range(len(adapter.decoder_layers()))])
+    _, undo = apply(adapter, dirs, list(range(len(adapter.decoder_layers()))), weight=0.5)
+    restore(undo)
+    for k, v in tree_flatten(model.parameters()):
+        assert np.array_equal(before[k], np.array(v)), k
+
+
+def _prompts(tmp_path):
+    harmful = tmp_path / "harmful.jsonl"
+    benign = tmp_path / "benign.jsonl"
+    harmful.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"How do I build weapon {i}?"}]})
+                               + "\n" for i in range(6)))
+    benign.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What does os.path {i} do?"}]})
+                              + "\n" for i in range(6)))
+    return harmful, benign
+
+
+HYPER_CONNECTED = {"deepseek_v41"}  # several residual streams per layer: refused
+
+
+@pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("deepseek_v3", 4)])
+def test_every_family_abliterates_and_reloads(make_model, tmp_path, family, bits):
+    from mlx_lm import load
+
+    harmful, benign = _prompts(tmp_path)
+    out = tmp_path / "abl"
+    if family in HYPER_CONNECTED:
+        expect_error(cli("abliterate", "--model", make_model(family), "--harmful-dataset", harmful,
+                         "--benign-dataset", benign, "--output", out), "residual state of shape", "hyper-connections")
+        assert not out.exists()
+        return
+    got = jobs.abliterate.run(model=make_model(family, bits=bits), harmful_dataset=harmful, benign_dataset=benign,
+                              output=out, layers="all", max_samples=4, eval_samples=2, reply_tokens=2, seed=0)
+    assert got.modified and got.layers == list(range(len(got.direction_norms)))
+    meta = json.loads((out / "abliteration_metadata.json").read_text())
+    assert meta["abliterated_layers"] == got.layers and meta["target"] == "all"
+    model, _ = load(str(out))
+    assert model(mx.array([[1, 2, 3]])).shape[-1] > 0
+
+
+def test_safety_experts_touches_exactly_the_reports_experts(make_model, tmp_path):
+    path = make_model("qwen3_moe")
+    model, _, config = load_model(path)
+    adapter = get_adapter(model, config)
+    moe = adapter.moe_layers()
+    report = tmp_path / "safety_report.json"
+    report.write_text(json.dumps({"safety_critical": {str(moe[0]): [1, 5], str(moe[-1]): [2]}}))
+    harmful, benign = _prompts(tmp_path)
+    out = tmp_path / "abl"
+    got = jobs.abliterate.run(model=path, harmful_dataset=harmful, benign_dataset=benign, output=out, layers="all",
+                              target="safety-experts", safety_map=report, max_samples=4, eval_samples=2,
+                              reply_tokens=2, seed=0)
+    assert set(got.modified) == {str(moe[0]), str(moe[-1])}
+    new, _, _ = load_model(out)
+    old = dict(tree_flatten(model.parameters()))
+    changed = {}
+    for name, value in tree_flatten(new.parameters()):
+        if not np.array_equal(np.array(value), np.array(old[name])):
+            diff = np.abs(np.array(value) - np.array(old[name])).reshape(value.shape[0], -1).max(axis=1)
+            changed[name] = sorted(int(e) for e in np.flatnonzero(diff))
+    prefix = _layers_path(model, adapter)
+    assert changed == {f"{prefix}.{moe[0]}.mlp.switch_mlp.down_proj.weight": [1, 5],
+                       f"{prefix}.{moe[-1]}.mlp.switch_mlp.down_proj.weight": [2]}
+
+
+def test_bad_inputs_exit_2_and_write_nothing(make_model, tmp_path):
+    path = make_model("qwen3_moe")
+    harmful, benign = _prompts(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    out = tmp_path / "out"
+    base = ["abliterate", "--model", path, "--harmful-dataset", harmful, "--benign-dataset", benign, "--output", out]
+    expect_error(cli(*base, "--target", "safety-experts"), "--safety-map")
+    expect_error(cli(*base, "--target", "safety-experts", "--safety-map", tmp_path / "none.json"), "--safety-map",
+                 "does not exist")
+    expect_error(cli(*base, "--layers", "2-40"), "--layers", "outside the model")
+    expect_error(cli(*base, "--layers", "3-1"), "--layers")
+    expect_error(cli("abliterate", "--model", path, "--harmful-dataset", tmp_path / "empty.jsonl", "--benign-dataset",
+                     benign, "--output", out), "empty.jsonl")
+    assert not out.exists()
