@@ -87,22 +87,32 @@ def directions(harmful_mean: np.ndarray, benign_mean: np.ndarray) -> tuple[np.nd
     return diff / np.maximum(norms, 1e-30)[:, None], norms
 
 
-def choose_layers(spec: str, norms: np.ndarray, *, where: str = "layers") -> list[int]:
-    """Decoder layers to abliterate: ``auto`` (the top half by un-normalised direction norm), ``all`` or
-    ``start-end`` (inclusive; a single index is a one-layer range)."""
-    n = len(norms)
+def parse_layers(spec: str, *, where: str = "layers") -> str | tuple[int, int]:
+    """``"auto"``, ``"all"`` or the inclusive ``(start, end)`` of a ``start-end`` spec (a single index is a one-layer
+    range); a malformed spec raises a one-line :class:`UserError` (no model needed)."""
     text = str(spec).strip().lower()
-    if text == "all":
-        return list(range(n))
-    if text == "auto":
-        top = np.argsort(-norms, kind="stable")[: max(1, math.ceil(n / 2))]
-        return sorted(int(i) for i in top)
+    if text in ("auto", "all"):
+        return text
     parts = text.split("-")
     if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
         a, b = int(parts[0]), int(parts[-1])
         if a > b:
             raise UserError(f"{where} {spec!r}: the range starts after it ends; write start-end, e.g. 1-3.")
-        if b >= n:
-            raise UserError(f"{where} {spec!r} is outside the model: it has decoder layers 0-{n - 1}.")
-        return list(range(a, b + 1))
+        return a, b
     raise UserError(f"{where} {spec!r} is not auto, all or start-end (e.g. 1-3).")
+
+
+def choose_layers(spec: str, norms: np.ndarray, *, where: str = "layers") -> list[int]:
+    """Decoder layers to abliterate: ``auto`` (the top half by un-normalised direction norm), ``all`` or
+    ``start-end`` (:func:`parse_layers`), checked against the model's ``len(norms)`` layers."""
+    n = len(norms)
+    parsed = parse_layers(spec, where=where)
+    if parsed == "all":
+        return list(range(n))
+    if parsed == "auto":
+        top = np.argsort(-np.asarray(norms), kind="stable")[: max(1, math.ceil(n / 2))]
+        return sorted(int(i) for i in top)
+    a, b = parsed
+    if b >= n:
+        raise UserError(f"{where} {spec!r} is outside the model: it has decoder layers 0-{n - 1}.")
+    return list(range(a, b + 1))

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .adapters.steer import SCHEMES
 from .errors import UserError
 
 MASK_VALUE = -1e9
 BOOST_VALUE = 1e4
-SCHEMES = ("additive", "rank")
 SAFETY_MODES = ("safe", "unsafe")
 DOMAIN_MODES = ("boost", "suppress")
 

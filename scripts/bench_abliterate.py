@@ -73,9 +73,8 @@ def main() -> int:
         out = tmp / f"out{n}"
         extra = {"safety_map": report} if target == "safety-experts" else {}
         r = jobs.abliterate.run(model=model, output=out, target=target, search=search, **extra, **common)
-        dirs = _directions(model, common)  # the job's directions, recomputed on the same prompts
-        p0 = projection(model, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
-        p1 = projection(out, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
+        p0 = projection(model, data / "harmful_test.jsonl", r.layers, r.directions, args.eval_samples)
+        p1 = projection(out, data / "harmful_test.jsonl", r.layers, r.directions, args.eval_samples)
         row = (fmt, target, f"search {search}" if search else str(",".join(map(str, r.layers))), r.weight,
                r.before.harmful_refusal, r.after.harmful_refusal, r.before.benign_refusal, r.after.benign_refusal,
                r.after.benign_kl, p0, p1, dir_size(model), dir_size(out), r.layers)
@@ -84,18 +83,6 @@ def main() -> int:
     write_text(args.output, _markdown(rows, args))
     print(f"wrote {args.output}")
     return 0
-
-
-def _directions(model_dir, common):
-    from mlx_fun.data import load_samples, pad_id
-    from mlx_fun.jobs.common import load_moe
-    from mlx_fun.residual import capture, directions
-
-    model, tok, _config, adapter = load_moe(model_dir)
-    means = [capture(model, adapter, load_samples(common[k], tok, max_samples=common["max_samples"], seed=0,
-                                                  generation_prompt=True), pad_id=pad_id(tok))
-             for k in ("harmful_dataset", "benign_dataset")]
-    return directions(*means)[0]
 
 
 def _markdown(rows, args) -> str:

@@ -37,14 +37,13 @@ def main() -> int:
     ap.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "safety.md"))
     args = ap.parse_args()
 
-    import mlx.core as mx
     from mlx_lm import load
     from train_chat_moe import answer, read
 
     from mlx_fun import jobs, moe_hook
     from mlx_fun.adapters import get_adapter
     from mlx_fun.io import read_config
-    from mlx_fun.refusal import refusal_rate
+    from mlx_fun.refusal import first_token_logprobs, mean_kl, refusal_rate
     from mlx_fun.steering import for_adapter
     from mlx_fun.writer import write_text
 
@@ -60,26 +59,15 @@ def main() -> int:
     E = adapter.num_experts
     harmful = read(data / "harmful_test.jsonl")
     benign = read(data / "benign_test.jsonl")[:args.benign_test]
-    prompts = [mx.array(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True))
-               for r in benign]
-
-    def first_logprobs():
-        out = []
-        for p in prompts:
-            logits = model(p[None])[0, -1].astype(mx.float32)
-            out.append(logits - mx.logsumexp(logits))
-        mx.eval(out)
-        return out
-
-    reference = first_logprobs()
-    mx.eval(reference)
+    prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in benign]
+    reference = first_token_logprobs(model, prompts)
 
     def measure(label, **steer):
         s = for_adapter(adapter, **steer)
         moe_hook.install(adapter, [], s.route_steers(adapter))
         try:
             h, b = refusal_rate(answer(model, tok, harmful)), refusal_rate(answer(model, tok, benign))
-            kl = sum(mx.sum(mx.exp(r) * (r - q)).item() for r, q in zip(reference, first_logprobs())) / len(prompts)
+            kl = mean_kl(reference, first_token_logprobs(model, prompts))
         finally:
             moe_hook.remove(adapter)
         n = sum(map(len, (s.deactivate | s.activate).values()))

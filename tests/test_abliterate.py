@@ -185,3 +185,17 @@ def test_bad_inputs_exit_2_and_write_nothing(make_model, tmp_path):
     expect_error(cli("abliterate", "--model", path, "--harmful-dataset", tmp_path / "empty.jsonl", "--benign-dataset",
                      benign, "--output", out), "empty.jsonl")
     assert not out.exists()
+
+
+def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
+    harmful, benign = _prompts(tmp_path)
+    out = tmp_path / "abl"
+    got = jobs.abliterate.run(model=make_model("qwen3_moe"), harmful_dataset=harmful, benign_dataset=benign,
+                              output=out, search=3, max_kl=10.0, max_samples=4, eval_samples=2, reply_tokens=2,
+                              seed=0)
+    assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight) for t in got.trials}) == 3
+    best = min(got.trials, key=lambda t: (t.harmful_refusal, t.benign_kl))
+    assert (got.layers, got.weight) == (best.layers, best.weight) and got.after == best
+    meta = json.loads((out / "abliteration_metadata.json").read_text())
+    assert [t["layers"] for t in meta["search"]["trials"]] == [t.layers for t in got.trials]
+    assert meta["evaluation"]["before"]["benign_kl"] == 0.0

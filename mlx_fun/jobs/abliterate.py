@@ -38,13 +38,14 @@ class AbliterateResult:
     before: Trial  # the original model on the evaluation prompts
     after: Trial
     direction_norms: dict[str, float]
+    directions: object  # (decoder layers, hidden) float64 unit directions (numpy)
     modified: dict[str, list[str]]
     trials: list[Trial] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
 
 def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples) -> None:
-    from ..residual import POSITIONS
+    from ..residual import POSITIONS, parse_layers
     from ..rewrite.abliterate import TARGETS
 
     if target not in TARGETS:
@@ -65,9 +66,7 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
         raise UserError(f"{param('max_kl')} must be a positive number, got {max_kl!r}.")
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 1:
         raise UserError(f"{param('eval_samples')} must be >= 1, got {eval_samples!r}.")
-    text = str(layers).strip().lower()
-    if text not in ("auto", "all") and not all(p.strip().isdigit() for p in text.split("-")[:2]):
-        raise UserError(f"{param('layers')} {layers!r} is not auto, all or start-end (e.g. 1-3).")
+    parse_layers(layers, where=param("layers"))
 
 
 def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
@@ -96,6 +95,26 @@ def _candidates(chosen: list[int], norms, weight: float, n: int) -> list[tuple[l
             uniq.append(w)
     weights = [weight] + [w for w in (1.0, 0.8, 0.6, 0.4) if w != weight]
     return [(w, x) for x in weights for w in uniq][:n]
+
+
+def _search(trial, candidates: list[tuple[list[int], float]], progress: bool) -> list[Trial]:
+    """``trial(layers, weight)`` for every candidate, one progress step each (refusals and KL shown)."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(candidates), unit="trial", desc="search", dynamic_ncols=True)
+    trials = []
+    try:
+        for lay, w in candidates:
+            trials.append(trial(lay, w))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return trials
 
 
 def run(
@@ -146,8 +165,7 @@ def run(
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, tok, config, adapter = load_moe(model, log=log)
         n_layers = len(adapter.decoder_layers())
-        if layers not in ("auto", "all"):
-            choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # range check before any work
+        choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # the range check, before any work
         safety = None
         if target == "safety-experts":
             if latent_experts(adapter):
@@ -173,28 +191,21 @@ def run(
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
         reference = first_token_logprobs(mdl, eval_b)
 
-        def measure(lay, w) -> Trial:
+        def measure(lay, w, original: bool = False) -> Trial:
+            kl = 0.0 if original else mean_kl(reference, first_token_logprobs(mdl, eval_b))
             return Trial(lay, w, refusal_rate(greedy_replies(mdl, tok, eval_h, reply_tokens)),
-                         refusal_rate(greedy_replies(mdl, tok, eval_b, reply_tokens)),
-                         mean_kl(reference, first_token_logprobs(mdl, eval_b)))
+                         refusal_rate(greedy_replies(mdl, tok, eval_b, reply_tokens)), kl)
 
-        before = measure([], 0.0)
-        trials = []
-        if search:
-            bar = None
-            if progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=search, unit="trial", desc="search", dynamic_ncols=True)
-            for lay, w in _candidates(chosen, norms, float(weight), search):
-                _, undo = apply(adapter, dirs, lay, target=target, weight=w, safety=safety)
-                trials.append(measure(lay, w))
+        def trial(lay, w) -> Trial:
+            _, undo = apply(adapter, dirs, lay, target=target, weight=w, safety=safety)
+            try:
+                return measure(lay, w)
+            finally:
                 restore(undo)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
-            if bar is not None:
-                bar.close()
+
+        before = measure([], 0.0, original=True)
+        trials = _search(trial, _candidates(chosen, norms, float(weight), search), progress) if search else []
+        if trials:
             ok = [t for t in trials if t.benign_kl <= max_kl]
             if ok:
                 best = min(ok, key=lambda t: (t.harmful_refusal, t.benign_kl))
@@ -220,5 +231,5 @@ def run(
         res.require_space(params_nbytes(mdl))
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
     return AbliterateResult(Path(output), chosen, float(weight), before, after,
-                            {str(i): float(norms[i]) for i in range(n_layers)},
+                            {str(i): float(norms[i]) for i in range(n_layers)}, dirs,
                             {str(k): v for k, v in modified.items()}, trials, warnings)
