@@ -5,11 +5,13 @@
                                        [--output docs/benchmarks/abliterate.md]
 
 In one run: a 4-bit copy of the model (mlx-lm's convert), a safety scan (for ``--target safety-experts``), then
-``mlx-fun abliterate`` (the job) for ``--target all``, ``dense-only`` and ``safety-experts`` on the float and the
-4-bit model, and ``--search``. Directions from the *train* prompt sets; refusal rate (greedy, 16 tokens,
-``mlx_fun.refusal.is_refusal``) and benign first-token KL on the held-out *test* sets; the held-out harmful
-prompts' last-token residual projected on each abliterated layer's direction, before and after (mean); the model's
-size on disk before and after. Writes the table and what it means to --output.
+``mlx-fun abliterate`` (the job, default settings: single direction, 3 rounds) for ``--target all``, ``dense-only``
+and ``safety-experts`` on the float and the 4-bit model, one round only (what the rounds add), the spread over the
+prompt subset's seed, and ``--search``. Directions from the *train* prompt sets; refusal rate (greedy, 16 tokens,
+``mlx_fun.refusal.is_refusal``) and benign first-token KL on the held-out *test* sets (other phrasings, two
+categories never seen in training); the held-out harmful prompts' last-token residual projected on the first
+round's direction, averaged over the abliterated layers, before and after; the model's size on disk before and
+after. Writes the table and what it means to --output.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main() -> int:
     ap.add_argument("--data", default=str(ROOT / "data" / "safety"))
     ap.add_argument("--max-samples", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=128)
-    ap.add_argument("--search", type=int, default=12)
+    ap.add_argument("--search", type=int, default=6)
     ap.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "abliterate.md"))
     args = ap.parse_args()
 
@@ -65,19 +67,22 @@ def main() -> int:
                   eval_harmful_dataset=data / "harmful_test.jsonl", eval_benign_dataset=data / "benign_test.jsonl",
                   max_samples=args.max_samples, eval_samples=args.eval_samples, seed=0)
     rows = []
-    runs = [("float", args.model, "all", 0), ("float", args.model, "dense-only", 0),
-            ("float", args.model, "safety-experts", 0), ("4-bit", str(q4), "all", 0),
-            ("4-bit", str(q4), "dense-only", 0), ("4-bit", str(q4), "safety-experts", 0),
-            ("float", args.model, "all", args.search), ("4-bit", str(q4), "all", args.search)]
-    for n, (fmt, model, target, search) in enumerate(runs):
+    F, Q = ("float", args.model), ("4-bit", str(q4))
+    runs = [(F, "all", {}), (F, "dense-only", {}), (F, "safety-experts", {}), (F, "all", {"rounds": 1}),
+            (F, "all", {"seed": 1}), (F, "all", {"seed": 2}), (F, "all", {"direction": "per-layer", "rounds": 1}),
+            (Q, "all", {}), (Q, "dense-only", {}), (Q, "safety-experts", {}), (Q, "all", {"rounds": 1}),
+            (F, "all", {"search": args.search}), (Q, "all", {"search": args.search})]
+    for n, ((fmt, model), target, extra) in enumerate(runs):
         out = tmp / f"out{n}"
-        extra = {"safety_map": report} if target == "safety-experts" else {}
-        r = jobs.abliterate.run(model=model, output=out, target=target, search=search, **extra, **common)
-        p0 = projection(model, data / "harmful_test.jsonl", r.layers, r.directions, args.eval_samples)
-        p1 = projection(out, data / "harmful_test.jsonl", r.layers, r.directions, args.eval_samples)
-        row = (fmt, target, f"search {search}" if search else str(",".join(map(str, r.layers))), r.weight,
-               r.before.harmful_refusal, r.after.harmful_refusal, r.before.benign_refusal, r.after.benign_refusal,
-               r.after.benign_kl, p0, p1, dir_size(model), dir_size(out), r.layers)
+        kw = dict(common, **extra, **({"safety_map": report} if target == "safety-experts" else {}))
+        r = jobs.abliterate.run(model=model, output=out, target=target, **kw)
+        dirs = r.rounds[0].dirs
+        p0 = projection(model, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
+        p1 = projection(out, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
+        how = ", ".join(f"{k} {v}" for k, v in extra.items()) or "defaults"
+        row = (fmt, target, how, r.layers, r.weight, r.direction_layer, len(r.rounds), r.before.harmful_refusal,
+               r.after.harmful_refusal, r.before.benign_refusal, r.after.benign_refusal, r.after.benign_kl, p0, p1,
+               dir_size(model), dir_size(out))
         rows.append(row)
         print(" | ".join(map(str, row)), flush=True)
     write_text(args.output, _markdown(rows, args))
@@ -87,31 +92,27 @@ def main() -> int:
 
 def _markdown(rows, args) -> str:
     table = "\n".join(
-        f"| {fmt} | {target} | {how} | {','.join(map(str, layers))} | {w:g} | {h0:.1%} → {h1:.1%} | "
-        f"{b0:.1%} → {b1:.1%} | {kl:.3f} | {p0:.2f} → {p1:.2f} | {s0 / 1e6:.1f} → {s1 / 1e6:.1f} MB |"
-        for fmt, target, how, w, h0, h1, b0, b1, kl, p0, p1, s0, s1, layers in
-        [(r[0], r[1], "search" if r[2].startswith("search") else "auto", r[3], r[4], r[5], r[6], r[7], r[8], r[9],
-          r[10], r[11], r[12], r[13]) for r in rows])
-    best = min(rows, key=lambda r: r[5])
+        f"| {fmt} | {target} | {how} | {','.join(map(str, layers))} | {w:g} | "
+        f"{'per-layer' if src is None else src} | {nr} | {h0:.1%} → {h1:.1%} | {b0:.1%} → {b1:.1%} | {kl:.3f} | "
+        f"{p0:.2f} → {p1:.2f} | {s0 / 1e6:.1f} → {s1 / 1e6:.1f} MB |"
+        for fmt, target, how, layers, w, src, nr, h0, h1, b0, b1, kl, p0, p1, s0, s1 in rows)
     return f"""# Abliteration on the bundled refusing chat model
 
 `python scripts/bench_abliterate.py --search {args.search}` (model `{Path(args.model).name}` and its 4-bit copy,
 mlx-lm's convert, group size 32). Directions from {args.max_samples} harmful + {args.max_samples} benign *train*
-prompts (residual after each decoder layer at the prompt's last token); refusals (greedy, 16 tokens,
-`mlx_fun.refusal.is_refusal`) and benign first-token KL(original ‖ abliterated) on {args.eval_samples} held-out
-harmful and {args.eval_samples} held-out benign prompts. "projection": the held-out harmful prompts' mean
-last-token residual · direction, averaged over the abliterated layers, before → after. `auto` layers: the top half
-by un-normalised direction norm; `search`: `--search {args.search}` (windows × weights, fewest refusals with KL ≤ 0.5).
+prompts (the residual after each decoder layer at the prompt's last token; each round uses the harmful ones the
+model still refuses and the benign ones it answers); refusals (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`) and
+benign first-token KL(original ‖ abliterated) on {args.eval_samples} held-out harmful and {args.eval_samples}
+held-out benign prompts (other phrasings, and two harm categories the model never saw in training).
+"projection": the held-out harmful prompts' mean last-token residual · the first round's direction, averaged over
+the abliterated layers, before → after. Defaults: `--direction single` (measured after the layer with the largest
+un-normalised difference, removed from every layer's writers and the embedding), `--rounds 3`, seed 0 for the
+prompt subset; `search`: `--search {args.search}` (layers × direction layer × weight, each measured after every
+round; fewest refusals with KL ≤ 0.5).
 
-| format | target | layers chosen by | layers | weight | harmful refusal | benign refusal | benign KL | projection | size |
-|---|---|---|---|---|---|---|---|---|---|
+| format | target | settings | layers | weight | direction layer | rounds | harmful refusal | benign refusal | benign KL | projection | size |
+|---|---|---|---|---|---|---|---|---|---|---|---|
 {table}
-
-Lowest harmful refusal reached: {best[5]:.1%} ({best[0]}, `--target {best[1]}`, layers {','.join(map(str, best[13]))},
-weight {best[3]:g}, benign KL {best[8]:.3f}). The goal of the issue was ≤ 10% at KL ≤ 0.5; on this 4-layer,
-6M-parameter model one direction per layer does not carry the refusal well enough to reach it — the residual
-projection drops, refusals only partly follow. Reported as measured; not tuned. Sizes stay within a few percent:
-quantized writers are re-quantized with their own bits, group size and mode.
 """
 
 

@@ -13,8 +13,8 @@ from mlx.utils import tree_flatten
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.io import load_model
-from mlx_fun.rewrite.abliterate import apply, restore, writers
-from mlx_fun.rewrite.weights import dense
+from mlx_fun.rewrite.abliterate import apply, embedding, restore, writers
+from mlx_fun.rewrite.weights import dense, dense_of, stored, stored_keeping
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -66,6 +66,64 @@ def test_each_writer_outputs_nothing_along_d_and_the_rest_unchanged(make_model, 
     for name, value in before.items():
         if not name.startswith(prefix):
             assert np.array_equal(np.array(value), np.array(after[name])), name
+
+
+@pytest.mark.parametrize("family,bits", [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", 4)])
+def test_embedding_rows_lose_d_and_earlier_rounds_stay_removed(make_model, family, bits):
+    model, _, config = load_model(make_model(family, bits=bits))
+    adapter = get_adapter(model, config)
+    H, L = adapter.hidden_size, len(adapter.decoder_layers())
+    path, emb = embedding(adapter)
+    assert path.endswith("embed_tokens")
+    first, second = _unit(H, 0), _unit(H, 1)
+    second = second - (second @ first) * first
+    second /= np.linalg.norm(second)
+    E0 = np.array(dense(emb), dtype=np.float64)
+    layers = list(range(L))
+    touched, _ = apply(adapter, np.stack([first] * L), layers, embed=first)
+    assert touched["embedding"] == [path]
+    apply(adapter, np.stack([second] * L), layers, embed=second, earlier=[np.stack([first] * L)],
+          embed_earlier=[first])
+    E1 = np.array(dense(emb), dtype=np.float64)
+    tol = 1e-4 if bits is None else 0.25  # quantized: what the feedback re-quantization leaves
+    for d in (first, second):
+        assert np.linalg.norm(E1 @ d) <= tol * np.linalg.norm(E0 @ d), d[:3]
+    Q = np.stack([first, second])
+    rest0, rest1 = E0 - (E0 @ Q.T) @ Q, E1 - (E1 @ Q.T) @ Q
+    assert np.linalg.norm(rest1 - rest0) <= (1e-4 if bits is None else 0.2) * np.linalg.norm(rest0)
+    for i in layers:
+        for w in writers(adapter, i):
+            for e in list(_rows(w.module))[:2]:
+                W = np.array(dense(w.module, e), dtype=np.float64)
+                assert np.linalg.norm(Q @ W) <= (1e-4 if bits is None else 0.25) * np.linalg.norm(W), (i, w.path)
+
+
+@pytest.mark.parametrize("bits,mode,gain", [(4, "affine", 0.5), (3, "affine", 0.5), (4, "mxfp4", 0.5),
+                                            (4, "nvfp4", 0.5), (8, "affine", 1.0), (2, "affine", 1.0)])
+def test_requantization_holds_the_removed_direction_better_than_rounding(bits, mode, gain):
+    """A weight already on the grid, with a direction projected out: round-to-nearest puts much of it back; the
+    feedback re-quantization keeps at most ``gain`` of that (3-4 bits: half; never more), in the same format, with
+    at most ERROR_GROWTH x round-to-nearest's element error."""
+    from mlx_fun.rewrite.weights import ERROR_GROWTH
+
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(128, 256, bias=False)
+    lin.weight = mx.array(rng.normal(size=(256, 128)).astype(np.float32) * 0.05)
+    gs = 16 if mode == "nvfp4" else 32
+    q = nn.QuantizedLinear.from_linear(lin, group_size=gs, bits=bits, mode=mode)
+    W = dense(q)
+    d = mx.array(_unit(256, 3).astype(np.float32))
+    target = W - d[:, None] * (d[None, :] @ W)
+    rtn = mx.linalg.norm(d @ dense_of(q, stored(q, target))).item()
+    parts = stored_keeping(q, target, d)
+    got = dense_of(q, parts)
+    assert set(parts) <= {"weight", "scales", "biases", "global_scale"}
+    assert parts["weight"].dtype == q["weight"].dtype and parts["weight"].shape == q["weight"].shape
+    assert mx.linalg.norm(d @ got).item() <= gain * rtn
+    rtn_err = mx.linalg.norm(dense_of(q, stored(q, target)) - target).item()
+    assert mx.linalg.norm(got - target).item() <= ERROR_GROWTH * rtn_err * (1 + 1e-5)
 
 
 def _rows(lin):
@@ -182,6 +240,9 @@ def test_bad_inputs_exit_2_and_write_nothing(make_model, tmp_path):
                  "does not exist")
     expect_error(cli(*base, "--layers", "2-40"), "--layers", "outside the model")
     expect_error(cli(*base, "--layers", "3-1"), "--layers")
+    expect_error(cli(*base, "--direction-layer", "40"), "--direction-layer", "outside the model")
+    expect_error(cli(*base, "--rounds", "0"), "--rounds")
+    expect_error(cli(*base, "--direction", "sideways"), "--direction")
     expect_error(cli("abliterate", "--model", path, "--harmful-dataset", tmp_path / "empty.jsonl", "--benign-dataset",
                      benign, "--output", out), "empty.jsonl")
     assert not out.exists()
@@ -193,9 +254,54 @@ def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
     got = jobs.abliterate.run(model=make_model("qwen3_moe"), harmful_dataset=harmful, benign_dataset=benign,
                               output=out, search=3, max_kl=10.0, max_samples=4, eval_samples=2, reply_tokens=2,
                               seed=0)
-    assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight) for t in got.trials}) == 3
+    assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight, t.direction_layer) for t in got.trials}) == 3
     best = min(got.trials, key=lambda t: (t.harmful_refusal, t.benign_kl))
-    assert (got.layers, got.weight) == (best.layers, best.weight) and got.after == best
+    assert (got.layers, got.weight, got.direction_layer) == (best.layers, best.weight, best.direction_layer)
+    assert got.after == best
     meta = json.loads((out / "abliteration_metadata.json").read_text())
     assert [t["layers"] for t in meta["search"]["trials"]] == [t.layers for t in got.trials]
     assert meta["evaluation"]["before"]["benign_kl"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def chat_abliterated(tmp_path_factory):
+    """The bundled refusing chat model abliterated with the defaults (held-out evaluation prompts)."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = tmp_path_factory.mktemp("chat") / "abl"
+    got = jobs.abliterate.run(model=data / "tiny-moe-chat", harmful_dataset=data / "safety" / "harmful_train.jsonl",
+                              benign_dataset=data / "safety" / "benign_train.jsonl",
+                              eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
+                              eval_benign_dataset=data / "safety" / "benign_test.jsonl", output=out, seed=0)
+    return got, out
+
+
+def test_rounds_take_the_bundled_chat_model_from_refusing_to_answering(chat_abliterated):
+    got, out = chat_abliterated
+    assert got.before.harmful_refusal >= 0.9 and got.after.harmful_refusal <= 0.15  # measured: 92% -> 3-10%
+    assert got.after.benign_kl <= 0.5 and got.after.benign_refusal <= 0.05
+    assert got.direction == "single" and got.direction_layer == 3 and got.layers == [0, 1, 2, 3]
+    assert len(got.rounds) == 3
+    refused = [r.refused for r in got.rounds]
+    assert refused[0] >= 0.9 * got.rounds[0].harmful and refused[1] < refused[0] and refused[2] < refused[1]
+    dirs = np.stack([r.dirs[3] for r in got.rounds])
+    np.testing.assert_allclose(dirs @ dirs.T, np.eye(3), atol=1e-6)  # each round's direction is new
+    meta = json.loads((out / "abliteration_metadata.json").read_text())
+    assert [r["refused_harmful"] for r in meta["rounds"]] == refused
+    assert meta["direction"] == "single" and meta["direction_layer"] == 3
+    assert meta["modified"]["embedding"] == ["model.embed_tokens"]
+    assert meta["evaluation"]["after"]["harmful_refusal"] == round(got.after.harmful_refusal, 4)
+
+
+def test_one_round_of_one_direction_leaves_the_other_refusal_phrasings(chat_abliterated, tmp_path):
+    """Why the rounds exist: one round removes the commonest refusal, not the model's other phrasings."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    got = jobs.abliterate.run(model=data / "tiny-moe-chat", harmful_dataset=data / "safety" / "harmful_train.jsonl",
+                              benign_dataset=data / "safety" / "benign_train.jsonl",
+                              eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
+                              eval_benign_dataset=data / "safety" / "benign_test.jsonl", output=tmp_path / "one",
+                              seed=0, rounds=1)
+    assert got.after.harmful_refusal >= 0.3 > chat_abliterated[0].after.harmful_refusal

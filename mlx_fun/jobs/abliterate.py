@@ -1,10 +1,16 @@
-"""The ``abliterate`` job: remove the refusal direction from what chosen decoder layers write, measure what it did.
+"""The ``abliterate`` job: remove the refusal direction from what the decoder layers write, measure what it did.
 
-Capture (:mod:`mlx_fun.residual`) → per-layer directions → layer choice → orthogonalisation of every residual
-writer of the target (:mod:`mlx_fun.rewrite.abliterate`) → refusal rate on the evaluation harmful prompts and
-benign first-token KL against the original (:mod:`mlx_fun.refusal`) → the model, ``abliteration_metadata.json``
-beside it. ``search`` tries settings of (layers, weight) first and keeps the one with the fewest refusals under
-``max_kl``.
+Capture (:mod:`mlx_fun.residual`) over the harmful prompts the model refuses and the benign ones it answers
+(Arditi et al.'s filter, :func:`mlx_fun.refusal.is_refusal`) → per-layer directions → ``direction="single"``: the
+one measured after ``direction_layer`` (default: the largest un-normalised difference), removed from every chosen
+layer's residual writers and the token embedding; ``"per-layer"``: each layer's own → orthogonalisation
+(:mod:`mlx_fun.rewrite.abliterate`). Each further **round** measures the direction again on the model abliterated
+so far, from the prompts it still refuses, and removes it too (orthogonal to the earlier ones): one mean difference
+describes the commonest way the model refuses, and a model with several refusal phrasings keeps the others (on the
+bundled chat model one round left 43% of held-out refusals, three rounds 3%). Then the refusal rate on the
+evaluation harmful prompts and the benign first-token KL against the original (:mod:`mlx_fun.refusal`), and the
+model with ``abliteration_metadata.json`` beside it. ``search`` tries settings of (layers, weight, direction
+layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from ..errors import UserError, param
 from .common import Log, check_supported, load_moe, quiet, require_path
 
 
+DIRECTIONS = ("single", "per-layer")
+MIN_REFUSED = 2  # a later round needs at least this many harmful prompts the model still refuses
+
+
 @dataclass
 class Trial:
     layers: list[int]
@@ -24,10 +34,29 @@ class Trial:
     harmful_refusal: float
     benign_refusal: float
     benign_kl: float
+    rounds: int = 0
+    direction_layer: int | None = None  # the single direction's source layer (None: one per layer)
 
     def row(self) -> dict:
-        return {"layers": self.layers, "weight": self.weight, "harmful_refusal": round(self.harmful_refusal, 4),
+        return {"layers": self.layers, "weight": self.weight, "direction_layer": self.direction_layer,
+                "rounds": self.rounds, "harmful_refusal": round(self.harmful_refusal, 4),
                 "benign_refusal": round(self.benign_refusal, 4), "benign_kl": round(self.benign_kl, 4)}
+
+
+@dataclass
+class Round:
+    """One estimation round: the capture prompts it used (harmful ones the model still refused, benign ones it
+    answered, out of all) and the directions it removed."""
+    refused: int
+    harmful: int
+    answered: int
+    benign: int
+    norm: float  # un-normalised mean difference at the source layer (per-layer: the largest)
+    dirs: object  # (decoder layers, hidden) unit directions removed in this round
+
+    def row(self) -> dict:
+        return {"refused_harmful": self.refused, "harmful_prompts": self.harmful, "answered_benign": self.answered,
+                "benign_prompts": self.benign, "direction_norm": round(self.norm, 6)}
 
 
 @dataclass
@@ -38,13 +67,17 @@ class AbliterateResult:
     before: Trial  # the original model on the evaluation prompts
     after: Trial
     direction_norms: dict[str, float]
-    directions: object  # (decoder layers, hidden) float64 unit directions (numpy)
+    directions: object  # (decoder layers, hidden) float64 unit directions of the first round (numpy)
     modified: dict[str, list[str]]
     trials: list[Trial] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    direction: str = "single"
+    direction_layer: int | None = None
+    rounds: list[Round] = field(default_factory=list)
 
 
-def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples) -> None:
+def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples, direction,
+           direction_layer, rounds) -> None:
     from ..residual import POSITIONS, parse_layers
     from ..rewrite.abliterate import TARGETS
 
@@ -60,12 +93,16 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
     if extraction_position not in POSITIONS:
         raise UserError(f"{param('extraction_position')} must be one of {', '.join(POSITIONS)}, "
                         f"got {extraction_position!r}.")
-    if isinstance(search, bool) or not isinstance(search, int) or search < 0:
-        raise UserError(f"{param('search')} must be a whole number >= 0, got {search!r}.")
+    if direction not in DIRECTIONS:
+        raise UserError(f"{param('direction')} must be one of {', '.join(DIRECTIONS)}, got {direction!r}.")
+    if direction_layer is not None and (isinstance(direction_layer, bool) or not isinstance(direction_layer, int)
+                                        or direction_layer < 0):
+        raise UserError(f"{param('direction_layer')} must be a decoder-layer index >= 0, got {direction_layer!r}.")
+    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("eval_samples", eval_samples, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
         raise UserError(f"{param('max_kl')} must be a positive number, got {max_kl!r}.")
-    if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 1:
-        raise UserError(f"{param('eval_samples')} must be >= 1, got {eval_samples!r}.")
     parse_layers(layers, where=param("layers"))
 
 
@@ -78,43 +115,150 @@ def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
     return samples
 
 
-def _candidates(chosen: list[int], norms, weight: float, n: int) -> list[tuple[list[int], float]]:
-    """Up to ``n`` settings: the chosen layers, then all, the top half / quarter by direction norm and every
-    contiguous half-depth window, each at weight 1, 0.8, 0.6, 0.4 (the given weight first)."""
+def _candidates(chosen: list[int], norms, weight: float, source: int | None, n: int
+                ) -> list[tuple[list[int], float, int | None]]:
+    """Up to ``n`` settings (layers, weight, source layer): the chosen ones first; then, at weight 1, 0.8, 0.6, 0.4
+    (the given weight first), every source layer by direction norm (single direction) and the layer windows —
+    all, the top half / quarter by norm and, one direction per layer, every contiguous half-depth window."""
     import numpy as np
 
     L = len(norms)
     order = [int(i) for i in np.argsort(-np.asarray(norms), kind="stable")]
-    windows = [chosen, list(range(L)), sorted(order[: max(1, math.ceil(L / 2))]),
-               sorted(order[: max(1, math.ceil(L / 4))])]
-    half = max(1, math.ceil(L / 2))
-    windows += [list(range(a, a + half)) for a in range(0, L - half + 1)]
-    uniq = []
-    for w in windows:
-        if w not in uniq:
-            uniq.append(w)
+    windows = [chosen, list(range(L)), sorted(order[: max(1, math.ceil(L / 2))])]
+    if source is None:
+        half = max(1, math.ceil(L / 2))
+        windows += [sorted(order[: max(1, math.ceil(L / 4))])] + [list(range(a, a + half)) for a in range(L - half + 1)]
+    sources = [None] if source is None else [source] + [i for i in order if i != source]
     weights = [weight] + [w for w in (1.0, 0.8, 0.6, 0.4) if w != weight]
-    return [(w, x) for x in weights for w in uniq][:n]
+    out = []
+    for x in weights:
+        for src in sources:
+            for w in windows:
+                if (w, x, src) not in out:
+                    out.append((w, x, src))
+    return out[:n]
 
 
-def _search(trial, candidates: list[tuple[list[int], float]], progress: bool) -> list[Trial]:
-    """``trial(layers, weight)`` for every candidate, one progress step each (refusals and KL shown)."""
-    bar = None
-    if progress:
-        from tqdm import tqdm
+@dataclass
+class _Stats:
+    round: Round  # counts and norm (dirs: the raw per-layer unit directions)
+    norms: object  # (decoder layers,) un-normalised mean-difference norms
 
-        bar = tqdm(total=len(candidates), unit="trial", desc="search", dynamic_ncols=True)
-    trials = []
-    try:
-        for lay, w in candidates:
-            trials.append(trial(lay, w))
+
+class _Abliteration:
+    """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
+
+    def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
+                 target, safety, warnings, log):
+        from ..data import pad_id
+        from ..refusal import first_token_logprobs
+
+        self.model, self.tok, self.adapter = model, tok, adapter
+        self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
+        self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
+        self.target, self.safety, self.warnings, self.log = target, safety, warnings, log
+        self.reference = first_token_logprobs(model, eval_b)
+        self.progress = False
+
+    def statistics(self, r: int) -> _Stats | None:
+        """Round ``r``'s directions on the model as it is now, from the harmful capture prompts it refuses and the
+        benign ones it answers (Arditi et al.'s filter); ``None`` for a later round with too few refusals left."""
+        from ..refusal import greedy_replies, is_refusal
+        from ..residual import capture, directions
+
+        hs = [s for s, t in zip(self.harmful, greedy_replies(self.model, self.tok, self.harmful, self.reply_tokens))
+              if is_refusal(t)]
+        bs = [s for s, t in zip(self.benign, greedy_replies(self.model, self.tok, self.benign, self.reply_tokens))
+              if not is_refusal(t)]
+        refused, answered = len(hs), len(bs)
+        if r > 1 and (refused < MIN_REFUSED or not bs):
+            return None
+        if r == 1 and not hs:
+            self.warnings.append(f"the model refuses none of the {len(self.harmful)} harmful prompts "
+                                 "(mlx_fun.refusal.is_refusal); the direction comes from all of them, in one round.")
+            hs = self.harmful
+        if r == 1 and not bs:
+            self.warnings.append(f"the model refuses all {len(self.benign)} benign prompts; the direction comes "
+                                 "from all of them.")
+            bs = self.benign
+        means = [capture(self.model, self.adapter, s, position=self.position, batch_size=self.batch_size,
+                         pad_id=self.pad, progress=self.progress, desc=f"round {r} {name}")
+                 for s, name in ((hs, "harmful"), (bs, "benign"))]
+        dirs, norms = directions(*means)
+        return _Stats(Round(refused, len(self.harmful), answered, len(self.benign), float(norms.max()), dirs), norms)
+
+    def abliterate(self, first: _Stats, layers, weight, source, rounds: int, on_round=None):
+        """Up to ``rounds`` rounds (the first from ``first``): each removes its direction(s), orthogonal to the
+        earlier rounds', from the writers of ``layers`` (and, single direction, the embedding). Returns
+        ``(rounds done, touched, undo)``."""
+        import numpy as np
+
+        done, touched, undo = [], {}, []
+        for r in range(1, rounds + 1):
+            stats = first if r == 1 else self.statistics(r)
+            if stats is None:
+                break
+            raw = stats.round.dirs
+            dirs = raw.copy() if source is None else np.repeat(raw[source][None], raw.shape[0], axis=0)
+            for prev in done:
+                dirs -= np.sum(dirs * prev.dirs, axis=1, keepdims=True) * prev.dirs
+            dirs /= np.maximum(np.linalg.norm(dirs, axis=1, keepdims=True), 1e-30)
+            norm = stats.round.norm if source is None else float(stats.norms[source])
+            done.append(Round(stats.round.refused, stats.round.harmful, stats.round.answered, stats.round.benign,
+                              norm, dirs))
+            t, u = self.apply(done, layers, weight, source)
+            touched.update(t)
+            undo += u
+            if on_round is not None:
+                on_round(done[-1])
+        return done, touched, undo
+
+    def apply(self, done: list[Round], layers, weight, source):
+        """Remove the last of ``done``'s directions, holding the earlier rounds' through the re-quantization."""
+        from ..rewrite.abliterate import apply
+
+        rnd, earlier = done[-1], [r.dirs for r in done[:-1]]
+        return apply(self.adapter, rnd.dirs, layers, target=self.target, weight=weight, safety=self.safety,
+                     embed=None if source is None else rnd.dirs[source], earlier=earlier,
+                     embed_earlier=[] if source is None else [e[source] for e in earlier])
+
+    def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
+        from ..refusal import first_token_logprobs, greedy_replies, mean_kl, refusal_rate
+
+        kl = 0.0 if original else mean_kl(self.reference, first_token_logprobs(self.model, self.eval_b))
+        return Trial(layers, weight, refusal_rate(greedy_replies(self.model, self.tok, self.eval_h, self.reply_tokens)),
+                     refusal_rate(greedy_replies(self.model, self.tok, self.eval_b, self.reply_tokens)), kl, rounds,
+                     source)
+
+    def search(self, first: _Stats, candidates, rounds: int, progress: bool):
+        """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
+        and one progress step each), the model restored in between. Returns ``(trials, the rounds behind each)``."""
+        from ..rewrite.abliterate import restore
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(candidates) * rounds, unit="trial", desc="search", dynamic_ncols=True)
+        trials, kept = [], []
+        try:
+            for lay, w, src in candidates:
+                seen = []
+
+                def measured(rnd, lay=lay, w=w, src=src, seen=seen):
+                    seen.append(rnd)
+                    trials.append(self.measure(lay, w, len(seen), src))
+                    kept.append(list(seen))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
+
+                _, _, undo = self.abliterate(first, lay, w, src, rounds, on_round=measured)
+                restore(undo)
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
-    finally:
-        if bar is not None:
-            bar.close()
-    return trials
+                bar.close()
+        return trials, kept
 
 
 def run(
@@ -127,7 +271,10 @@ def run(
     target: str = "all",
     safety_map: str | Path | None = None,
     weight: float = 1.0,
-    max_samples: int = 64,
+    direction: str = "single",
+    direction_layer: int | None = None,
+    rounds: int = 3,
+    max_samples: int = 128,
     max_tokens: int = 2048,
     extraction_position: str = "last",
     text_key: str = "content",
@@ -146,15 +293,12 @@ def run(
     """Abliterate ``model`` (see the module docstring) and write it to ``output``; evaluation prompts default to
     the capture datasets when no held-out sets are given."""
     from .. import writer
-    from ..data import pad_id
-    from ..expert_files import load_report_experts
     from ..io import params_nbytes, write_model_dir
-    from ..refusal import first_token_logprobs, greedy_replies, mean_kl, refusal_rate
-    from ..residual import capture, choose_layers, directions
-    from ..rewrite.abliterate import apply, latent_experts, restore
+    from ..residual import choose_layers
 
-    _check(layers=layers, target=target, safety_map=safety_map, weight=weight,
-           extraction_position=extraction_position, search=search, max_kl=max_kl, eval_samples=eval_samples)
+    _check(layers=layers, target=target, safety_map=safety_map, weight=weight, direction=direction,
+           direction_layer=direction_layer, rounds=rounds, extraction_position=extraction_position, search=search,
+           max_kl=max_kl, eval_samples=eval_samples)
     check_supported(model)
     for name, path in (("harmful_dataset", harmful_dataset), ("benign_dataset", benign_dataset),
                        ("eval_harmful_dataset", eval_harmful_dataset), ("eval_benign_dataset", eval_benign_dataset)):
@@ -165,71 +309,83 @@ def run(
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, tok, config, adapter = load_moe(model, log=log)
         n_layers = len(adapter.decoder_layers())
-        choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # the range check, before any work
-        safety = None
-        if target == "safety-experts":
-            if latent_experts(adapter):
-                raise UserError(f"model_type '{adapter.model_type}' runs its routed experts in a latent space, so no "
-                                f"expert alone writes the residual stream; use {param('target')} all or dense-only.")
-            moe = adapter.moe_layers()
-            sets = load_report_experts(safety_map, "safety", moe, adapter.num_experts)
-            safety = {moe[p]: sorted(e) for p, e in sets.items() if e}
-        kw = dict(max_samples=max_samples, max_tokens=max_tokens, text_key=text_key, seed=seed)
-        harmful = _prompts(harmful_dataset, tok, "harmful_dataset", **kw)
-        benign = _prompts(benign_dataset, tok, "benign_dataset", **kw)
-        pad = pad_id(tok)
-        means = [capture(mdl, adapter, s, position=extraction_position, batch_size=batch_size, pad_id=pad,
-                         progress=progress, desc=name) for s, name in ((harmful, "harmful"), (benign, "benign"))]
-        dirs, norms = directions(*means)
-        chosen = choose_layers(layers, norms, where=param("layers"))
-        ekw = dict(max_samples=eval_samples, max_tokens=max_tokens, text_key=text_key, seed=seed)
-        eval_h = _prompts(eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset", **ekw)
-        eval_b = _prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset", **ekw)
+        choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # the range checks, before any work
+        if direction_layer is not None and direction_layer >= n_layers:
+            raise UserError(f"{param('direction_layer')} {direction_layer} is outside the model: it has decoder "
+                            f"layers 0-{n_layers - 1}.")
+        kw = dict(max_tokens=max_tokens, text_key=text_key, seed=seed)
         warnings = []
+        job = _Abliteration(
+            mdl, tok, adapter, harmful=_prompts(harmful_dataset, tok, "harmful_dataset", max_samples=max_samples, **kw),
+            benign=_prompts(benign_dataset, tok, "benign_dataset", max_samples=max_samples, **kw),
+            eval_h=_prompts(eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset",
+                            max_samples=eval_samples, **kw),
+            eval_b=_prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset",
+                            max_samples=eval_samples, **kw),
+            position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
+            safety=_safety(adapter, target, safety_map), warnings=warnings, log=log)
         if eval_harmful_dataset is None or eval_benign_dataset is None:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
-        reference = first_token_logprobs(mdl, eval_b)
-
-        def measure(lay, w, original: bool = False) -> Trial:
-            kl = 0.0 if original else mean_kl(reference, first_token_logprobs(mdl, eval_b))
-            return Trial(lay, w, refusal_rate(greedy_replies(mdl, tok, eval_h, reply_tokens)),
-                         refusal_rate(greedy_replies(mdl, tok, eval_b, reply_tokens)), kl)
-
-        def trial(lay, w) -> Trial:
-            _, undo = apply(adapter, dirs, lay, target=target, weight=w, safety=safety)
-            try:
-                return measure(lay, w)
-            finally:
-                restore(undo)
-
-        before = measure([], 0.0, original=True)
-        trials = _search(trial, _candidates(chosen, norms, float(weight), search), progress) if search else []
-        if trials:
-            ok = [t for t in trials if t.benign_kl <= max_kl]
+        job.progress = progress and not search
+        first = job.statistics(1)
+        norms = first.norms
+        single = direction == "single"
+        chosen = choose_layers("all" if single and str(layers).strip().lower() == "auto" else layers, norms,
+                               where=param("layers"))
+        source = (int(norms.argmax()) if direction_layer is None else direction_layer) if single else None
+        before = job.measure([], 0.0, original=True)
+        trials, after, done = [], None, None
+        if search:
+            trials, kept = job.search(first, _candidates(chosen, norms, float(weight), source, search), rounds,
+                                      progress)
+            ok = [i for i, t in enumerate(trials) if t.benign_kl <= max_kl]
             if ok:
-                best = min(ok, key=lambda t: (t.harmful_refusal, t.benign_kl))
-                chosen, weight = best.layers, best.weight
+                i = min(ok, key=lambda i: (trials[i].harmful_refusal, trials[i].benign_kl))
+                after, done = trials[i], kept[i]
+                chosen, weight, source = after.layers, after.weight, after.direction_layer
             else:
                 warnings.append(f"no setting tried stayed under {param('max_kl')} {max_kl}; writing "
                                 f"{param('layers')} {layers} at {param('weight')} {weight}.")
-        modified, _undo = apply(adapter, dirs, chosen, target=target, weight=float(weight), safety=safety)
+        if done is None:
+            done, modified, _ = job.abliterate(first, chosen, float(weight), source, rounds)
+        else:
+            modified = {}
+            for k in range(1, len(done) + 1):
+                modified.update(job.apply(done[:k], chosen, float(weight), source)[0])
         if not modified:
             warnings.append("nothing matched the target in the chosen layers; the model is written unchanged.")
-        after = next((t for t in trials if t.layers == chosen and t.weight == weight), None) or measure(chosen, weight)
+        after = after or job.measure(chosen, float(weight), len(done), source)
         for w in warnings:
             log(f"Warning: {w}")
         meta = {"method": "abliteration", "target": target, "abliterated_layers": chosen, "weight": weight,
-                "extraction_position": extraction_position, "layers_spec": str(layers),
+                "direction": direction, "direction_layer": source, "extraction_position": extraction_position,
+                "layers_spec": str(layers),
                 "direction_norms": {str(i): round(float(norms[i]), 6) for i in range(n_layers)},
+                "rounds": [r.row() for r in done],
                 "modified": {str(k): v for k, v in modified.items()},
                 "safety_map": None if safety_map is None else str(safety_map),
-                "evaluation": {"harmful_prompts": len(eval_h), "benign_prompts": len(eval_b),
+                "evaluation": {"harmful_prompts": len(job.eval_h), "benign_prompts": len(job.eval_b),
                                "reply_tokens": reply_tokens, "before": before.row(), "after": after.row(),
                                "held_out": eval_harmful_dataset is not None and eval_benign_dataset is not None},
                 "search": {"trials": [t.row() for t in trials], "max_kl": max_kl} if trials else None}
         res.require_space(params_nbytes(mdl))
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
     return AbliterateResult(Path(output), chosen, float(weight), before, after,
-                            {str(i): float(norms[i]) for i in range(n_layers)}, dirs,
-                            {str(k): v for k, v in modified.items()}, trials, warnings)
+                            {str(i): float(norms[i]) for i in range(n_layers)}, first.round.dirs,
+                            {str(k): v for k, v in modified.items()}, trials, warnings, direction, source, done)
+
+
+def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
+    """Decoder layer → the safety report's routed experts, for ``target="safety-experts"``."""
+    from ..expert_files import load_report_experts
+    from ..rewrite.abliterate import latent_experts
+
+    if target != "safety-experts":
+        return None
+    if latent_experts(adapter):
+        raise UserError(f"model_type '{adapter.model_type}' runs its routed experts in a latent space, so no "
+                        f"expert alone writes the residual stream; use {param('target')} all or dense-only.")
+    moe = adapter.moe_layers()
+    sets = load_report_experts(safety_map, "safety", moe, adapter.num_experts)
+    return {moe[p]: sorted(e) for p, e in sets.items() if e}

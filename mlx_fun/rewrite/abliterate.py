@@ -14,9 +14,14 @@ the listed ones; gpt-oss's with its bias) and ``latent`` (the up-projection that
 hidden size: nemotron_h, kimi_k3). Targets: ``all`` (every kind), ``dense-only`` (attention, mlp, shared) and
 ``safety-experts`` (only the routed experts a safety report lists, in their layers).
 
-Quantized matrices are dequantized, projected and re-quantized with their own bits, group size and mode
-(:mod:`mlx_fun.rewrite.weights`), one expert at a time, so the model keeps its format and size.
-:func:`apply` returns what it changed and an undo record (:func:`restore`), which ``--search`` uses between trials.
+The token embedding writes the residual stream too (Arditi et al. ablate the direction from it): :func:`embedding`
+finds it beside the decoder layers, and ``embed=d`` projects its rows, ``E ← E − w · (E d) dᵀ`` (with tied
+embeddings the output head reads the same table; a residual stream without ``d`` is read the same way).
+
+Quantized matrices are dequantized, projected and re-quantized with their own bits, group size and mode, one
+expert at a time, so the model keeps its format and size; the re-quantization feeds back what rounding would put
+back along ``d`` (:func:`mlx_fun.rewrite.weights.stored_without`). :func:`apply` returns what it changed and an
+undo record (:func:`restore`), which ``--search`` and the estimation rounds use.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..adapters.base import MoEAdapter, expert_projections
-from .weights import dense, stored, write
+from .weights import dense, stored_keeping, write
 
 TARGETS = ("all", "safety-experts", "dense-only")
 ATTENTION_OUT = ("o_proj", "out_proj", "dense", "o_b_proj", "wo", "c_proj")
@@ -80,45 +86,112 @@ def writers(adapter: MoEAdapter, i: int) -> list[Writer]:
     return out
 
 
+def embedding(adapter: MoEAdapter) -> tuple[str, object] | None:
+    """``(path, module)`` of the token embedding beside the decoder layers (the one (quantized) embedding of
+    width ``hidden_size`` under the module that holds them), or ``None`` when there is not exactly one."""
+    first = adapter.decoder_layers()[0]
+    names = {id(m): n for n, m in adapter.model.named_modules()}
+    layer_path = names.get(id(first), "")
+    owner = layer_path.rsplit(".", 2)[0] + "." if layer_path.count(".") >= 2 else ""
+    found = [(n, m) for n, m in adapter.model.named_modules()
+             if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)) and n.startswith(owner)
+             and (m.dims if isinstance(m, nn.QuantizedEmbedding) else m.weight.shape[-1]) == adapter.hidden_size]
+    return found[0] if len(found) == 1 else None
+
+
 def latent_experts(adapter: MoEAdapter) -> bool:
     """Do the routed experts write into a latent space (so no expert alone writes the residual stream)?"""
     return any(w.kind == "latent" for i in adapter.moe_layers()[:1] for w in writers(adapter, i))
 
 
-def _project(w: mx.array, d: mx.array, weight: float) -> mx.array:
-    """``w − weight · d dᵀ w`` for an (out, in) matrix or an (out,) bias."""
-    if w.ndim == 1:
-        return w - weight * d * mx.sum(d * w)
-    return w - weight * d[:, None] * (d[None, :] @ w)
+def _project(w: mx.array, d: mx.array, weight: float, earlier: mx.array | None = None) -> mx.array:
+    """``w − weight · d dᵀ w`` for an (out, in) matrix or an (out,) bias; with ``weight`` 1, ``earlier`` directions
+    ((k, H), already removed) are projected out again too, so what rounding left of them goes."""
+    D = d[None] if earlier is None or weight != 1 else mx.concatenate([earlier, d[None]])
+    return w - weight * D.T @ (D @ w)
 
 
-def project_out(lin, d: mx.array, weight: float, experts: list[int] | None = None) -> dict:
+def _keep(d: mx.array, earlier: mx.array | None) -> mx.array:
+    return d[None] if earlier is None else mx.concatenate([earlier, d[None]])
+
+
+def project_out(lin, d: mx.array, weight: float, experts: list[int] | None = None,
+                earlier: mx.array | None = None) -> dict:
     """Remove ``d`` (unit, hidden size) from the output space of ``lin`` — every expert of a switch linear, or
-    ``experts`` — in place; returns the undo record (the tensors it replaced)."""
+    ``experts`` — in place, re-quantizing so that the components along ``d`` and the ``earlier`` directions (k, H)
+    of previous rounds stay where the projection puts them; returns the undo record (the tensors it replaced)."""
     saved = {k: lin[k] for k in ("weight", "scales", "biases", "global_scale", "bias") if k in lin and lin[k] is not None}
     is_switch = lin["weight"].ndim == 3
     rows = (range(lin["weight"].shape[0]) if experts is None else experts) if is_switch else [None]
     parts = {}
     for e in rows:
-        p = stored(lin, _project(dense(lin, e), d, weight))
+        p = stored_keeping(lin, _project(dense(lin, e), d, weight, earlier), _keep(d, earlier))
         if "bias" in lin:
             b = lin["bias"] if e is None else lin["bias"][e]
-            p["bias"] = _project(b.astype(mx.float32), d, weight)
+            p["bias"] = _project(b.astype(mx.float32), d, weight, earlier)
         parts[e] = p
         mx.eval(list(p.values()))
     write(lin, parts)
     return saved
 
 
+EMBED_ROWS = 16384  # rows of an embedding table projected (and re-quantized) at once
+
+
+def project_rows(emb, d: mx.array, weight: float, earlier: mx.array | None = None) -> dict:
+    """Remove ``d`` from every row of an embedding table, ``E − weight · (E d) dᵀ`` (and ``earlier`` as in
+    :func:`project_out`), in place and in its own format, a block of rows at a time (rows are independent);
+    returns the undo record."""
+    saved = {k: emb[k] for k in ("weight", "scales", "biases", "global_scale") if k in emb and emb[k] is not None}
+    n = saved["weight"].shape[0]
+    step = n if "global_scale" in saved else EMBED_ROWS  # one per-tensor scale: quantized as one block
+    blocks = []
+    for a in range(0, n, step):
+        block = _Rows(emb, {k: v if k == "global_scale" else v[a:a + step] for k, v in saved.items()})
+        p = _project(dense(block).T, d, weight, earlier).T
+        blocks.append(stored_keeping(block, p, _keep(d, earlier), axis=1))
+        mx.eval(list(blocks[-1].values()))
+    emb.update({k: blocks[0][k] if len(blocks) == 1 else mx.concatenate([b[k] for b in blocks]) for k in blocks[0]})
+    return saved
+
+
+class _Rows(dict):
+    """A block of an embedding's rows, read and stored like the embedding (its bits, group size, mode)."""
+
+    def __init__(self, emb, tensors):
+        super().__init__(tensors)
+        for a in ("group_size", "bits", "mode"):
+            if hasattr(emb, a):
+                setattr(self, a, getattr(emb, a))
+
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        raise AttributeError(name)
+
+
 def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: str = "all", weight: float = 1.0,
-          safety: dict[int, list[int]] | None = None) -> tuple[dict, list]:
+          safety: dict[int, list[int]] | None = None, embed: np.ndarray | None = None,
+          earlier: list[np.ndarray] = (), embed_earlier: list[np.ndarray] = ()) -> tuple[dict, list]:
     """Abliterate ``layers`` (decoder indices) with their rows of ``dirs``; ``safety`` maps decoder layer →
-    routed experts for ``target="safety-experts"``. Returns ``(touched: {layer: [module paths, experts noted]},
+    routed experts for ``target="safety-experts"``; ``embed``: a unit direction to remove from the token embedding
+    too (:func:`embedding`; skipped for ``safety-experts``); ``earlier``: the ``dirs`` of previous rounds, held
+    through the re-quantization (``embed_earlier``: the embedding's). Returns ``(touched: {layer or "embedding": [module paths, experts noted]},
     undo)``."""
     kinds = KINDS_OF[target]
     touched, undo = {}, []
+
+    def f32(a):
+        return mx.array(np.asarray(a, dtype=np.float32))
+
+    found = embedding(adapter) if embed is not None and target != "safety-experts" else None
+    if found is not None:
+        old = f32(embed_earlier) if len(embed_earlier) else None
+        undo.append((found[1], project_rows(found[1], f32(embed), weight, old)))
+        touched["embedding"] = [found[0]]
     for i in layers:
-        d = mx.array(np.asarray(dirs[i], dtype=np.float32))
+        d = f32(dirs[i])
+        old = f32([e[i] for e in earlier]) if len(earlier) else None
         names = []
         for w in writers(adapter, i):
             if w.kind not in kinds:
@@ -128,7 +201,7 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
                 experts = sorted((safety or {}).get(i, []))
                 if not experts:
                     continue
-            undo.append((w.module, project_out(w.module, d, weight, experts)))
+            undo.append((w.module, project_out(w.module, d, weight, experts, old)))
             names.append(w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]")
         if names:
             touched[i] = names
