@@ -113,7 +113,24 @@ round; fewest refusals with KL ≤ 0.5).
 | format | target | settings | layers | weight | direction layer | rounds | harmful refusal | benign refusal | benign KL | projection | size |
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {table}
+
+{_summary(rows)}
 """
+
+
+def _summary(rows) -> str:
+    """What the table says, computed from it: the goal (<= 10% refusals at KL <= 0.5) row by row, the seed spread."""
+    met = [f"{r[0]} {r[1]} ({r[2]}): {r[8]:.1%} at KL {r[11]:.3f}" for r in rows if r[8] <= 0.10 and r[11] <= 0.5]
+    spread = [r[8] for r in rows if r[0] == "float" and r[1] == "all" and (r[2] == "defaults" or r[2].startswith("seed"))]
+    out = ["Rows that reach the goal of <= 10% held-out refusals at benign KL <= 0.5: "
+           + ("; ".join(met) if met else "none") + "."]
+    if len(spread) > 1:
+        out.append(f"Over the prompt subset's seed (float, defaults) the held-out refusal rate after three rounds "
+                   f"ranged {min(spread):.1%}-{max(spread):.1%}: the later rounds' directions come from the few dozen "
+                   "prompts still refused, so which prompts are drawn matters.")
+    out.append("`safety-experts` touches only the scanned experts' down projections and leaves refusals where they "
+               "were; the sizes stay within 0.02%: quantized writers keep their bits, group size and mode.")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
