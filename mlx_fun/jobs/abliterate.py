@@ -141,7 +141,12 @@ def _candidates(chosen: list[int], norms, weight: float, source: int | None, n: 
 
 @dataclass
 class _Stats:
-    round: Round  # counts and norm (dirs: the raw per-layer unit directions)
+    """What one round measured on the model as it was: the prompts it used and the raw per-layer directions."""
+    refused: int
+    harmful: int
+    answered: int
+    benign: int
+    dirs: object  # (decoder layers, hidden) unit directions, not yet orthogonal to earlier rounds'
     norms: object  # (decoder layers,) un-normalised mean-difference norms
 
 
@@ -149,14 +154,14 @@ class _Abliteration:
     """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
 
     def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, warnings, log):
+                 target, safety, warnings):
         from ..data import pad_id
         from ..refusal import first_token_logprobs
 
         self.model, self.tok, self.adapter = model, tok, adapter
         self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
         self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
-        self.target, self.safety, self.warnings, self.log = target, safety, warnings, log
+        self.target, self.safety, self.warnings = target, safety, warnings
         self.reference = first_token_logprobs(model, eval_b)
         self.progress = False
 
@@ -185,12 +190,12 @@ class _Abliteration:
                          pad_id=self.pad, progress=self.progress, desc=f"round {r} {name}")
                  for s, name in ((hs, "harmful"), (bs, "benign"))]
         dirs, norms = directions(*means)
-        return _Stats(Round(refused, len(self.harmful), answered, len(self.benign), float(norms.max()), dirs), norms)
+        return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms)
 
     def abliterate(self, first: _Stats, layers, weight, source, rounds: int, on_round=None):
         """Up to ``rounds`` rounds (the first from ``first``): each removes its direction(s), orthogonal to the
         earlier rounds', from the writers of ``layers`` (and, single direction, the embedding). Returns
-        ``(rounds done, touched, undo)``."""
+        ``(rounds done, touched, undo)``; ``on_round(rounds done so far)`` after each."""
         import numpy as np
 
         done, touched, undo = [], {}, []
@@ -198,19 +203,18 @@ class _Abliteration:
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
                 break
-            raw = stats.round.dirs
+            raw = stats.dirs
             dirs = raw.copy() if source is None else np.repeat(raw[source][None], raw.shape[0], axis=0)
             for prev in done:
                 dirs -= np.sum(dirs * prev.dirs, axis=1, keepdims=True) * prev.dirs
             dirs /= np.maximum(np.linalg.norm(dirs, axis=1, keepdims=True), 1e-30)
-            norm = stats.round.norm if source is None else float(stats.norms[source])
-            done.append(Round(stats.round.refused, stats.round.harmful, stats.round.answered, stats.round.benign,
-                              norm, dirs))
+            norm = float(stats.norms.max() if source is None else stats.norms[source])
+            done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs))
             t, u = self.apply(done, layers, weight, source)
             touched.update(t)
             undo += u
             if on_round is not None:
-                on_round(done[-1])
+                on_round(done)
         return done, touched, undo
 
     def apply(self, done: list[Round], layers, weight, source):
@@ -243,12 +247,9 @@ class _Abliteration:
         trials, kept = [], []
         try:
             for lay, w, src in candidates:
-                seen = []
-
-                def measured(rnd, lay=lay, w=w, src=src, seen=seen):
-                    seen.append(rnd)
-                    trials.append(self.measure(lay, w, len(seen), src))
-                    kept.append(list(seen))
+                def measured(done, lay=lay, w=w, src=src):
+                    trials.append(self.measure(lay, w, len(done), src))
+                    kept.append(list(done))
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
@@ -323,7 +324,7 @@ def run(
             eval_b=_prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset",
                             max_samples=eval_samples, **kw),
             position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
-            safety=_safety(adapter, target, safety_map), warnings=warnings, log=log)
+            safety=_safety(adapter, target, safety_map), warnings=warnings)
         if eval_harmful_dataset is None or eval_benign_dataset is None:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
@@ -372,7 +373,7 @@ def run(
         res.require_space(params_nbytes(mdl))
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
     return AbliterateResult(Path(output), chosen, float(weight), before, after,
-                            {str(i): float(norms[i]) for i in range(n_layers)}, first.round.dirs,
+                            {str(i): float(norms[i]) for i in range(n_layers)}, first.dirs,
                             {str(k): v for k, v in modified.items()}, trials, warnings, direction, source, done)
 
 

@@ -20,7 +20,7 @@ embeddings the output head reads the same table; a residual stream without ``d``
 
 Quantized matrices are dequantized, projected and re-quantized with their own bits, group size and mode, one
 expert at a time, so the model keeps its format and size; the re-quantization feeds back what rounding would put
-back along ``d`` (:func:`mlx_fun.rewrite.weights.stored_without`). :func:`apply` returns what it changed and an
+back along ``d`` (:func:`mlx_fun.rewrite.weights.stored_keeping`). :func:`apply` returns what it changed and an
 undo record (:func:`restore`), which ``--search`` and the estimation rounds use.
 """
 
@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..adapters.base import MoEAdapter, expert_projections
-from .weights import dense, stored_keeping, write
+from .weights import dense, dense_of, stored_keeping, write
 
 TARGETS = ("all", "safety-experts", "dense-only")
 ATTENTION_OUT = ("o_proj", "out_proj", "dense", "o_b_proj", "wo", "c_proj")
@@ -107,11 +107,12 @@ def latent_experts(adapter: MoEAdapter) -> bool:
 def _project(w: mx.array, d: mx.array, weight: float, earlier: mx.array | None = None) -> mx.array:
     """``w − weight · d dᵀ w`` for an (out, in) matrix or an (out,) bias; with ``weight`` 1, ``earlier`` directions
     ((k, H), already removed) are projected out again too, so what rounding left of them goes."""
-    D = d[None] if earlier is None or weight != 1 else mx.concatenate([earlier, d[None]])
+    D = _keep(d, earlier if weight == 1 else None)
     return w - weight * D.T @ (D @ w)
 
 
 def _keep(d: mx.array, earlier: mx.array | None) -> mx.array:
+    """``d`` after the ``earlier`` directions, as one (k, H) stack."""
     return d[None] if earlier is None else mx.concatenate([earlier, d[None]])
 
 
@@ -147,27 +148,12 @@ def project_rows(emb, d: mx.array, weight: float, earlier: mx.array | None = Non
     step = n if "global_scale" in saved else EMBED_ROWS  # one per-tensor scale: quantized as one block
     blocks = []
     for a in range(0, n, step):
-        block = _Rows(emb, {k: v if k == "global_scale" else v[a:a + step] for k, v in saved.items()})
-        p = _project(dense(block).T, d, weight, earlier).T
-        blocks.append(stored_keeping(block, p, _keep(d, earlier), axis=1))
+        block = {k: v if k == "global_scale" else v[a:a + step] for k, v in saved.items()}
+        p = _project(dense_of(emb, block).T, d, weight, earlier).T
+        blocks.append(stored_keeping(emb, p, _keep(d, earlier), axis=1))
         mx.eval(list(blocks[-1].values()))
     emb.update({k: blocks[0][k] if len(blocks) == 1 else mx.concatenate([b[k] for b in blocks]) for k in blocks[0]})
     return saved
-
-
-class _Rows(dict):
-    """A block of an embedding's rows, read and stored like the embedding (its bits, group size, mode)."""
-
-    def __init__(self, emb, tensors):
-        super().__init__(tensors)
-        for a in ("group_size", "bits", "mode"):
-            if hasattr(emb, a):
-                setattr(self, a, getattr(emb, a))
-
-    def __getattr__(self, name):
-        if name in self:
-            return self[name]
-        raise AttributeError(name)
 
 
 def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: str = "all", weight: float = 1.0,
@@ -176,8 +162,8 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
     """Abliterate ``layers`` (decoder indices) with their rows of ``dirs``; ``safety`` maps decoder layer →
     routed experts for ``target="safety-experts"``; ``embed``: a unit direction to remove from the token embedding
     too (:func:`embedding`; skipped for ``safety-experts``); ``earlier``: the ``dirs`` of previous rounds, held
-    through the re-quantization (``embed_earlier``: the embedding's). Returns ``(touched: {layer or "embedding": [module paths, experts noted]},
-    undo)``."""
+    through the re-quantization (``embed_earlier``: the embedding's). Returns ``(touched: {layer or "embedding":
+    [module paths, experts noted]}, undo)``."""
     kinds = KINDS_OF[target]
     touched, undo = {}, []
 
