@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,6 +137,8 @@ class Server:
             gen._generation_thread.join(0.2)
             if interrupted is not None and interrupted.is_set():
                 break  # a second Ctrl+C: stop waiting for the current request
+        else:
+            _wait_gone(gen._generation_thread)
         if self._probe:
             remove_padding_probe()
         import mlx.core as mx
@@ -143,6 +146,17 @@ class Server:
         # Without this, a process that ran mlx-lm's generation thread aborts at exit ("terminate called without an
         # active exception"; plain mlx_lm.server used as a library does the same).
         mx.synchronize()
+
+
+def _wait_gone(thread: threading.Thread, timeout: float = 5.0) -> None:
+    """Wait until a joined thread's OS thread has exited (Linux: its ``/proc/self/task`` entry is gone). ``join``
+    returns when the Python side is done, before the thread's C++ thread-local destructors run; MLX's take the GIL,
+    and one still running when the interpreter finalizes aborts the process ("terminate called without an active
+    exception", seen in 1 of 6 Ctrl+C stops of a server under polling)."""
+    task = f"/proc/self/task/{thread.native_id}"
+    deadline = time.monotonic() + timeout
+    while thread.native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _allowed_hosts(host: str, port: int) -> set[str] | None:
