@@ -53,7 +53,9 @@ def commands(text: str) -> list[str]:
 
 #: commands that keep running (servers): started in the background, ready once their stderr says "Serving", and
 #: stopped with Ctrl+C (SIGINT) before the next `mlx-fun` command or at the end, as a user in two terminals would
-BACKGROUND = ("mlx-fun serve",)
+BACKGROUND = ("mlx-fun serve", "mlx-fun ui")
+#: of those, the clients of a running server (the dashboard): they start beside it instead of stopping it
+CLIENTS = ("mlx-fun ui",)
 
 
 class Background:
@@ -112,7 +114,7 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
                 if reason:
                     skipped.append(cmd)
                     continue
-                if cmd.startswith("mlx-fun "):
+                if cmd.startswith("mlx-fun ") and not cmd.startswith(CLIENTS):
                     while servers:
                         servers.pop().stop()
                 if cmd.startswith(BACKGROUND):
@@ -131,7 +133,7 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     assert len(ran) >= 20 and len(skipped) == 4, (ran, skipped)
     assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
         "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
-        "tune-dispatch", "doctor", "serve", "safety-scan", "domain-scan",
+        "tune-dispatch", "doctor", "serve", "ui", "safety-scan", "domain-scan",
         "steer", "amplify"}
     for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
                           ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24),

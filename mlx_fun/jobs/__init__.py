@@ -1,5 +1,5 @@
 """Library jobs: one module per ``mlx-fun`` command (``collect``, ``prune``, ``merge``, ``eval``, ``smoke_test``,
-``demo``, ``serve``, ``safety_scan``, ``domain_scan``, ``steer``, ``amplify``, ``abliterate``, ``tune_dispatch``, ``stats_diff``, ``stats_merge``, ``stats_purge``, ``doctor``), each with a typed,
+``demo``, ``serve``, ``safety_scan``, ``domain_scan``, ``steer``, ``amplify``, ``abliterate``, ``ui``, ``tune_dispatch``, ``stats_diff``, ``stats_merge``, ``stats_purge``, ``doctor``), each with a typed,
 keyword-only ``run(...)`` that does the whole command and returns its result — the way mlx-lm's ``convert.py``
 ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only parses, calls ``run`` and prints.
 
@@ -29,4 +29,5 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
     stats_merge,
     stats_purge,
     tune_dispatch,
+    ui,
 )
