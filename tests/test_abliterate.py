@@ -69,7 +69,7 @@ def test_each_writer_outputs_nothing_along_d_and_the_rest_unchanged(make_model, 
 
 
 @pytest.mark.parametrize("family,bits", [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", 4)])
-def test_embedding_rows_lose_d_and_earlier_rounds_stay_removed(make_model, family, bits):
+def test_embedding_rows_and_writers_lose_a_stack_of_directions_at_once(make_model, family, bits):
     model, _, config = load_model(make_model(family, bits=bits))
     adapter = get_adapter(model, config)
     H, L = adapter.hidden_size, len(adapter.decoder_layers())
@@ -80,15 +80,13 @@ def test_embedding_rows_lose_d_and_earlier_rounds_stay_removed(make_model, famil
     second /= np.linalg.norm(second)
     E0 = np.array(dense(emb), dtype=np.float64)
     layers = list(range(L))
-    touched, _ = apply(adapter, np.stack([first] * L), layers, embed=first)
+    Q = np.stack([first, second])
+    touched, _ = apply(adapter, np.stack([np.stack([first] * L), np.stack([second] * L)]), layers, embed=Q)
     assert touched["embedding"] == [path]
-    apply(adapter, np.stack([second] * L), layers, embed=second, earlier=[np.stack([first] * L)],
-          embed_earlier=[first])
     E1 = np.array(dense(emb), dtype=np.float64)
     tol = 1e-4 if bits is None else 0.25  # quantized: what the feedback re-quantization leaves
     for d in (first, second):
         assert np.linalg.norm(E1 @ d) <= tol * np.linalg.norm(E0 @ d), d[:3]
-    Q = np.stack([first, second])
     rest0, rest1 = E0 - (E0 @ Q.T) @ Q, E1 - (E1 @ Q.T) @ Q
     assert np.linalg.norm(rest1 - rest0) <= (1e-4 if bits is None else 0.2) * np.linalg.norm(rest0)
     for i in layers:
@@ -242,6 +240,7 @@ def test_bad_inputs_exit_2_and_write_nothing(make_model, tmp_path):
     expect_error(cli(*base, "--layers", "3-1"), "--layers")
     expect_error(cli(*base, "--direction-layer", "40"), "--direction-layer", "outside the model")
     expect_error(cli(*base, "--rounds", "0"), "--rounds")
+    expect_error(cli(*base, "--phrasings", "0"), "--phrasings")
     expect_error(cli(*base, "--direction", "sideways"), "--direction")
     expect_error(cli("abliterate", "--model", path, "--harmful-dataset", tmp_path / "empty.jsonl", "--benign-dataset",
                      benign, "--output", out), "empty.jsonl")
@@ -282,20 +281,25 @@ def test_rounds_take_the_bundled_chat_model_from_refusing_to_answering(chat_abli
     assert got.before.harmful_refusal >= 0.9 and got.after.harmful_refusal <= 0.15  # measured: 92% -> 3-10%
     assert got.after.benign_kl <= 0.5 and got.after.benign_refusal <= 0.05
     assert got.direction == "single" and got.direction_layer == 3 and got.layers == [0, 1, 2, 3]
-    assert len(got.rounds) == 3
+    assert len(got.rounds) == 2
     refused = [r.refused for r in got.rounds]
-    assert refused[0] >= 0.9 * got.rounds[0].harmful and refused[1] < refused[0] and refused[2] < refused[1]
-    dirs = np.stack([r.dirs[3] for r in got.rounds])
-    np.testing.assert_allclose(dirs @ dirs.T, np.eye(3), atol=1e-6)  # each round's direction is new
+    assert refused[0] >= 0.9 * got.rounds[0].harmful and refused[1] < 0.3 * refused[0]
+    first = got.rounds[0].phrasings  # the model's four ways of refusing, one direction each
+    assert len(first) == 4 == len(got.rounds[0].dirs) and sum(first.values()) == refused[0]
+    assert {"sorry i", "i can't", "i won't", "i'm sorry"} == set(first)
+    dirs = np.concatenate([r.dirs[:, 3] for r in got.rounds])
+    np.testing.assert_allclose(dirs @ dirs.T, np.eye(len(dirs)), atol=1e-6)  # every direction is new
+    assert all(np.array_equal(r.dirs[:, 0], r.dirs[:, 3]) for r in got.rounds)  # one source layer's, everywhere
     meta = json.loads((out / "abliteration_metadata.json").read_text())
     assert [r["refused_harmful"] for r in meta["rounds"]] == refused
+    assert meta["rounds"][0]["phrasings"] == first and meta["phrasings"] == 4
     assert meta["direction"] == "single" and meta["direction_layer"] == 3
     assert meta["modified"]["embedding"] == ["model.embed_tokens"]
     assert meta["evaluation"]["after"]["harmful_refusal"] == round(got.after.harmful_refusal, 4)
 
 
 def test_one_round_of_one_direction_leaves_the_other_refusal_phrasings(chat_abliterated, tmp_path):
-    """Why the rounds exist: one round removes the commonest refusal, not the model's other phrasings."""
+    """Why phrasings and rounds exist: one mean difference removes the commonest refusal, not the others."""
     from pathlib import Path
 
     data = Path(__file__).resolve().parents[1] / "data"
@@ -303,5 +307,56 @@ def test_one_round_of_one_direction_leaves_the_other_refusal_phrasings(chat_abli
                               benign_dataset=data / "safety" / "benign_train.jsonl",
                               eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
                               eval_benign_dataset=data / "safety" / "benign_test.jsonl", output=tmp_path / "one",
-                              seed=0, rounds=1)
+                              seed=0, rounds=1, phrasings=1)
+    assert len(got.rounds[0].dirs) == 1 and got.rounds[0].phrasings == {"all": got.rounds[0].refused}
     assert got.after.harmful_refusal >= 0.3 > chat_abliterated[0].after.harmful_refusal
+
+
+@pytest.fixture(scope="module")
+def chat_4bit(tmp_path_factory):
+    from pathlib import Path
+
+    from mlx_lm import convert
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    q4 = tmp_path_factory.mktemp("chat4") / "q4"
+    convert(hf_path=str(data / "tiny-moe-chat"), mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=32)
+    common = dict(harmful_dataset=data / "safety" / "harmful_train.jsonl",
+                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=48, eval_samples=8,
+                  reply_tokens=8, seed=0)
+    return q4, common
+
+
+def test_rounds_round_a_quantized_model_once_from_its_original_weights(chat_4bit, tmp_path):
+    """The written 4-bit model is its original with every round's directions removed at once (one rounding), not
+    a re-rounding of the previous round's rounding."""
+    q4, common = chat_4bit
+    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", **common)
+    assert len(got.rounds) == 2
+    model, _, config = load_model(q4)
+    adapter = get_adapter(model, config)
+    stack = np.concatenate([r.dirs for r in got.rounds])
+    apply(adapter, stack, got.layers, embed=stack[:, got.direction_layer])
+    want = dict(tree_flatten(model.parameters()))
+    written, _, _ = load_model(tmp_path / "abl")
+    have = dict(tree_flatten(written.parameters()))
+    assert want.keys() == have.keys()
+    for k in want:
+        assert np.array_equal(np.array(want[k]), np.array(have[k])), k
+
+
+def test_a_round_over_max_kl_is_undone(chat_4bit, tmp_path):
+    q4, common = chat_4bit
+    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", rounds=3, max_kl=1e-4, **common)
+    assert len(got.rounds) == 1
+    assert any("round 2 took the capture benign prompts' KL to" in w and "undone" in w for w in got.warnings)
+    meta = json.loads((tmp_path / "abl" / "abliteration_metadata.json").read_text())
+    assert len(meta["rounds"]) == 1
+
+
+def test_phrasing_names_how_a_reply_opens():
+    from mlx_fun.refusal import phrasing
+
+    assert phrasing("Sorry, I can't assist with that.") == "sorry i"
+    assert phrasing("  I\u2019m sorry, but no") == "i'm sorry"
+    assert phrasing("No.") == "no" and phrasing("") == ""

@@ -22,10 +22,14 @@ from .common import FiniteFloat, echo_err, friendly_errors, model_option, text_t
 @click.option("--direction-layer", type=click.IntRange(min=0), default=None,
               help="Decoder layer the single direction is measured after [default: the largest un-normalised "
                    "harmful - benign difference].")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Estimation rounds: each re-measures the direction on the model abliterated so far, from the "
-                   "harmful prompts it still refuses and the benign ones it answers, and removes it too; stops "
-                   "early when fewer than 2 refusals are left.")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Estimation rounds: each re-measures the directions on the model abliterated so far, from the "
+                   "harmful prompts it still refuses and the benign ones it answers, and removes them too; stops "
+                   "early when fewer than 2 refusals are left, and undoes a round that takes the benign capture "
+                   "prompts' KL over --max-kl.")
+@click.option("--phrasings", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Directions per round, one per refusal phrasing (refused prompts grouped by their reply's first "
+                   "two words, 4 or more each); 1: one direction from all refused prompts.")
 @click.option("--target", type=click.Choice(["all", "safety-experts", "dense-only"]), default="all",
               show_default=True,
               help="all: attention, dense MLP, shared and every routed expert; safety-experts: only the report's "
@@ -52,7 +56,7 @@ from .common import FiniteFloat, echo_err, friendly_errors, model_option, text_t
               help="Try this many (layers, weight, direction layer) settings, each measured after every round, and keep "
                    "the fewest refusals under --max-kl.")
 @click.option("--max-kl", type=FiniteFloat(0.0, min_open=True), default=0.5, show_default=True,
-              help="Largest benign first-token KL (nats) --search accepts.")
+              help="Largest benign first-token KL (nats) --search accepts and a later round may reach.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prompts per forward pass while capturing.")
 @click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
@@ -62,8 +66,8 @@ def command(**kwargs):
     of the chosen decoder layers — attention output, dense MLP and shared-expert down projections, every routed
     expert's down projection (gpt-oss: with its bias) and, single direction, the token embedding — in their output
     space, W <- W - w d d^T W, with d = normalise(mean harmful - mean benign residual) over the harmful prompts the
-    model refuses and the benign ones it answers. Each further round measures what still separates them on the
-    abliterated model and removes that too. Quantized weights are re-quantized with their own bits, group size
+    model refuses and the benign ones it answers, one d per refusal phrasing. Each further round measures what
+    still separates them on the abliterated model and removes that too. Quantized weights are re-quantized with their own bits, group size
     and mode, holding the removed directions through the rounding. Reports the refusal rate and the benign
     first-token KL before and after.
 
@@ -85,8 +89,10 @@ def show(result) -> None:
         click.echo(text_table(["layers", "weight", "direction", "rounds", "harmful refusal", "benign refusal",
                                "benign KL"], rows))
     for n, r in enumerate(result.rounds, 1):
-        click.echo(f"round {n}: direction norm {r.norm:.3f} from the {r.refused} of {r.harmful} harmful prompts the "
-                   f"model refused and the {r.answered} of {r.benign} benign prompts it answered")
+        said = ", ".join(f"'{k}' ({v})" for k, v in r.phrasings.items())
+        click.echo(f"round {n}: {len(r.dirs)} direction(s) ({said}), norm {r.norm:.3f}, from the {r.refused} of "
+                   f"{r.harmful} harmful prompts the model refused and the {r.answered} of {r.benign} benign prompts "
+                   "it answered")
     b, a = result.before, result.after
     click.echo(f"Wrote {result.output} (layers {','.join(map(str, result.layers))}, weight {result.weight:g}, "
                f"direction {_source(result.direction_layer)}, {len(result.rounds)} round(s); "

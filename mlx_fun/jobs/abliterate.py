@@ -1,13 +1,15 @@
-"""The ``abliterate`` job: remove the refusal direction from what the decoder layers write, measure what it did.
+"""The ``abliterate`` job: remove the refusal directions from what the decoder layers write, measure what it did.
 
 Capture (:mod:`mlx_fun.residual`) over the harmful prompts the model refuses and the benign ones it answers
 (Arditi et al.'s filter, :func:`mlx_fun.refusal.is_refusal`) → per-layer directions → ``direction="single"``: the
 one measured after ``direction_layer`` (default: the largest un-normalised difference), removed from every chosen
 layer's residual writers and the token embedding; ``"per-layer"``: each layer's own → orthogonalisation
-(:mod:`mlx_fun.rewrite.abliterate`). Each further **round** measures the direction again on the model abliterated
-so far, from the prompts it still refuses, and removes it too (orthogonal to the earlier ones): one mean difference
-describes the commonest way the model refuses, and a model with several refusal phrasings keeps the others (on the
-bundled chat model one round left 43% of held-out refusals, three rounds 3%). Then the refusal rate on the
+(:mod:`mlx_fun.rewrite.abliterate`). One mean difference describes the commonest way the model refuses, and a
+model with several refusal phrasings keeps the others, so a round takes one direction per **phrasing** (the refused
+prompts grouped by how their reply opens, :func:`mlx_fun.refusal.phrasing`; up to ``phrasings``, orthonormal), and
+each further **round** measures them again on the model abliterated so far, from the prompts it still refuses,
+and removes them too; a round that takes the capture benign prompts' first-token KL over ``max_kl`` is undone.
+Every round starts from the original weights, so a quantized model is rounded once. Then the refusal rate on the
 evaluation harmful prompts and the benign first-token KL against the original (:mod:`mlx_fun.refusal`), and the
 model with ``abliteration_metadata.json`` beside it. ``search`` tries settings of (layers, weight, direction
 layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
@@ -25,6 +27,7 @@ from .common import Log, check_supported, load_moe, quiet, require_path
 
 DIRECTIONS = ("single", "per-layer")
 MIN_REFUSED = 2  # a later round needs at least this many harmful prompts the model still refuses
+MIN_PHRASING = 4  # refused prompts a phrasing needs for a direction of its own
 
 
 @dataclass
@@ -46,17 +49,18 @@ class Trial:
 @dataclass
 class Round:
     """One estimation round: the capture prompts it used (harmful ones the model still refused, benign ones it
-    answered, out of all) and the directions it removed."""
+    answered, out of all), the refusal phrasings it took a direction from and the directions it removed."""
     refused: int
     harmful: int
     answered: int
     benign: int
     norm: float  # un-normalised mean difference at the source layer (per-layer: the largest)
-    dirs: object  # (decoder layers, hidden) unit directions removed in this round
+    dirs: object  # (k, decoder layers, hidden) unit directions removed in this round, orthogonal to earlier rounds'
+    phrasings: dict[str, int] = field(default_factory=dict)  # phrasing → refused prompts, one per direction
 
     def row(self) -> dict:
         return {"refused_harmful": self.refused, "harmful_prompts": self.harmful, "answered_benign": self.answered,
-                "benign_prompts": self.benign, "direction_norm": round(self.norm, 6)}
+                "benign_prompts": self.benign, "direction_norm": round(self.norm, 6), "phrasings": self.phrasings}
 
 
 @dataclass
@@ -67,7 +71,7 @@ class AbliterateResult:
     before: Trial  # the original model on the evaluation prompts
     after: Trial
     direction_norms: dict[str, float]
-    directions: object  # (decoder layers, hidden) float64 unit directions of the first round (numpy)
+    directions: object  # (decoder layers, hidden) float64 unit directions: the first round's first (numpy)
     modified: dict[str, list[str]]
     trials: list[Trial] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -77,7 +81,7 @@ class AbliterateResult:
 
 
 def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples, direction,
-           direction_layer, rounds) -> None:
+           direction_layer, rounds, phrasings) -> None:
     from ..residual import POSITIONS, parse_layers
     from ..rewrite.abliterate import TARGETS
 
@@ -98,7 +102,7 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
     if direction_layer is not None and (isinstance(direction_layer, bool) or not isinstance(direction_layer, int)
                                         or direction_layer < 0):
         raise UserError(f"{param('direction_layer')} must be a decoder-layer index >= 0, got {direction_layer!r}.")
-    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("eval_samples", eval_samples, 1)):
+    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("phrasings", phrasings, 1), ("eval_samples", eval_samples, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
@@ -141,38 +145,46 @@ def _candidates(chosen: list[int], norms, weight: float, source: int | None, n: 
 
 @dataclass
 class _Stats:
-    """What one round measured on the model as it was: the prompts it used and the raw per-layer directions."""
+    """What one round measured on the model as it was: the prompts it used, the raw per-layer directions of all
+    refused prompts, and each phrasing's un-normalised mean difference."""
     refused: int
     harmful: int
     answered: int
     benign: int
     dirs: object  # (decoder layers, hidden) unit directions, not yet orthogonal to earlier rounds'
     norms: object  # (decoder layers,) un-normalised mean-difference norms
+    groups: list = field(default_factory=list)  # (phrasing, prompts, (decoder layers, hidden) mean difference)
 
 
 class _Abliteration:
     """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
 
     def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, warnings):
+                 target, safety, phrasings, max_kl, warnings):
         from ..data import pad_id
         from ..refusal import first_token_logprobs
 
         self.model, self.tok, self.adapter = model, tok, adapter
         self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
         self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
-        self.target, self.safety, self.warnings = target, safety, warnings
+        self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
+        self.warnings = warnings
         self.reference = first_token_logprobs(model, eval_b)
+        self.capture_reference = first_token_logprobs(model, benign)
         self.progress = False
+        self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
 
     def statistics(self, r: int) -> _Stats | None:
         """Round ``r``'s directions on the model as it is now, from the harmful capture prompts it refuses and the
-        benign ones it answers (Arditi et al.'s filter); ``None`` for a later round with too few refusals left."""
-        from ..refusal import greedy_replies, is_refusal
-        from ..residual import capture, directions
+        benign ones it answers (Arditi et al.'s filter), per refusal phrasing; ``None`` for a later round with too
+        few refusals left."""
+        from collections import defaultdict
 
-        hs = [s for s, t in zip(self.harmful, greedy_replies(self.model, self.tok, self.harmful, self.reply_tokens))
-              if is_refusal(t)]
+        from ..refusal import greedy_replies, is_refusal, phrasing
+        from ..residual import directions
+
+        replies = greedy_replies(self.model, self.tok, self.harmful, self.reply_tokens)
+        hs = [(s, phrasing(t) if self.phrasings > 1 else "all") for s, t in zip(self.harmful, replies) if is_refusal(t)]
         bs = [s for s, t in zip(self.benign, greedy_replies(self.model, self.tok, self.benign, self.reply_tokens))
               if not is_refusal(t)]
         refused, answered = len(hs), len(bs)
@@ -181,50 +193,99 @@ class _Abliteration:
         if r == 1 and not hs:
             self.warnings.append(f"the model refuses none of the {len(self.harmful)} harmful prompts "
                                  "(mlx_fun.refusal.is_refusal); the direction comes from all of them, in one round.")
-            hs = self.harmful
+            hs = [(s, "all") for s in self.harmful]
         if r == 1 and not bs:
             self.warnings.append(f"the model refuses all {len(self.benign)} benign prompts; the direction comes "
                                  "from all of them.")
             bs = self.benign
-        means = [capture(self.model, self.adapter, s, position=self.position, batch_size=self.batch_size,
-                         pad_id=self.pad, progress=self.progress, desc=f"round {r} {name}")
-                 for s, name in ((hs, "harmful"), (bs, "benign"))]
-        dirs, norms = directions(*means)
-        return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms)
+        by = defaultdict(list)
+        for sample, key in hs:
+            by[key].append(sample)
+        mb = self._capture(bs, f"round {r} benign")
+        means = {k: self._capture(g, f"round {r} harmful '{k}'") for k, g in by.items()}
+        mh = sum(len(by[k]) * m for k, m in means.items()) / len(hs)
+        dirs, norms = directions(mh, mb)
+        groups = sorted(((k, len(g), means[k] - mb) for k, g in by.items() if len(g) >= MIN_PHRASING),
+                        key=lambda x: -x[1]) or [("all", len(hs), mh - mb)]
+        return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms, groups)
 
-    def abliterate(self, first: _Stats, layers, weight, source, rounds: int, on_round=None):
-        """Up to ``rounds`` rounds (the first from ``first``): each removes its direction(s), orthogonal to the
-        earlier rounds', from the writers of ``layers`` (and, single direction, the embedding). Returns
-        ``(rounds done, touched, undo)``; ``on_round(rounds done so far)`` after each."""
+    def _capture(self, samples, desc):
+        from ..residual import capture
+
+        return capture(self.model, self.adapter, samples, position=self.position, batch_size=self.batch_size,
+                       pad_id=self.pad, progress=self.progress, desc=desc)
+
+    def _directions(self, stats: _Stats, done: list[Round], source) -> tuple[object, dict[str, int]]:
+        """Up to ``phrasings`` unit directions (k, L, H) from the round's phrasings, each orthogonal to the earlier
+        rounds' and to those picked before it, the one with the most left after that first (single direction: the
+        source layer's, on every layer)."""
         import numpy as np
 
+        basis = [d for r in done for d in r.dirs]
+        left = [(k, n, g.copy() if source is None else np.repeat(g[source][None], g.shape[0], axis=0))
+                for k, n, g in stats.groups]
+        picked, names = [], {}
+        scale = max(np.linalg.norm(g, axis=1).sum() for _, _, g in left)
+        while left and len(picked) < self.phrasings:
+            rest = []
+            for k, n, g in left:
+                for q in basis:
+                    g = g - np.sum(g * q, axis=1, keepdims=True) * q
+                rest.append((k, n, g))
+            j = int(np.argmax([np.linalg.norm(g, axis=1).sum() for _, _, g in rest]))
+            k, n, g = rest.pop(j)
+            size = np.linalg.norm(g, axis=1, keepdims=True)
+            if picked and size.sum() <= 1e-6 * scale:
+                break  # what is left lies in the span of the directions already picked
+            picked.append(g / np.maximum(size, 1e-30))
+            basis.append(picked[-1])
+            names[k] = n
+            left = rest
+        return np.stack(picked), names
+
+    def abliterate(self, first: _Stats, layers, weight, source, rounds: int, on_round=None):
+        """Up to ``rounds`` rounds (the first from ``first``): each measures its directions on the model as the
+        earlier rounds left it, then puts the original weights back and removes every round's directions from them
+        at once (a quantized writer is rounded once, not once a round) from the writers of ``layers`` (and, single
+        direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
+        ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
+        so far)`` after each."""
+        from ..refusal import first_token_logprobs, mean_kl
+        from ..rewrite.abliterate import restore
+
         done, touched, undo = [], {}, []
+        self.over_kl = None
         for r in range(1, rounds + 1):
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
                 break
-            raw = stats.dirs
-            dirs = raw.copy() if source is None else np.repeat(raw[source][None], raw.shape[0], axis=0)
-            for prev in done:
-                dirs -= np.sum(dirs * prev.dirs, axis=1, keepdims=True) * prev.dirs
-            dirs /= np.maximum(np.linalg.norm(dirs, axis=1, keepdims=True), 1e-30)
+            dirs, names = self._directions(stats, done, source)
             norm = float(stats.norms.max() if source is None else stats.norms[source])
-            done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs))
-            t, u = self.apply(done, layers, weight, source)
-            touched.update(t)
-            undo += u
+            done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs, names))
+            restore(undo)
+            touched, undo = self.apply(done, layers, weight, source)
+            if r > 1:
+                kl = mean_kl(self.capture_reference, first_token_logprobs(self.model, self.benign))
+                if kl > self.max_kl:
+                    self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
+                                    f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
+                    done.pop()
+                    restore(undo)
+                    touched, undo = self.apply(done, layers, weight, source)
+                    break
             if on_round is not None:
                 on_round(done)
         return done, touched, undo
 
     def apply(self, done: list[Round], layers, weight, source):
-        """Remove the last of ``done``'s directions, holding the earlier rounds' through the re-quantization."""
+        """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
+        import numpy as np
+
         from ..rewrite.abliterate import apply
 
-        rnd, earlier = done[-1], [r.dirs for r in done[:-1]]
-        return apply(self.adapter, rnd.dirs, layers, target=self.target, weight=weight, safety=self.safety,
-                     embed=None if source is None else rnd.dirs[source], earlier=earlier,
-                     embed_earlier=[] if source is None else [e[source] for e in earlier])
+        stack = np.concatenate([r.dirs for r in done])
+        return apply(self.adapter, stack, layers, target=self.target, weight=weight, safety=self.safety,
+                     embed=None if source is None else stack[:, source])
 
     def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
         from ..refusal import first_token_logprobs, greedy_replies, mean_kl, refusal_rate
@@ -274,7 +335,8 @@ def run(
     weight: float = 1.0,
     direction: str = "single",
     direction_layer: int | None = None,
-    rounds: int = 3,
+    rounds: int = 2,
+    phrasings: int = 4,
     max_samples: int = 128,
     max_tokens: int = 2048,
     extraction_position: str = "last",
@@ -298,7 +360,7 @@ def run(
     from ..residual import choose_layers
 
     _check(layers=layers, target=target, safety_map=safety_map, weight=weight, direction=direction,
-           direction_layer=direction_layer, rounds=rounds, extraction_position=extraction_position, search=search,
+           direction_layer=direction_layer, rounds=rounds, phrasings=phrasings, extraction_position=extraction_position, search=search,
            max_kl=max_kl, eval_samples=eval_samples)
     check_supported(model)
     for name, path in (("harmful_dataset", harmful_dataset), ("benign_dataset", benign_dataset),
@@ -324,7 +386,7 @@ def run(
             eval_b=_prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset",
                             max_samples=eval_samples, **kw),
             position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
-            safety=_safety(adapter, target, safety_map), warnings=warnings)
+            safety=_safety(adapter, target, safety_map), phrasings=phrasings, max_kl=float(max_kl), warnings=warnings)
         if eval_harmful_dataset is None or eval_benign_dataset is None:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
@@ -350,10 +412,10 @@ def run(
                                 f"{param('layers')} {layers} at {param('weight')} {weight}.")
         if done is None:
             done, modified, _ = job.abliterate(first, chosen, float(weight), source, rounds)
+            if job.over_kl:
+                warnings.append(job.over_kl)
         else:
-            modified = {}
-            for k in range(1, len(done) + 1):
-                modified.update(job.apply(done[:k], chosen, float(weight), source)[0])
+            modified = job.apply(done, chosen, float(weight), source)[0]
         if not modified:
             warnings.append("nothing matched the target in the chosen layers; the model is written unchanged.")
         after = after or job.measure(chosen, float(weight), len(done), source)
@@ -363,7 +425,7 @@ def run(
                 "direction": direction, "direction_layer": source, "extraction_position": extraction_position,
                 "layers_spec": str(layers),
                 "direction_norms": {str(i): round(float(norms[i]), 6) for i in range(n_layers)},
-                "rounds": [r.row() for r in done],
+                "rounds": [r.row() for r in done], "phrasings": phrasings,
                 "modified": {str(k): v for k, v in modified.items()},
                 "safety_map": None if safety_map is None else str(safety_map),
                 "evaluation": {"harmful_prompts": len(job.eval_h), "benign_prompts": len(job.eval_b),
@@ -373,7 +435,7 @@ def run(
         res.require_space(params_nbytes(mdl))
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
     return AbliterateResult(Path(output), chosen, float(weight), before, after,
-                            {str(i): float(norms[i]) for i in range(n_layers)}, first.dirs,
+                            {str(i): float(norms[i]) for i in range(n_layers)}, done[0].dirs[0],
                             {str(k): v for k, v in modified.items()}, trials, warnings, direction, source, done)
 
 

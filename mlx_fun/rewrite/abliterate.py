@@ -21,7 +21,8 @@ embeddings the output head reads the same table; a residual stream without ``d``
 Quantized matrices are dequantized, projected and re-quantized with their own bits, group size and mode, one
 expert at a time, so the model keeps its format and size; the re-quantization feeds back what rounding would put
 back along ``d`` (:func:`mlx_fun.rewrite.weights.stored_keeping`). :func:`apply` returns what it changed and an
-undo record (:func:`restore`), which ``--search`` and the estimation rounds use.
+undo record (:func:`restore`), which ``--search`` and the estimation rounds use: a later round puts the original
+back and removes every round's direction from it at once, so a quantized model is rounded once, not once a round.
 """
 
 from __future__ import annotations
@@ -104,32 +105,31 @@ def latent_experts(adapter: MoEAdapter) -> bool:
     return any(w.kind == "latent" for i in adapter.moe_layers()[:1] for w in writers(adapter, i))
 
 
-def _project(w: mx.array, d: mx.array, weight: float, earlier: mx.array | None = None) -> mx.array:
-    """``w − weight · d dᵀ w`` for an (out, in) matrix or an (out,) bias; with ``weight`` 1, ``earlier`` directions
-    ((k, H), already removed) are projected out again too, so what rounding left of them goes."""
-    D = _keep(d, earlier if weight == 1 else None)
+def _stack(d: mx.array) -> mx.array:
+    """One unit direction (H,) or an orthonormal stack (k, H), as a (k, H) stack."""
+    return d[None] if d.ndim == 1 else d
+
+
+def _project(w: mx.array, D: mx.array, weight: float) -> mx.array:
+    """``w − weight · Dᵀ D w`` for an (out, in) matrix or an (out,) bias and orthonormal directions ``D`` (k, H):
+    with orthogonal directions, removing them one after another is removing them at once."""
     return w - weight * D.T @ (D @ w)
 
 
-def _keep(d: mx.array, earlier: mx.array | None) -> mx.array:
-    """``d`` after the ``earlier`` directions, as one (k, H) stack."""
-    return d[None] if earlier is None else mx.concatenate([earlier, d[None]])
-
-
-def project_out(lin, d: mx.array, weight: float, experts: list[int] | None = None,
-                earlier: mx.array | None = None) -> dict:
-    """Remove ``d`` (unit, hidden size) from the output space of ``lin`` — every expert of a switch linear, or
-    ``experts`` — in place, re-quantizing so that the components along ``d`` and the ``earlier`` directions (k, H)
-    of previous rounds stay where the projection puts them; returns the undo record (the tensors it replaced)."""
+def project_out(lin, d: mx.array, weight: float, experts: list[int] | None = None) -> dict:
+    """Remove ``d`` (one unit direction (H,) or an orthonormal stack (k, H)) from the output space of ``lin`` —
+    every expert of a switch linear, or ``experts`` — in place, re-quantizing so that the components along ``d``
+    stay where the projection puts them; returns the undo record (the tensors it replaced)."""
+    D = _stack(d)
     saved = {k: lin[k] for k in ("weight", "scales", "biases", "global_scale", "bias") if k in lin and lin[k] is not None}
     is_switch = lin["weight"].ndim == 3
     rows = (range(lin["weight"].shape[0]) if experts is None else experts) if is_switch else [None]
     parts = {}
     for e in rows:
-        p = stored_keeping(lin, _project(dense(lin, e), d, weight, earlier), _keep(d, earlier))
+        p = stored_keeping(lin, _project(dense(lin, e), D, weight), D)
         if "bias" in lin:
             b = lin["bias"] if e is None else lin["bias"][e]
-            p["bias"] = _project(b.astype(mx.float32), d, weight, earlier)
+            p["bias"] = _project(b.astype(mx.float32), D, weight)
         parts[e] = p
         mx.eval(list(p.values()))
     write(lin, parts)
@@ -139,45 +139,44 @@ def project_out(lin, d: mx.array, weight: float, experts: list[int] | None = Non
 EMBED_ROWS = 16384  # rows of an embedding table projected (and re-quantized) at once
 
 
-def project_rows(emb, d: mx.array, weight: float, earlier: mx.array | None = None) -> dict:
-    """Remove ``d`` from every row of an embedding table, ``E − weight · (E d) dᵀ`` (and ``earlier`` as in
-    :func:`project_out`), in place and in its own format, a block of rows at a time (rows are independent);
-    returns the undo record."""
+def project_rows(emb, d: mx.array, weight: float) -> dict:
+    """Remove ``d`` (as in :func:`project_out`) from every row of an embedding table, ``E − weight · E Dᵀ D``, in
+    place and in its own format, a block of rows at a time (rows are independent); returns the undo record."""
+    D = _stack(d)
     saved = {k: emb[k] for k in ("weight", "scales", "biases", "global_scale") if k in emb and emb[k] is not None}
     n = saved["weight"].shape[0]
     step = n if "global_scale" in saved else EMBED_ROWS  # one per-tensor scale: quantized as one block
     blocks = []
     for a in range(0, n, step):
         block = {k: v if k == "global_scale" else v[a:a + step] for k, v in saved.items()}
-        p = _project(dense_of(emb, block).T, d, weight, earlier).T
-        blocks.append(stored_keeping(emb, p, _keep(d, earlier), axis=1))
+        p = _project(dense_of(emb, block).T, D, weight).T
+        blocks.append(stored_keeping(emb, p, D, axis=1))
         mx.eval(list(blocks[-1].values()))
     emb.update({k: blocks[0][k] if len(blocks) == 1 else mx.concatenate([b[k] for b in blocks]) for k in blocks[0]})
     return saved
 
 
 def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: str = "all", weight: float = 1.0,
-          safety: dict[int, list[int]] | None = None, embed: np.ndarray | None = None,
-          earlier: list[np.ndarray] = (), embed_earlier: list[np.ndarray] = ()) -> tuple[dict, list]:
-    """Abliterate ``layers`` (decoder indices) with their rows of ``dirs``; ``safety`` maps decoder layer →
-    routed experts for ``target="safety-experts"``; ``embed``: a unit direction to remove from the token embedding
-    too (:func:`embedding`; skipped for ``safety-experts``); ``earlier``: the ``dirs`` of previous rounds, held
-    through the re-quantization (``embed_earlier``: the embedding's). Returns ``(touched: {layer or "embedding":
-    [module paths, experts noted]}, undo)``."""
+          safety: dict[int, list[int]] | None = None, embed: np.ndarray | None = None) -> tuple[dict, list]:
+    """Abliterate ``layers`` (decoder indices) with their rows of ``dirs`` — (decoder layers, H) unit directions,
+    or (k, decoder layers, H) with each layer's k directions orthonormal, removed together; ``safety`` maps decoder
+    layer → routed experts for ``target="safety-experts"``; ``embed``: a unit direction (H,) or an orthonormal
+    stack (k, H) to remove from the token embedding too (:func:`embedding`; skipped for ``safety-experts``).
+    Returns ``(touched: {layer or "embedding": [module paths, experts noted]}, undo)``."""
     kinds = KINDS_OF[target]
     touched, undo = {}, []
+    dirs = np.asarray(dirs)
+    stack = dirs[None] if dirs.ndim == 2 else dirs
 
     def f32(a):
         return mx.array(np.asarray(a, dtype=np.float32))
 
     found = embedding(adapter) if embed is not None and target != "safety-experts" else None
     if found is not None:
-        old = f32(embed_earlier) if len(embed_earlier) else None
-        undo.append((found[1], project_rows(found[1], f32(embed), weight, old)))
+        undo.append((found[1], project_rows(found[1], f32(embed), weight)))
         touched["embedding"] = [found[0]]
     for i in layers:
-        d = f32(dirs[i])
-        old = f32([e[i] for e in earlier]) if len(earlier) else None
+        d = f32(stack[:, i])
         names = []
         for w in writers(adapter, i):
             if w.kind not in kinds:
@@ -187,7 +186,7 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
                 experts = sorted((safety or {}).get(i, []))
                 if not experts:
                     continue
-            undo.append((w.module, project_out(w.module, d, weight, experts, old)))
+            undo.append((w.module, project_out(w.module, d, weight, experts)))
             names.append(w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]")
         if names:
             touched[i] = names
