@@ -170,7 +170,7 @@ class _Abliteration:
         self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
         self.warnings = warnings
         self.reference = first_token_logprobs(model, eval_b)
-        self.capture_reference = first_token_logprobs(model, benign)
+        self._capture_reference = None  # capture benign first-token log-probs of the original (later rounds)
         self.progress = False
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
 
@@ -222,7 +222,7 @@ class _Abliteration:
         import numpy as np
 
         basis = [d for r in done for d in r.dirs]
-        left = [(k, n, g.copy() if source is None else np.repeat(g[source][None], g.shape[0], axis=0))
+        left = [(k, n, g if source is None else np.repeat(g[source][None], g.shape[0], axis=0))
                 for k, n, g in stats.groups]
         picked, names = [], {}
         scale = max(np.linalg.norm(g, axis=1).sum() for _, _, g in left)
@@ -255,6 +255,8 @@ class _Abliteration:
 
         done, touched, undo = [], {}, []
         self.over_kl = None
+        if rounds > 1 and self._capture_reference is None:  # the original model, before round 1 changes it
+            self._capture_reference = first_token_logprobs(self.model, self.benign)
         for r in range(1, rounds + 1):
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
@@ -265,7 +267,7 @@ class _Abliteration:
             restore(undo)
             touched, undo = self.apply(done, layers, weight, source)
             if r > 1:
-                kl = mean_kl(self.capture_reference, first_token_logprobs(self.model, self.benign))
+                kl = mean_kl(self._capture_reference, first_token_logprobs(self.model, self.benign))
                 if kl > self.max_kl:
                     self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
