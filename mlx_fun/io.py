@@ -63,10 +63,15 @@ def params_nbytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def write_model_dir(res, model, config: dict, *, source, metadata: dict | None = None) -> None:
-    """Write ``model`` as an mlx-lm directory into a :func:`mlx_fun.writer.output` reservation (``res.tmp``).
+def write_model_dir(res, model, config: dict, *, source, metadata: dict | None = None, snapshot=None,
+                    rows: dict | None = None, max_shard_bytes: int | None = None, donate: bool = False,
+                    progress: bool = False):
+    """Write ``model`` as an mlx-lm directory into a :func:`mlx_fun.writer.output` reservation (``res.tmp``);
+    returns the :class:`mlx_fun.streaming.WriteStats`.
 
-    Weights and config.json are written with mlx-lm's own ``save_model`` / ``save_config``; every other file of
+    Weights are written tensor by tensor (:func:`mlx_fun.streaming.write_weights`: what ``snapshot`` proves
+    untouched is copied from the source files, ``rows`` are kept rows of them, the rest is evaluated one tensor
+    at a time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied; ``metadata``
     maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them (a ``str``
     is written as it is, e.g. a ``README.md`` model card). A failing write (a full disk: MLX raises
@@ -74,11 +79,14 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
     """
     import copy as _copy
 
-    from mlx_lm.utils import save_config, save_model
+    from mlx_lm.utils import save_config
+
+    from .streaming import DEFAULT_SHARD_BYTES, write_weights
 
     dest, src = Path(res.tmp), Path(source)
     try:
-        save_model(dest, model)
+        stats = write_weights(dest, model, snapshot=snapshot, rows=rows, donate=donate, progress=progress,
+                              max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
         save_config(_copy.deepcopy(config), config_path=dest / "config.json")
         for f in src.iterdir():
             if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
@@ -92,6 +100,7 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
         if "write" not in str(e).lower():
             raise
         raise res.write_failed(e) from None
+    return stats
 
 
 def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False,

@@ -2,6 +2,7 @@
 """Benchmark `prune`: wall time and peak memory of `mlx-fun prune` against a plain copy of the model directory.
 
     python scripts/bench_prune.py [--layers 4] [--repeats 2] [--n-prune 16 32] [--workdir DIR] [--keep]
+    python scripts/bench_prune.py --streaming        # a float32 model of 2.4 GiB: the streaming figures
 
 Model: a random 4-bit qwen3_moe saved as an mlx-lm directory (hidden 1024, 64 experts, top 8, expert width
 512, vocab 4096; group size 32 with float32 scales/biases as the tiny builder makes them, ≈ 75 MiB per layer,
@@ -18,8 +19,12 @@ and the best is kept:
   Python (``mlx_fun.cli.main`` with ``standalone_mode=False``), wall time as seen from here, peak RSS as the
   child's own ``ru_maxrss`` at exit. ``net s`` subtracts the ``startup`` time.
 
-The last two lines are ``prune_peak_rss_mib=<peak RSS of prune --n-prune 16>`` and
-``prune_vs_copy=<prune --n-prune 16 wall time / copy wall time>``.
+The last lines are ``prune_peak_rss_mib=<peak RSS of prune --n-prune 16>`` and
+``prune_vs_copy=<prune --n-prune 16 wall time / copy wall time>``, ``prune_vs_copy_net`` (the same without the
+``startup`` time, which a model this small cannot amortize); with ``--streaming`` (model: the same shape in
+float32 with 6 layers, ≈ 2.4 GiB, each stacked expert projection 128 MiB) also
+``peak_rss_ratio=<peak RSS of prune --n-prune 16 / (largest tensor + 300 MB)>``: prune streams tensor by tensor
+(mlx_fun.streaming), so its memory should not grow with the model.
 """
 
 from __future__ import annotations
@@ -139,7 +144,9 @@ def run_child(*cli_args: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4, help="decoder layers, all MoE (≈ 75 MiB on disk each)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers, all MoE (4-bit: ≈ 75 MiB each, default 4; --streaming: ≈ 400 MiB, default 6)")
+    p.add_argument("--streaming", action="store_true", help="a float32 model of ≥ 2 GB; print peak_rss_ratio")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--n-prune", type=int, nargs="+", default=[16, 32], help="first one feeds the summary lines")
     p.add_argument("--workdir", default=None, help="cache for the model and outputs (default: temp dir)")
@@ -158,8 +165,9 @@ def main() -> int:
 
 
 def bench(args, work: Path) -> int:
-    kw = dict(MODEL_KW, num_hidden_layers=args.layers)
-    model = work / f"qwen3_moe-L{args.layers}-4bit"
+    args.layers = args.layers or (6 if args.streaming else 4)
+    kw = dict(MODEL_KW, num_hidden_layers=args.layers, **({"bits": None} if args.streaming else {}))
+    model = work / f"qwen3_moe-L{args.layers}-{'f32' if args.streaming else '4bit'}"
     spec = model / "bench_spec.json"
     if not (spec.is_file() and json.loads(spec.read_text()) == kw):
         t = time.perf_counter()
@@ -201,7 +209,7 @@ def bench(args, work: Path) -> int:
 
     mib = 1 << 20
     t_copy = best["copy"]["wall_s"]
-    print(f"model: qwen3_moe 4-bit, {args.layers} layers × 64 experts (top 8), hidden 1024, expert width 512; "
+    print(f"model: qwen3_moe {'float32' if args.streaming else '4-bit'}, {args.layers} layers × 64 experts (top 8), hidden 1024, expert width 512; "
           f"{size / mib:.1f} MiB on disk; best of {args.repeats}")
     print(f"{'run':<12} {'wall s':>8} {'in-proc s':>10} {'net s':>7} {'vs copy':>8} {'peak RSS MiB':>13} {'RSS/model':>10} "
           f"{'output MiB':>11}")
@@ -218,6 +226,13 @@ def bench(args, work: Path) -> int:
     first = best[f"prune {args.n_prune[0]}"]
     print(f"prune_peak_rss_mib={first['maxrss_kib'] / 1024:.1f}")
     print(f"prune_vs_copy={first['wall_s'] / t_copy:.3f}")
+    print(f"prune_vs_copy_net={(first['wall_s'] - best['startup']['wall_s']) / t_copy:.3f}")
+    if args.streaming:
+        from mlx_fun.streaming import source_tensors
+
+        largest = max(t.nbytes for t in source_tensors(model).values())
+        print(f"largest_tensor_mib={largest / mib:.1f}")
+        print(f"peak_rss_ratio={first['maxrss_kib'] * 1024 / (largest + 300e6):.3f}")
     return 0
 
 

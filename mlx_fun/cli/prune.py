@@ -27,6 +27,8 @@ from .common import echo_err, friendly_errors, metric_option, model_option
               help="protect: never prune safety-critical experts; target: prune them first.")
 @click.option("--domain-map", type=click.Path(), default=None, help="Domain report JSON listing experts per layer (format: README, Report files).")
 @click.option("--domain-mode", type=click.Choice(["protect"]), default=None, help="protect: never prune domain experts.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output .safetensors file (e.g. 5GB, 500MB); more become shards with an index.")
 @click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
 @friendly_errors
 def command(**kwargs):
@@ -41,10 +43,12 @@ def command(**kwargs):
 
     Router rows, correction biases and every expert projection (quantized or not) are sliced; shared
     experts are kept. The result loads with plain mlx_lm.load(); reap_metadata.json records the kept experts.
+    It streams: tensors are copied or sliced from the model's files one at a time (never decoded), so memory
+    stays near the largest tensor, however large the model.
     """
     from ..jobs import prune
 
-    show(prune.run(**kwargs, log=echo_err))
+    show(prune.run(**kwargs, progress=True, log=echo_err))
 
 
 def show(result) -> None:

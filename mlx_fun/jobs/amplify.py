@@ -39,6 +39,7 @@ def run(
     from ..expert_files import load_report_experts
     from ..io import params_nbytes, write_model_dir
     from ..rewrite.amplify import apply, boosts, target
+    from ..streaming import Snapshot
 
     for name, value in (("scale", scale), ("threshold", threshold)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -50,6 +51,7 @@ def run(
     inputs = {param("model"): model, param("domain_map"): domain_map}
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log)
+        snapshot = Snapshot(mdl, model, config)  # streaming: untouched tensors are copied from the files
         found = target(adapter, adapter.blocks()[0])
         if found is None:
             raise UserError(
@@ -80,5 +82,6 @@ def run(
                 "threshold": threshold, "target": found[1], "parameters": paths, "boost": boosted,
                 "bias_per_layer": {str(layers[p]): boost[p].round(6).tolist() for p in range(len(layers))}}
         res.require_space(params_nbytes(mdl))
-        write_model_dir(res, mdl, config, source=model, metadata={"amplification_metadata.json": meta})
+        write_model_dir(res, mdl, config, source=model, metadata={"amplification_metadata.json": meta},
+                        snapshot=snapshot, donate=True)
     return AmplifyResult(Path(output), found[1], boosted, warnings)

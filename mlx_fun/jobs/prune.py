@@ -21,6 +21,9 @@ class PruneResult:
     keep_map: dict[int, list[int]]  # MoE position → kept experts
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    bytes_copied: int = 0  # written from the source files without decoding (whole tensors or kept rows)
+    bytes_evaluated: int = 0  # computed (tensors mlx-lm rebuilt while loading)
+    shards: int = 1
 
 
 def check_sources(*, saliency, expert_list, n_prune, safety_map=None, safety_mode=None, domain_map=None,
@@ -56,23 +59,29 @@ def run(
     safety_mode: str | None = None,
     domain_map: str | Path | None = None,
     domain_mode: str | None = None,
+    max_shard_size: str | int = "5GB",
     force: bool = False,
+    progress: bool = False,
     log: Log = quiet,
 ) -> PruneResult:
     """Prune ``model``'s routed experts by saliency (or an explicit expert list) into ``output``.
 
-    Router rows, correction biases and every expert projection (quantized or not) are sliced lazily; shared
-    experts are kept; ``reap_metadata.json`` records the kept experts. The output is reserved before loading and
-    checked for room before writing (:mod:`mlx_fun.writer`).
+    Router rows, correction biases and every expert projection (quantized or not) are sliced; shared experts are
+    kept; ``reap_metadata.json`` records the kept experts. Streaming (:mod:`mlx_fun.streaming`): the model is
+    loaded lazily and written tensor by tensor into shards of at most ``max_shard_size`` — untouched tensors and
+    kept expert rows are copied from the source files without being decoded, so memory stays near one tensor.
+    The output is reserved before loading and checked for room before writing (:mod:`mlx_fun.writer`).
     """
     from .. import writer
     from ..io import params_nbytes, write_model_dir
-    from ..rewrite.prune import prune_model
+    from ..rewrite.prune import expert_rows, prune_model
+    from ..streaming import Snapshot, shard_bytes
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     check_sources(saliency=saliency, expert_list=expert_list, n_prune=n_prune, safety_map=safety_map,
                   safety_mode=safety_mode, domain_map=domain_map, domain_mode=domain_mode, model_wide=model_wide,
                   ignore_experts=ignore_experts)
+    max_shard = shard_bytes(max_shard_size)
     for name, path in (("saliency", saliency), ("expert_list", expert_list), ("safety_map", safety_map),
                        ("domain_map", domain_map)):
         require_path(name, path)
@@ -80,7 +89,8 @@ def run(
               param("safety_map"): safety_map, param("domain_map"): domain_map}
     start = time.perf_counter()
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, _tokenizer, _config, adapter = load_moe(model, lazy=True)
+        mdl, _tokenizer, config, adapter = load_moe(model, lazy=True)
+        snapshot = Snapshot(mdl, model, config)
         moe_layers, E = adapter.moe_layers(), adapter.num_experts
         keep_map, warnings = select_keep_map(
             adapter, saliency=saliency, expert_list=expert_list, n_prune=n_prune, metric=metric, strategy=strategy,
@@ -88,10 +98,12 @@ def run(
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
         for line in warnings:
             log(f"Warning: {line}")
+        rows = expert_rows(adapter, keep_map)
         new_config = prune_model(adapter, keep_map)
+        n_kept = adapter.num_experts  # read from the weights: before the writer empties them
         metadata = {
             "original_num_experts": E,
-            "pruned_num_experts": adapter.num_experts,
+            "pruned_num_experts": n_kept,
             "metric": "expert-list" if expert_list is not None else metric,
             "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
             "strategy": strategy if expert_list is None else None,
@@ -102,9 +114,11 @@ def run(
         }
         res.require_space(params_nbytes(mdl))
         log(f"Saving pruned model to {output} ...")
-        write_model_dir(res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata})
-    return PruneResult(Path(output), Path(model), moe_layers, E, adapter.num_experts, keep_map,
-                       time.perf_counter() - start, warnings)
+        stats = write_model_dir(res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata},
+                                snapshot=snapshot, rows=rows, max_shard_bytes=max_shard, donate=True,
+                                progress=progress)
+    return PruneResult(Path(output), Path(model), moe_layers, E, n_kept, keep_map,
+                       time.perf_counter() - start, warnings, stats.copied, stats.evaluated, stats.shards)
 
 
 def select_keep_map(adapter, *, saliency, expert_list, n_prune, metric, strategy, model_wide, min_experts_per_layer,

@@ -74,6 +74,21 @@ def prune_block(adapter: MoEAdapter, block, kept: list[int]) -> None:
             setattr(owner, attr, len(idx))
 
 
+def expert_rows(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict[str, list[int]]:
+    """Full parameter name → kept rows (axis 0) of every tensor :func:`prune_model` will slice: what the
+    streaming writer copies row by row from the source files (:mod:`mlx_fun.streaming`). Call before pruning."""
+    prefix = {id(m): name for name, m in adapter.model.named_modules()}
+    out: dict[str, list[int]] = {}
+    for pos, block in enumerate(adapter.blocks()):
+        kept = keep_map.get(pos)
+        if kept is None or len(kept) == expert_count(adapter.experts(block)):
+            continue
+        base = prefix[id(block)]
+        for name in adapter.expert_tensors(block):
+            out[f"{base}.{name}" if base else name] = sorted(int(e) for e in kept)
+    return out
+
+
 def pruned_config(adapter: MoEAdapter, config: dict, n_kept: int) -> dict:
     """A copy of ``config`` with the routed-expert count set to ``n_kept`` wherever the family keeps it."""
     new = copy.deepcopy(config)
