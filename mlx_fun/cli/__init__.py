@@ -28,7 +28,7 @@ def main(ctx, debug):
 #: every command, explicitly. Command ``x-y`` is parsed and printed by ``mlx_fun/cli/x_y.py`` (``command``,
 #: ``show``) and done by the job ``mlx_fun/jobs/x_y.py`` (``run``): one name, three places, one hop.
 COMMANDS = ("collect", "prune", "merge", "eval", "smoke-test", "demo", "serve", "safety-scan", "domain-scan",
-            "steer", "amplify", "abliterate", "ui", "tune-dispatch", "stats-diff", "stats-merge", "stats-purge",
+            "steer", "amplify", "abliterate", "quantize", "ui", "tune-dispatch", "stats-diff", "stats-merge", "stats-purge",
             "doctor")
 
 

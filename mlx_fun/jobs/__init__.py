@@ -1,5 +1,5 @@
 """Library jobs: one module per ``mlx-fun`` command (``collect``, ``prune``, ``merge``, ``eval``, ``smoke_test``,
-``demo``, ``serve``, ``safety_scan``, ``domain_scan``, ``steer``, ``amplify``, ``abliterate``, ``ui``, ``tune_dispatch``, ``stats_diff``, ``stats_merge``, ``stats_purge``, ``doctor``), each with a typed,
+``demo``, ``serve``, ``safety_scan``, ``domain_scan``, ``steer``, ``amplify``, ``abliterate``, ``quantize``, ``ui``, ``tune_dispatch``, ``stats_diff``, ``stats_merge``, ``stats_purge``, ``doctor``), each with a typed,
 keyword-only ``run(...)`` that does the whole command and returns its result — the way mlx-lm's ``convert.py``
 ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only parses, calls ``run`` and prints.
 
@@ -21,6 +21,7 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
     eval,
     merge,
     prune,
+    quantize,
     safety_scan,
     serve,
     smoke_test,

@@ -1,0 +1,150 @@
+"""MoE-aware mixed precision: which (bits, group size, mode) each module of a float MoE model gets.
+
+Three classes of modules, told apart by the adapter (routing is the adapter's, never guessed from names):
+
+- ``router``: each MoE block's router (``adapter.router``) — kept in float (``router_bits=16``) or 8-bit affine:
+  it picks the experts, and its error moves tokens to other experts;
+- ``experts``: the routed experts (``adapter.experts``: one stacked ``SwitchLinear`` per projection and layer);
+- ``dense``: everything else that mlx-lm quantizes — attention, shared experts, dense MLPs, embeddings, the head:
+  modules every token goes through.
+
+Granularity (``--saliency``): mlx-lm's loader rebuilds a quantized model from one setting per *module path*
+(``config["quantization"][path]``), and a layer's routed experts are one module (the expert axis is the leading
+axis of one stacked tensor, quantized with one bits / group size / mode). So plain ``mlx_lm.load`` allows
+different bits per layer's expert projections, not per expert: giving the coldest experts fewer bits would mean
+splitting the stacked tensor into two modules, which mlx-lm's model classes do not build. The saliency file
+therefore picks the coldest *MoE layers* (smallest sum of the metric over their experts) for ``cold`` bits.
+
+Everything goes through mlx-lm's ``quantize_model`` with a predicate (and the family's own ``quant_predicate``
+first: a module it refuses stays float). Quantization is lazy: the writer evaluates one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UserError, param
+
+#: mode → (default group size, bits it forces or None, group sizes it allows)
+MODES = {"affine": (64, None, (32, 64, 128)), "mxfp4": (32, 4, (32,)), "nvfp4": (16, 4, (16,)),
+         "mxfp8": (32, 8, (32,))}
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+
+
+@dataclass(frozen=True)
+class Setting:
+    bits: int
+    group_size: int
+    mode: str
+
+    def params(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit {self.mode} g{self.group_size}" if self.mode == "affine" else (
+            f"{self.mode} g{self.group_size}")
+
+
+def setting(name: str, bits: int | None, group_size: int | None, mode: str) -> Setting:
+    """A checked setting; ``name`` is the parameter prefix (``expert`` → ``expert_bits`` / ``expert_mode`` ...)."""
+    if mode not in MODES:
+        raise UserError(f"{param(name + '_mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
+    default_gs, forced, allowed = MODES[mode]
+    if forced is not None:
+        if bits not in (None, forced):
+            raise UserError(f"{mode} stores {forced} bits; drop {param(name + '_bits')} {bits} or use "
+                            f"{param(name + '_mode')} affine.")
+        bits = forced
+    elif bits not in AFFINE_BITS:
+        raise UserError(f"{param(name + '_bits')} must be one of {', '.join(map(str, AFFINE_BITS))} for affine, "
+                        f"got {bits!r}.")
+    gs = group_size or default_gs
+    if gs not in allowed:
+        raise UserError(f"{param(name + '_group_size')} must be one of {', '.join(map(str, allowed))} for {mode}, "
+                        f"got {gs}.")
+    return Setting(int(bits), int(gs), mode)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    dense: Setting
+    experts: Setting
+    router: Setting | None  # None: kept in float
+    cold: Setting | None = None
+    cold_layers: tuple[int, ...] = ()  # decoder-layer indices whose routed experts get ``cold``
+
+    def describe(self) -> dict:
+        return {"dense": str(self.dense), "experts": str(self.experts),
+                "router": "float" if self.router is None else str(self.router),
+                "cold_experts": None if self.cold is None else str(self.cold), "cold_layers": list(self.cold_layers)}
+
+
+def coldest_layers(scores: np.ndarray, moe_layers: list[int], n: int) -> list[int]:
+    """The ``n`` MoE layers (decoder indices) whose experts' summed saliency is smallest, coldest first."""
+    order = np.argsort(np.asarray(scores, dtype=np.float64).sum(axis=1), kind="stable")
+    return [moe_layers[int(i)] for i in order[:n]]
+
+
+def classes(adapter) -> tuple[dict[str, str], dict[str, int]]:
+    """Module path prefixes of the routers and routed experts: ``({path: "router" | "experts"}, {path: layer})``."""
+    names = {id(m): name for name, m in adapter.model.named_modules()}
+    kinds, layer_of = {}, {}
+    for layer, block in zip(adapter.moe_layers(), adapter.blocks()):
+        for kind, module in (("router", adapter.router(block)), ("experts", adapter.experts(block))):
+            kinds[names[id(module)]] = kind
+            layer_of[names[id(module)]] = layer
+    return kinds, layer_of
+
+
+def quantize(adapter, config: dict, recipe: Recipe) -> tuple[dict, dict[str, dict[str, int]], list[str]]:
+    """Quantize ``adapter.model`` in place (lazily) by ``recipe`` with mlx-lm's ``quantize_model``.
+
+    Returns ``(new config, {class: {setting: modules}}, paths left in float because their input width is not a
+    multiple of the group size)``.
+    """
+    from mlx_lm.utils import quantize_model
+
+    model = adapter.model
+    kinds, layer_of = classes(adapter)
+    own = getattr(model, "quant_predicate", None)
+    counts: dict[str, dict[str, int]] = {"router": {}, "experts": {}, "dense": {}}
+    kept_float: set[str] = set()  # float on purpose: float routers, modules the family's own predicate refuses
+
+    def predicate(path: str, module) -> bool | dict:
+        if own is not None and own(path, module) is False:
+            kept_float.add(path)
+            return False
+        owner = next((p for p in kinds if path == p or path.startswith(p + ".")), None)
+        kind = kinds.get(owner, "dense")
+        chosen = {"router": recipe.router, "dense": recipe.dense}.get(kind, recipe.experts)
+        if kind == "experts" and recipe.cold is not None and layer_of[owner] in recipe.cold_layers:
+            chosen = recipe.cold
+        if chosen is None:
+            counts[kind]["float"] = counts[kind].get("float", 0) + 1
+            kept_float.add(path)
+            return False
+        if module.weight.shape[-1] % chosen.group_size:
+            return False
+        counts[kind][str(chosen)] = counts[kind].get(str(chosen), 0) + 1
+        return chosen.params()
+
+    # quantize_model skips a module whose input width is not a multiple of *its* group size before asking the
+    # predicate: hand it the smallest group size of the recipe, so the predicate decides with each module's own
+    used = [x for x in (recipe.dense, recipe.experts, recipe.router, recipe.cold) if x is not None]
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
+        _, new_config = quantize_model(model, config, min(x.group_size for x in used), recipe.dense.bits,
+                                       mode=recipe.dense.mode, quant_predicate=predicate)
+    new_config["quantization"].update(recipe.dense.params())  # the default: every quantized module has its own
+    skipped = [p for p, m in model.named_modules() if hasattr(m, "to_quantized") and p not in kept_float]
+    return new_config, counts, sorted(skipped)
+
+
+def bits_per_weight(model) -> float:
+    """mlx-lm's bits per weight of a (lazily) quantized model: stored bits ÷ logical parameters."""
+    from mlx_lm.utils import compute_bits_per_weight
+
+    return float(compute_bits_per_weight(model))

@@ -1,0 +1,178 @@
+"""`mlx-fun quantize`: MoE-aware mixed precision through mlx-lm's quantize_model, loaded by plain mlx_lm.load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_fun import jobs
+from mlx_fun.adapters import get_adapter
+from mlx_fun.errors import UserError
+from mlx_fun.io import load_model
+from mlx_fun.rewrite.quantize import classes
+from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.streaming import source_tensors
+
+from .cli_helpers import run as run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kinds_of(model_dir: Path) -> dict[str, str]:
+    """Every quantizable module of the float model → router / experts / dense (by the adapter)."""
+    model, _, config = load_model(model_dir, lazy=True)
+    adapter = get_adapter(model, config)
+    owners, _ = classes(adapter)
+    out = {}
+    for path, m in model.named_modules():
+        if hasattr(m, "to_quantized"):
+            owner = next((p for p in owners if path == p or path.startswith(p + ".")), None)
+            out[path] = owners.get(owner, "dense")
+    return out
+
+
+def module(model, path: str):
+    return dict(model.named_modules())[path]
+
+
+def expected_bytes(float_dir: Path, settings: dict[str, tuple[int, int, str] | None], kinds: dict[str, str]) -> int:
+    """Bytes the recipe must take on disk: quantized weights at bits/8 per value plus their scales (and affine
+    biases) per group, float tensors as they are."""
+    src = source_tensors(float_dir)
+    total = 0
+    for name, t in src.items():
+        mod, leaf = name.rsplit(".", 1)
+        chosen = settings.get(kinds.get(mod)) if mod in kinds and leaf == "weight" else None
+        n = int(np.prod(t.shape))
+        if chosen is None or t.shape[-1] % chosen[1]:
+            total += t.nbytes
+            continue
+        bits, gs, mode = chosen
+        total += n * bits // 8
+        if mode == "affine":
+            total += 2 * (n // gs) * 4  # float32 scales and biases (the tiny models are float32)
+        else:
+            total += n // gs  # one uint8 scale a group (mxfp4 / nvfp4)
+    return total
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_recipe_bits_router_and_size(tmp_path, make_model, model_type):
+    src = make_model(model_type)
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=3, expert_group_size=32, dense_bits=6,
+                            dense_group_size=32)
+    kinds = kinds_of(src)
+    model, _ = mlx_lm.load(str(res.output))
+    ref, _, _ = load_model(src)
+    seen = {"router": 0, "experts": 0, "dense": 0}
+    for path, kind in kinds.items():
+        m = module(model, path)
+        if kind == "router":  # kept in float: the very same weights
+            assert not hasattr(m, "bits")
+            assert mx.array_equal(m.weight, module(ref, path).weight).item()
+        else:
+            want = 3 if kind == "experts" else 6
+            assert (m.bits, m.group_size, m.mode) == (want, 32, "affine"), path
+        seen[kind] += 1
+    # every class present (deepseek's router is a bare weight, not a module mlx-lm quantizes)
+    assert seen["experts"] and seen["dense"] and (seen["router"] or model_type == "deepseek_v3")
+    if model_type in ("qwen2_moe", "deepseek_v3"):  # shared experts are dense: 6-bit
+        shared = [p for p in kinds if "shared" in p]
+        assert shared and all(module(model, p).bits == 6 for p in shared)
+    settings = {"experts": (3, 32, "affine"), "dense": (6, 32, "affine"), "router": None}
+    on_disk = sum(t.nbytes for t in source_tensors(res.output).values())
+    assert on_disk == expected_bytes(src, settings, kinds)
+    index = json.loads((res.output / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == on_disk
+    meta = json.loads((res.output / "quantize_metadata.json").read_text())
+    assert meta["recipe"]["router"] == "float" and meta["recipe"]["experts"] == "3-bit affine g32"
+    assert sum(meta["modules"]["experts"].values()) == seen["experts"]
+    assert np.isfinite(np.array(model(mx.array([[3, 9, 27]])).astype(mx.float32))).all()
+
+
+def test_router_8bit_and_mxfp4_experts(tmp_path, make_model):
+    src = make_model("qwen3_moe")
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_mode="mxfp4", expert_bits=None,
+                            dense_bits=8, router_bits=8)
+    model, _ = mlx_lm.load(str(res.output))
+    for path, kind in kinds_of(src).items():
+        m = module(model, path)
+        want = {"router": (8, 64, "affine"), "experts": (4, 32, "mxfp4"), "dense": (8, 64, "affine")}[kind]
+        assert (m.bits, m.group_size, m.mode) == want, path
+    assert res.bits_per_weight < 9
+
+
+def test_saliency_gives_the_coldest_layers_fewer_bits(tmp_path, make_model):
+    src = make_model("qwen3_moe", num_hidden_layers=4)
+    model, _, config = load_model(src, lazy=True)
+    adapter = get_adapter(model, config)
+    acc = SaliencyAccumulator.for_adapter(adapter)
+    rng = np.random.default_rng(0)
+    acc.freq[...] = 100
+    acc.reap_count[...] = 100
+    acc.reap_sum[...] = rng.uniform(50, 60, acc.freq.shape) * np.array([[3.0], [1.0], [2.0], [0.5]])
+    acc.total_tokens = 400
+    sal = acc.save(tmp_path / "s.npz")
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=4, expert_group_size=32, saliency=sal,
+                            cold_layers=2, cold_bits=2)
+    layers = adapter.moe_layers()
+    assert list(res.cold_layer_scores) == [layers[3], layers[1]]  # coldest first
+    loaded, _ = mlx_lm.load(str(res.output))
+    for pos, layer in enumerate(layers):
+        bits = loaded.model.layers[layer].mlp.switch_mlp.gate_proj.bits
+        assert bits == (2 if pos in (1, 3) else 4), layer
+    meta = json.loads((res.output / "quantize_metadata.json").read_text())
+    assert meta["recipe"]["cold_layers"] == [layers[3], layers[1]] and meta["recipe"]["cold_experts"] == "2-bit affine g32"
+
+
+def test_eval_reports_perplexity_against_the_float_original(tmp_path):
+    src = ROOT / "data" / "tiny-moe"
+    q = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=3, dense_bits=4).output
+    r = jobs.eval.run(model=q, reference=src, dataset=[str(ROOT / "data" / "calibration_sample.jsonl")],
+                      max_samples=8, max_tokens=128).results
+    (row,) = r.values()
+    assert row["ppl"] > row["ref_ppl"] > 1 and row["kl"] > 0 and 0 < row["top1_agreement"] < 1
+
+
+def test_cli_prints_the_recipe(tmp_path):
+    out = tmp_path / "q"
+    r = run_cli("quantize", "--model", str(ROOT / "data" / "tiny-moe"), "--expert-bits", "3", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert "router: 4 × float" in r.output and "experts: 8 × 3-bit affine g64" in r.output
+    assert "stay in float" in r.output  # the 48-wide down projections (no affine group size divides 48)
+    assert mlx_lm.load(str(out))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"expert_mode": "mxfp4", "expert_bits": 3}, "mxfp4 stores 4 bits"),
+    ({"expert_bits": 7}, "expert_bits= must be one of 2, 3, 4, 5, 6, 8"),
+    ({"dense_group_size": 48}, "dense_group_size= must be one of 32, 64, 128"),
+    ({"router_bits": 4}, "router_bits= must be 16"),
+    ({"cold_layers": 1, "cold_bits": 2}, "add saliency="),
+    ({"saliency": "nope.npz"}, "saliency= needs cold_layers="),
+    ({"max_shard_size": "0"}, "max_shard_size= must be a positive size"),
+])
+def test_bad_inputs_write_nothing(tmp_path, make_model, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        jobs.quantize.run(model=make_model("qwen3_moe"), output=tmp_path / "q", **kwargs)
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantized_input_and_too_many_cold_layers_refused(tmp_path, make_model):
+    with pytest.raises(UserError, match=r"is already quantized \(4-bit affine\); quantize starts from the float"):
+        jobs.quantize.run(model=make_model("qwen3_moe", bits=4), output=tmp_path / "q")
+    src = make_model("qwen3_moe")
+    model, _, config = load_model(src, lazy=True)
+    sal = SaliencyAccumulator.for_adapter(get_adapter(model, config)).save(tmp_path / "s.npz")
+    with pytest.raises(UserError, match=r"cold_layers= must be 1\.\.2 \(this model has 2 MoE layers\)"):
+        jobs.quantize.run(model=src, output=tmp_path / "q", saliency=sal, cold_layers=5, cold_bits=2)
+    assert not (tmp_path / "q").exists()
+    r = run_cli("quantize", "--model", str(make_model("qwen3_moe", bits=4)), "--output", str(tmp_path / "q"))
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
