@@ -67,6 +67,7 @@ def collect(
     pad_id: int = 0,
     token_budget: int | None = None,
     progress: bool = False,
+    progress_scale: float = 1.0,
 ) -> SaliencyAccumulator:
     """Accumulate routing statistics of ``samples`` (lists of token ids) into ``acc`` (new if None).
 
@@ -83,5 +84,6 @@ def collect(
 
     with moe_hook.hooked(adapter, [tap]):
         acc.total_tokens += engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id,
-                                       budget=token_budget, progress=progress, desc="collect")
+                                       budget=token_budget, progress=progress, desc="collect",
+                                       progress_scale=progress_scale)
     return acc

@@ -81,12 +81,14 @@ def run(
     predict_next: bool = False,
     progress: bool = False,
     desc: str = "forward",
+    progress_scale: float = 1.0,
 ) -> int:
     """Feed ``samples`` (token-id lists) through ``model`` within ``budget`` tokens per forward; call
     ``on_chunk(chunk, output)`` after each forward. Returns the number of real tokens fed. ``progress`` shows a
     tqdm bar in tok/s. With ``predict_next`` each sample is fed without its last token (samples shorter than 2
     tokens are skipped) and ``chunk.targets`` holds the next tokens. ``model`` may be a tuple of models fed in
-    lockstep (a model and its reference, each with its own KV cache); ``output`` is then the tuple of outputs."""
+    lockstep (a model and its reference, each with its own KV cache); ``output`` is then the tuple of outputs.
+    ``progress_scale`` multiplies the bar's tokens (data-parallel collect: rank 0's bar shows all ranks' work)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     budget = token_budget(budget)
@@ -100,7 +102,8 @@ def run(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_tokens(fed), unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+        bar = tqdm(total=round(total_tokens(fed) * progress_scale), unit="tok", unit_scale=True, desc=desc,
+                   dynamic_ncols=True)
     done = 0
     try:
         for sub, sub_len, rows in batches(fed, batch_size, pad_id=pad_id, budget=budget):
@@ -116,7 +119,7 @@ def run(
                 n = chunk.n_tokens
                 done += n
                 if bar is not None:
-                    bar.update(n)
+                    bar.update(min(round(n * progress_scale), bar.total - bar.n))
     finally:
         if bar is not None:
             bar.close()

@@ -32,6 +32,11 @@ def command(**kwargs):
     The .npz holds freq, weighted_freq_sum, reap_sum, ean_sum, reap_count, max_activation_norm (each
     num_moe_layers × num_experts) plus the model's identity (model_type, top_k, num_layers, num_experts,
     moe_layer_indices), which prune, merge and stats-* check before they use the file.
+
+    
+    Data-parallel under MLX's launcher (same file as one process; rank 0 writes it):
+      mlx.launch --backend ring -n 2 -- mlx-fun collect --model data/tiny-moe \
+          --dataset data/calibration_sample.jsonl --output code.npz
     """
     from ..jobs import collect
 
@@ -39,5 +44,7 @@ def command(**kwargs):
 
 
 def show(result) -> None:
+    if result.rank != 0:  # under mlx.launch: rank 0 wrote the file and reports it
+        return
     click.echo(f"Wrote {result.output} ({result.tokens:,} tokens in {result.seconds:.1f} s, "
                f"{result.tokens / max(result.seconds, 1e-9):,.0f} tok/s)")

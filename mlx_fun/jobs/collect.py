@@ -20,6 +20,8 @@ class CollectResult:
     seconds: float
     dispatch: str
     warnings: list[str] = field(default_factory=list)
+    rank: int = 0  # under mlx.launch: this process's rank (0 wrote the file) and the number of ranks
+    ranks: int = 1
 
     @property
     def tokens(self) -> int:
@@ -49,28 +51,46 @@ def run(
     written atomically at the end. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
     statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``token_budget`` tokens per
     forward (:mod:`mlx_fun.engine`).
+
+    Under ``mlx.launch`` (:mod:`mlx_fun.distributed`) every rank takes its share of the samples, the float64
+    statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
+    bar (all ranks' tokens); every rank returns the summed result.
     """
+    import contextlib
+
     from .. import engine, writer
     from ..collect import collect
     from ..data import load_samples, pad_id
+    from ..distributed import my_share, reduce_saliency, world
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
-    with writer.output(output, kind="file", suffix=".npz",
-                       inputs={param("model"): model, param("dataset"): dataset}) as res:
-        mdl, tokenizer, config, adapter = load_moe(model, log=log)
+    w = world()
+    inputs = {param("model"): model, param("dataset"): dataset}
+    writer.check_output_path(output, kind="file", inputs=inputs)  # every rank fails alike, before any collective
+    reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs) if w.writer
+               else contextlib.nullcontext())
+    with reserve as res:
+        mdl, tokenizer, config, adapter = load_moe(model, log=log if w.writer else quiet)
         report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
-                                log=log)
+                                log=log if w.writer else quiet)
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
                                text_key=text_key, seed=seed)
-        log(f"{adapter.model_type}: {len(adapter.moe_layers())} MoE layers × {adapter.num_experts} experts, "
-            f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens")
-        warnings = warn_past_context(samples, config, log)
-        res.require_space(8 * len(ARRAY_KEYS) * len(adapter.moe_layers()) * adapter.num_experts)
+        mine = my_share(samples, w)
+        if w.writer:
+            ranks = f" over {w.size} ranks" if w.size > 1 else ""
+            log(f"{adapter.model_type}: {len(adapter.moe_layers())} MoE layers × {adapter.num_experts} experts, "
+                f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens{ranks}")
+        warnings = warn_past_context(samples, config, log if w.writer else quiet)
+        if w.writer:
+            res.require_space(8 * len(ARRAY_KEYS) * len(adapter.moe_layers()) * adapter.num_experts)
         budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
         start = time.perf_counter()
-        acc = collect(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
-                      progress=progress)
+        acc = collect(mdl, adapter, mine, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
+                      progress=progress and w.writer,
+                      progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1))
+        reduce_saliency(acc, w)
         seconds = time.perf_counter() - start
-        acc.write_npz(res.tmp)
-    return CollectResult(Path(output), acc, len(samples), seconds, report.mode, warnings)
+        if w.writer:
+            acc.write_npz(res.tmp)
+    return CollectResult(Path(output), acc, len(samples), seconds, report.mode, warnings, w.rank, w.size)

@@ -1,0 +1,73 @@
+"""Data-parallel collect under MLX's own launcher (ring backend on loopback) equals one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mlx_fun.distributed import World, all_reduce, my_share
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, DATA = ROOT / "data" / "tiny-moe", ROOT / "data" / "calibration_sample.jsonl"
+# batch size 1 (the default): every sample's forward is then the same computation in both runs. With larger
+# batches the ranks group samples differently, and float32 forwards of other batch shapes round differently
+# (~1e-8 relative, as a different --batch-size in one process would)
+ARGS = ["--model", str(MODEL), "--dataset", str(DATA), "--max-samples", "16", "--max-tokens", "160"]
+
+
+def test_shares_partition_the_samples_by_tokens():
+    rng = np.random.default_rng(0)
+    samples = [list(range(int(n))) for n in rng.integers(5, 300, 101)]
+    shares = [my_share(samples, World(r, 3, None)) for r in range(3)]
+    ids = sorted(id(s) for share in shares for s in share)
+    assert ids == sorted(id(s) for s in samples)  # every sample exactly once
+    tokens = [sum(map(len, share)) for share in shares]
+    assert max(tokens) - min(tokens) <= 300  # at most one sample's worth apart
+    assert my_share(samples, World(0, 1, None)) == samples
+    assert all_reduce({"a": np.ones(3)}, World(0, 1, None))["a"].tolist() == [1, 1, 1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, *cli: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``mlx.launch --backend ring -n N -- python -m mlx_fun CLI…`` on loopback, bounded in time."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()", "--backend", "ring",
+           "-n", str(n), "--starting-port", str(_free_port()), "--", sys.executable, "-m", "mlx_fun", *cli]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_process_collect_writes_the_single_process_file(tmp_path):
+    one, two = tmp_path / "one.npz", tmp_path / "out" / "two.npz"
+    single = subprocess.run([sys.executable, "-m", "mlx_fun", "collect", *ARGS, "--output", str(one)],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr
+    proc = launch(2, "collect", *ARGS, "--output", str(two))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("Wrote ") == 1  # rank 0 alone reports (and writes)
+    assert "over 2 ranks" in proc.stderr
+    assert sorted(p.name for p in two.parent.iterdir()) == ["two.npz"]  # no other rank's temp or lock
+    a, b = np.load(one), np.load(two)
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        if k in ("freq", "reap_count", "total_tokens") or a[k].dtype.kind != "f":
+            assert np.array_equal(a[k], b[k]), k  # counts and identity: exact
+        else:
+            assert np.allclose(a[k], b[k], rtol=1e-9, atol=0), k  # sums: float64 rounding order only
+    assert int(a["total_tokens"]) > 500
+
+
+def test_bad_output_fails_on_every_rank_without_hanging(tmp_path):
+    proc = launch(2, "collect", *ARGS, "--output", str(MODEL), timeout=120)  # a hang would time out
+    out = proc.stdout + proc.stderr
+    assert "Error: --output " + str(MODEL) + " is the input given to --model" in out
+    assert "rank 0 exited with code 2" in out  # (mlx.launch itself only warns and exits 0)
