@@ -201,7 +201,31 @@ def _reexec_env(environ, modules, library: str | None, cuda: bool) -> dict | Non
     env[MARKER_ENV] = "1"
     if DEFAULT_OPENBLAS_THREADS is not None and os.path.basename(library).startswith("libopenblas"):
         env.setdefault("OPENBLAS_NUM_THREADS", str(DEFAULT_OPENBLAS_THREADS))
+    local = local_ranks(environ)
+    if local > 1:  # mlx.launch put several ranks on this host: share the cores instead of oversubscribing them
+        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
     return env
+
+
+def local_ranks(environ) -> int:
+    """How many ranks ``mlx.launch`` (ring backend: ``MLX_HOSTFILE`` is a JSON list of ``["ip:port", ...]`` per
+    rank) runs on this host; 0 when not launched or the file is not that format.
+
+    Measured (2-core Linux, bundled model, ``scripts/bench_distributed.py --samples 128``): two ranks that each
+    keep OpenBLAS's default of one thread per core collect 3.5x slower than one process (OpenBLAS threads spin
+    on the shared cores); with the cores divided, as here, they run as fast as one process."""
+    import json
+    import socket
+
+    path = environ.get("MLX_HOSTFILE")
+    try:
+        with open(path) as f:
+            hosts = [str(entry).rsplit(":", 1)[0] for rank in json.load(f) for entry in rank[:1]]
+        mine = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+        mine.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except (TypeError, OSError, ValueError, IndexError):
+        return 0
+    return sum(h in mine for h in hosts)
 
 
 def maybe_reexec() -> None:

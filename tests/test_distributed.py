@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -38,9 +39,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# ranks on one host get OPENBLAS_NUM_THREADS = cores / ranks (mlx_fun.blas.local_ranks); both runs use one
+# thread so that every float32 forward is the same computation
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+
+
 def launch(n: int, *cli: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """``mlx.launch --backend ring -n N -- python -m mlx_fun CLI…`` on loopback, bounded in time."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ENV
     cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()", "--backend", "ring",
            "-n", str(n), "--starting-port", str(_free_port()), "--", sys.executable, "-m", "mlx_fun", *cli]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -49,7 +55,7 @@ def launch(n: int, *cli: str, timeout: int = 240) -> subprocess.CompletedProcess
 def test_two_process_collect_writes_the_single_process_file(tmp_path):
     one, two = tmp_path / "one.npz", tmp_path / "out" / "two.npz"
     single = subprocess.run([sys.executable, "-m", "mlx_fun", "collect", *ARGS, "--output", str(one)],
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
+                            env=ENV, capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr
     proc = launch(2, "collect", *ARGS, "--output", str(two))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -71,3 +77,14 @@ def test_bad_output_fails_on_every_rank_without_hanging(tmp_path):
     out = proc.stdout + proc.stderr
     assert "Error: --output " + str(MODEL) + " is the input given to --model" in out
     assert "rank 0 exited with code 2" in out  # (mlx.launch itself only warns and exits 0)
+
+
+def test_ranks_on_one_host_share_its_cores(tmp_path):
+    from mlx_fun.blas import local_ranks
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.255.255.1:5002"]]))
+    assert local_ranks({"MLX_HOSTFILE": str(hostfile)}) == 2
+    assert local_ranks({}) == 0
+    hostfile.write_text("not json")
+    assert local_ranks({"MLX_HOSTFILE": str(hostfile)}) == 0
