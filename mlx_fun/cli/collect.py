@@ -36,7 +36,7 @@ def command(**kwargs):
     
     Data-parallel under MLX's launcher (same file as one process; rank 0 writes it):
       mlx.launch --backend ring -n 2 -- mlx-fun collect --model data/tiny-moe \
-          --dataset data/calibration_sample.jsonl --output code.npz
+          --dataset data/calibration_sample.jsonl --output code-2ranks.npz
     """
     from ..jobs import collect
 
