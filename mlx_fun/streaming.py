@@ -217,7 +217,9 @@ def _write_shard(path: Path, items: list[_Out], params: dict, fds: dict, bar) ->
                 del data, mv
             else:
                 params.pop(it.name, None)
-                sfd = fds.setdefault(it.src.file, os.open(it.src.file, os.O_RDONLY | os.O_CLOEXEC))
+                if it.src.file not in fds:
+                    fds[it.src.file] = os.open(it.src.file, os.O_RDONLY | os.O_CLOEXEC)
+                sfd = fds[it.src.file]
                 if it.how == "copy":
                     _copy(sfd, fd, it.src.start, pos, it.nbytes)
                 else:

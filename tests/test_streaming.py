@@ -126,9 +126,15 @@ def test_streaming_prune_equals_in_memory_prune(tmp_path, make_model, model_type
     assert np.isfinite(np.array(out.astype(mx.float32))).all()
 
 
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else 0
+
+
 def test_default_is_one_shard_like_mlx_lm(tmp_path, qwen_model):
     keep = expert_list(tmp_path / "keep.json", qwen_model)
+    before = open_files()
     res = jobs.prune.run(model=qwen_model, expert_list=keep, output=tmp_path / "out")
+    assert open_files() <= before  # every source file opened for copying is closed again
     assert sorted(p.name for p in res.output.glob("*.safetensors")) == ["model.safetensors"]
     assert set(json.loads((res.output / "model.safetensors.index.json").read_text())["weight_map"].values()) == {
         "model.safetensors"}
