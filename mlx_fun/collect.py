@@ -68,19 +68,22 @@ def collect(
     token_budget: int | None = None,
     progress: bool = False,
     progress_scale: float = 1.0,
+    evaluate_output: bool = False,
 ) -> SaliencyAccumulator:
     """Accumulate routing statistics of ``samples`` (lists of token ids) into ``acc`` (new if None).
 
     Runs on :func:`mlx_fun.engine.run`: length-bucketed batches (right-padded, padding excluded from the
     statistics; causal attention means padding never changes the real tokens), at most ``token_budget`` tokens
-    per forward. Hooks are always removed, also on error or Ctrl-C.
+    per forward. Hooks are always removed, also on error or Ctrl-C. ``evaluate_output`` evaluates each forward's
+    output with the taps (a model split by layers: its send / receive / gather run only in the output's graph).
     """
     acc = acc or SaliencyAccumulator.for_adapter(adapter)
     tap = SaliencyTap(norms=norms)
 
-    def on_chunk(chunk, _output):  # the output (logits) is never evaluated: only the taps' arrays are
+    def on_chunk(chunk, output):  # the output (logits) is not evaluated unless asked: only the taps' arrays are
         valid = chunk.valid
-        tap.flush(acc, None if valid.all() else valid, evaluate=chunk.eval)
+        evaluate = (lambda *a: chunk.eval(*a, output)) if evaluate_output else chunk.eval
+        tap.flush(acc, None if valid.all() else valid, evaluate=evaluate)
 
     with moe_hook.hooked(adapter, [tap]):
         acc.total_tokens += engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id,

@@ -47,6 +47,17 @@ def my_share(samples: Sequence[Sequence[int]], w: World) -> list:
     return [samples[i] for i in order[w.rank::w.size]]
 
 
+def shared_seed(seed: int | None, w: World) -> int | None:
+    """The sample-subset seed every rank uses: the given one, or (None) one drawn by rank 0 and sent to all —
+    ranks drawing their own subsets would not split (or, split by layers, not even feed) the same samples."""
+    if seed is not None or w.group is None:
+        return seed
+    import secrets
+
+    mine = np.array([secrets.randbelow(2**31) if w.rank == 0 else 0], dtype=np.float64)
+    return int(all_reduce({"seed": mine}, w)["seed"][0])
+
+
 def all_reduce(arrays: dict[str, np.ndarray], w: World, maxima: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Sum float64 ``arrays`` (same keys and shapes on every rank) over the ranks; keys in ``maxima`` take the
     maximum instead. One collective per kind, on the CPU stream (float64 is a CPU type in MLX)."""
@@ -69,15 +80,62 @@ def all_reduce(arrays: dict[str, np.ndarray], w: World, maxima: Sequence[str] = 
     return out
 
 
-def reduce_saliency(acc, w: World) -> None:
-    """Sum a :class:`~mlx_fun.saliency.SaliencyAccumulator` over the ranks, in place (token count included)."""
+def reduce_saliency(acc, w: World, *, same_tokens: bool = False) -> None:
+    """Sum a :class:`~mlx_fun.saliency.SaliencyAccumulator` over the ranks, in place. The token count is summed
+    too, unless every rank fed the same tokens (``same_tokens``: a model split by layers)."""
     from .saliency import ARRAY_KEYS
 
     if w.group is None:
         return
     arrays = {k: getattr(acc, k) for k in ARRAY_KEYS}
     arrays["total_tokens"] = np.array([acc.total_tokens], dtype=np.float64)
-    summed = all_reduce(arrays, w, maxima=("max_activation_norm",))
+    summed = all_reduce(arrays, w, maxima=("max_activation_norm", "total_tokens") if same_tokens else
+                        ("max_activation_norm",))
     for k in ARRAY_KEYS:
         getattr(acc, k)[...] = summed[k]
     acc.total_tokens = int(summed["total_tokens"][0])
+
+
+# ------------------------------------------------------------------------------------ a model split by layers
+def pipeline_load(model_path, w: World):
+    """mlx-lm's ``sharded_load`` with pipeline sharding over the launched ranks: each rank loads and runs only its
+    decoder layers (rank 0 the last ones). Returns ``(model, tokenizer, config, adapter, global_moe_layers,
+    local_to_global)``: the adapter sees this rank's MoE layers; ``local_to_global[p]`` is the position of its
+    ``p``-th one among the whole model's MoE layers (``global_moe_layers``, decoder indices)."""
+    from mlx_lm.utils import sharded_load
+
+    from .adapters import get_adapter
+    from .errors import UserError
+    from .io import load_model
+
+    if w.size < 2:
+        raise UserError("--pipeline splits the model's layers across the ranks of mlx.launch; start it with two or "
+                        "more ranks (mlx.launch --backend ring -n 2 -- mlx-fun collect ... --pipeline).")
+    full, tokenizer, config = load_model(model_path, lazy=True)  # no weights read: the layout, and the tokenizer
+    global_layers = get_adapter(full, config).moe_layers()  # exactly as an unsharded collect loads it
+    del full
+    try:
+        model, _ = sharded_load(str(model_path), pipeline_group=w.group)
+    except ValueError as e:
+        if "does not support pipelining" not in str(e):
+            raise
+        raise UserError(f"model_type '{config.get('model_type')}' has no pipeline split in mlx-lm (its model class "
+                        f"has no pipeline()); collect it data-parallel (without --pipeline) on machines that each "
+                        f"hold it.") from None
+    adapter = get_adapter(model, config)
+    index = {id(layer): i for i, layer in enumerate(model.model.layers) if layer is not None}
+    local = [index[id(adapter.decoder_layers()[i])] for i in adapter.moe_layers()]
+    return model, tokenizer, config, adapter, global_layers, [global_layers.index(i) for i in local]
+
+
+def globalize(acc, global_layers: list[int], local_to_global: list[int]):
+    """This rank's accumulator (its MoE layers only) as one of the whole model (zeros for the other ranks'
+    layers): summed over the ranks it is the unsharded file, bit for bit (x + 0 = x)."""
+    from .saliency import ARRAY_KEYS, SaliencyAccumulator
+
+    out = SaliencyAccumulator(len(global_layers), acc.num_experts, model_type=acc.model_type,
+                              moe_layer_indices=global_layers, top_k=acc.top_k)
+    for k in ARRAY_KEYS:
+        getattr(out, k)[local_to_global] = getattr(acc, k)
+    out.total_tokens = acc.total_tokens
+    return out

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from . import classswap
+from .errors import UserError
 from .adapters.base import MoEAdapter
 from .adapters.steer import RouteSteer
 
@@ -118,7 +119,9 @@ def install(
     blocks = adapter.blocks()
     for pos, block in enumerate(blocks):
         if getattr(block, "sharding_group", None) is not None:
-            raise ValueError("sharded (distributed) MoE blocks are not supported by the hooks; load unsharded")
+            raise UserError("tensor-parallel MoE blocks (mlx-lm's shard(): experts split across ranks) are not "
+                            "supported by the hooks yet; split the model by layers instead (collect --pipeline under "
+                            "mlx.launch), or load it unsharded.")
         state = HookState(adapter, pos, block, list(taps), None if steer is None else steer.get(pos))
         classswap.set_state(block, _STATE, state)
         for module, call in _swaps(adapter, block):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mlx_fun.distributed import World, all_reduce, my_share
 
@@ -88,3 +89,55 @@ def test_ranks_on_one_host_share_its_cores(tmp_path):
     assert local_ranks({}) == 0
     hostfile.write_text("not json")
     assert local_ranks({"MLX_HOSTFILE": str(hostfile)}) == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_two_rank_pipeline_sharded_collect_is_the_unsharded_file(tmp_path, make_model, family):
+    """mlx-lm's pipeline split (sharded_load): rank 1 runs the first half of the layers, rank 0 the rest; each counts
+    its own MoE layers and the sum is the single-process file, bit for bit. The bundled qwen3_moe (4 MoE layers),
+    and a deepseek_v3 whose first layer is dense (3 MoE layers: an uneven split) on a seeded subset of samples."""
+    if family == "qwen3_moe":
+        args = ARGS
+    else:
+        model = make_model("deepseek_v3", n_group=1, topk_group=1, num_hidden_layers=4)
+        args = ["--model", str(model), "--dataset", str(DATA), "--max-samples", "8", "--max-tokens", "64",
+                "--seed", "3"]
+    one, two = tmp_path / "one.npz", tmp_path / "two.npz"
+    single = subprocess.run([sys.executable, "-m", "mlx_fun", "collect", *args, "--output", str(one)],
+                            env=ENV, capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr
+    proc = launch(2, "collect", *args, "--output", str(two), "--pipeline")
+    assert proc.returncode == 0 and proc.stdout.count("Wrote ") == 1, proc.stdout + proc.stderr
+    assert "over 2 ranks (layers split)" in proc.stderr
+    a, b = np.load(one), np.load(two)
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        assert np.array_equal(a[k], b[k]), k
+    assert (a["freq"].sum(axis=1) == a["top_k"] * a["total_tokens"]).all()  # every layer counted once
+    assert np.isfinite(a["reap_sum"]).all()
+
+
+def test_pipeline_needs_ranks_and_a_family_that_splits(tmp_path, make_model):
+    from .cli_helpers import expect_error, run
+
+    expect_error(run("collect", *ARGS, "--output", tmp_path / "x.npz", "--pipeline"),
+                 "--pipeline splits the model's layers across the ranks of mlx.launch")
+    assert not (tmp_path / "x.npz").exists()
+    mixtral = make_model("mixtral")
+    args = ["--model", str(mixtral), "--dataset", str(DATA), "--max-samples", "2", "--max-tokens", "32"]
+    proc = launch(2, "collect", *args, "--output", str(tmp_path / "m.npz"), "--pipeline", timeout=120)
+    assert "model_type 'mixtral' has no pipeline split in mlx-lm" in proc.stdout + proc.stderr
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_tensor_parallel_blocks_are_refused_with_the_alternative(qwen_model):
+    from mlx_fun import moe_hook
+    from mlx_fun.adapters import get_adapter
+    from mlx_fun.errors import UserError
+    from mlx_fun.io import load_model
+
+    model, _, config = load_model(qwen_model)
+    adapter = get_adapter(model, config)
+    adapter.blocks()[0].sharding_group = object()  # what mlx-lm's shard() leaves on a tensor-parallel block
+    with pytest.raises(UserError, match=r"tensor-parallel MoE blocks .* split the model by layers instead"):
+        moe_hook.install(adapter, [])

@@ -18,6 +18,9 @@ from .common import dataset_options, dispatch_option, echo_err, friendly_errors,
 )
 @dispatch_option
 @token_budget_option
+@click.option("--pipeline", is_flag=True,
+              help="Under mlx.launch: split the model's layers across the ranks (each loads only its own), for a "
+                   "model no single machine holds; without it the ranks split the samples.")
 @friendly_errors
 def command(**kwargs):
     """Run calibration samples through every MoE layer of MODEL and record, per expert, how often it is

@@ -42,6 +42,7 @@ def run(
     dispatch_table: str | Path | None = None,
     dequant_cache: int | str = 0,
     token_budget: int | None = None,
+    pipeline: bool = False,
     progress: bool = False,
     log: Log = quiet,
 ) -> CollectResult:
@@ -61,7 +62,7 @@ def run(
     from .. import engine, writer
     from ..collect import collect
     from ..data import load_samples, pad_id
-    from ..distributed import my_share, reduce_saliency, world
+    from ..distributed import globalize, my_share, reduce_saliency, shared_seed, world
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
@@ -71,26 +72,42 @@ def run(
     reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs) if w.writer
                else contextlib.nullcontext())
     with reserve as res:
-        mdl, tokenizer, config, adapter = load_moe(model, log=log if w.writer else quiet)
+        mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, log if w.writer else quiet)
         report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
                                 log=log if w.writer else quiet)
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
-                               text_key=text_key, seed=seed)
-        mine = my_share(samples, w)
+                               text_key=text_key, seed=shared_seed(seed, w))
+        mine = samples if pipeline else my_share(samples, w)
+        n_layers = len(split[0]) if split else len(adapter.moe_layers())
         if w.writer:
-            ranks = f" over {w.size} ranks" if w.size > 1 else ""
-            log(f"{adapter.model_type}: {len(adapter.moe_layers())} MoE layers × {adapter.num_experts} experts, "
+            ranks = f" over {w.size} ranks" + (" (layers split)" if pipeline else "") if w.size > 1 else ""
+            log(f"{adapter.model_type}: {n_layers} MoE layers × {adapter.num_experts} experts, "
                 f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens{ranks}")
         warnings = warn_past_context(samples, config, log if w.writer else quiet)
         if w.writer:
-            res.require_space(8 * len(ARRAY_KEYS) * len(adapter.moe_layers()) * adapter.num_experts)
+            res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
         budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
         start = time.perf_counter()
         acc = collect(mdl, adapter, mine, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
                       progress=progress and w.writer,
-                      progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1))
-        reduce_saliency(acc, w)
+                      progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1),
+                      evaluate_output=pipeline)
+        if split:
+            acc = globalize(acc, *split)
+        reduce_saliency(acc, w, same_tokens=pipeline)
         seconds = time.perf_counter() - start
         if w.writer:
             acc.write_npz(res.tmp)
     return CollectResult(Path(output), acc, len(samples), seconds, report.mode, warnings, w.rank, w.size)
+
+
+def _load(model, w, pipeline: bool, log: Log):
+    """``(model, tokenizer, config, adapter, split)``: the whole model, or with ``pipeline`` this rank's layers
+    and ``split = (the model's MoE layers, this rank's positions among them)``."""
+    if not pipeline:
+        return (*load_moe(model, log=log), None)
+    from ..distributed import pipeline_load
+
+    log(f"Loading {model} (this rank's layers) ...")
+    mdl, tokenizer, config, adapter, global_layers, positions = pipeline_load(model, w)
+    return mdl, tokenizer, config, adapter, (global_layers, positions)
