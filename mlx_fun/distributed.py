@@ -4,9 +4,9 @@ Launched by MLX's own launcher (``mlx.launch --backend ring -n 2 …`` on one ma
 with ring, MPI, JACCL or NCCL between machines), ``mx.distributed.init()`` gives every process its rank; run
 without it, the group has one member and everything here is a no-op. Each rank takes every ``size``-th sample of
 the length-sorted list (so ranks get about the same number of tokens), accumulates its own float64 saliency
-statistics, and :func:`all_reduce` sums them across ranks (``max_activation_norm``: the maximum) on the CPU
-stream in float64: counts stay exact, sums differ from one process only by float64 rounding order. Rank 0 alone
-writes the result.
+statistics, and :func:`all_reduce` sums them across ranks (``max_activation_norm``: the maximum): the float64
+bits are gathered (any backend, NCCL included) and added in rank order, so counts stay exact and sums differ from
+one process only by float64 rounding order. Rank 0 alone writes the result.
 """
 
 from __future__ import annotations
@@ -60,23 +60,37 @@ def shared_seed(seed: int | None, w: World) -> int | None:
 
 def all_reduce(arrays: dict[str, np.ndarray], w: World, maxima: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Sum float64 ``arrays`` (same keys and shapes on every rank) over the ranks; keys in ``maxima`` take the
-    maximum instead. One collective per kind, on the CPU stream (float64 is a CPU type in MLX)."""
+    maximum instead. The bytes travel, not the values: one ``all_gather`` of the float64 bits as uint32 (every
+    backend carries uint32; NCCL and GPUs have no float64), then every rank adds the ranks' arrays in rank order
+    in numpy — exact transport, the same float64 result on every rank and every backend."""
     if w.group is None:
         return dict(arrays)
-    out = {}
-    for keys, op in (([k for k in arrays if k not in maxima], mx.distributed.all_sum),
-                     ([k for k in arrays if k in maxima], mx.distributed.all_max)):
-        if not keys:
-            continue
-        flat = np.concatenate([np.asarray(arrays[k], dtype=np.float64).reshape(-1) for k in keys])
-        total = op(mx.array(flat, dtype=mx.float64), group=w.group, stream=mx.cpu)
-        mx.eval(total)
-        total = np.array(total, dtype=np.float64)
-        at = 0
-        for k in keys:
-            n = np.asarray(arrays[k]).size
-            out[k] = total[at:at + n].reshape(np.shape(arrays[k]))
-            at += n
+    flat = np.ascontiguousarray(np.concatenate([np.asarray(arrays[k], dtype=np.float64).reshape(-1) for k in arrays]))
+    gathered = _gather(mx.array(flat.view(np.uint32)), w)
+    ranks = np.array(gathered, dtype=np.uint32).reshape(w.size, -1).view(np.float64)
+    out, at = {}, 0
+    for k, v in arrays.items():
+        n = np.asarray(v).size
+        part = ranks[:, at:at + n]
+        if k in maxima:
+            total = part.max(axis=0)
+        else:
+            total = part[0].copy()
+            for r in range(1, w.size):
+                total += part[r]
+        out[k] = total.reshape(np.shape(v))
+        at += n
+    return out
+
+
+def _gather(x: mx.array, w: World) -> mx.array:
+    """``all_gather`` on the default stream (a GPU's, for NCCL), on the CPU stream where that backend wants it."""
+    try:
+        out = mx.distributed.all_gather(x, group=w.group)
+        mx.eval(out)
+    except (RuntimeError, ValueError):
+        out = mx.distributed.all_gather(x, group=w.group, stream=mx.cpu)
+        mx.eval(out)
     return out
 
 
