@@ -4,9 +4,9 @@ Launched by MLX's own launcher (``mlx.launch --backend ring -n 2 …`` on one ma
 with ring, MPI, JACCL or NCCL between machines), ``mx.distributed.init()`` gives every process its rank; run
 without it, the group has one member and everything here is a no-op. Each rank takes every ``size``-th sample of
 the length-sorted list (so ranks get about the same number of tokens), accumulates its own float64 saliency
-statistics, and :func:`all_reduce` sums them across ranks (``max_activation_norm``: the maximum): the float64
-bits are gathered (any backend, NCCL included) and added in rank order, so counts stay exact and sums differ from
-one process only by float64 rounding order. Rank 0 alone writes the result.
+statistics, and :func:`reduce_saliency` sums them across ranks (``max_activation_norm``: the maximum): the
+float64 bits are gathered (any backend, NCCL included) and added in rank order, so counts stay exact and sums
+differ from one process only by float64 rounding order. Rank 0 alone writes the result.
 """
 
 from __future__ import annotations
@@ -54,60 +54,60 @@ def shared_seed(seed: int | None, w: World) -> int | None:
         return seed
     import secrets
 
-    mine = np.array([secrets.randbelow(2**31) if w.rank == 0 else 0], dtype=np.float64)
-    return int(all_reduce({"seed": mine}, w)["seed"][0])
+    return int(gather({"seed": np.array([secrets.randbelow(2**31)], dtype=np.float64)}, w)[0]["seed"][0])
 
 
-def all_reduce(arrays: dict[str, np.ndarray], w: World, maxima: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """Sum float64 ``arrays`` (same keys and shapes on every rank) over the ranks; keys in ``maxima`` take the
-    maximum instead. The bytes travel, not the values: one ``all_gather`` of the float64 bits as uint32 (every
-    backend carries uint32; NCCL and GPUs have no float64), then every rank adds the ranks' arrays in rank order
-    in numpy — exact transport, the same float64 result on every rank and every backend."""
+def gather(arrays: dict[str, np.ndarray], w: World) -> list[dict[str, np.ndarray]]:
+    """Every rank's float64 ``arrays`` (same keys and shapes on every rank), in rank order. The bytes travel, not
+    the values: one ``all_gather`` of the float64 bits as uint32 (every backend carries uint32; NCCL and GPUs have
+    no float64), so what each rank receives is exactly what the others had."""
     if w.group is None:
-        return dict(arrays)
+        return [{k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}]
     flat = np.ascontiguousarray(np.concatenate([np.asarray(arrays[k], dtype=np.float64).reshape(-1) for k in arrays]))
-    gathered = _gather(mx.array(flat.view(np.uint32)), w)
-    ranks = np.array(gathered, dtype=np.uint32).reshape(w.size, -1).view(np.float64)
-    out, at = {}, 0
-    for k, v in arrays.items():
-        n = np.asarray(v).size
-        part = ranks[:, at:at + n]
-        if k in maxima:
-            total = part.max(axis=0)
-        else:
-            total = part[0].copy()
-            for r in range(1, w.size):
-                total += part[r]
-        out[k] = total.reshape(np.shape(v))
-        at += n
-    return out
-
-
-def _gather(x: mx.array, w: World) -> mx.array:
-    """``all_gather`` on the default stream (a GPU's, for NCCL), on the CPU stream where that backend wants it."""
-    try:
+    x = mx.array(flat.view(np.uint32))
+    try:  # the default stream (a GPU's, for NCCL); the CPU stream where that backend wants it
         out = mx.distributed.all_gather(x, group=w.group)
         mx.eval(out)
     except (RuntimeError, ValueError):
         out = mx.distributed.all_gather(x, group=w.group, stream=mx.cpu)
         mx.eval(out)
-    return out
+    ranks = np.array(out, dtype=np.uint32).reshape(w.size, -1).view(np.float64)
+    result = []
+    for row in ranks:
+        one, at = {}, 0
+        for k, v in arrays.items():
+            n = np.asarray(v).size
+            one[k] = row[at:at + n].reshape(np.shape(v))
+            at += n
+        result.append(one)
+    return result
 
 
-def reduce_saliency(acc, w: World, *, same_tokens: bool = False) -> None:
-    """Sum a :class:`~mlx_fun.saliency.SaliencyAccumulator` over the ranks, in place. The token count is summed
-    too, unless every rank fed the same tokens (``same_tokens``: a model split by layers)."""
-    from .saliency import ARRAY_KEYS
+def reduce_saliency(acc, w: World, *, same_tokens: bool = False):
+    """The :class:`~mlx_fun.saliency.SaliencyAccumulator` of all ranks: rank 0's, then each other rank's added
+    with :meth:`~mlx_fun.saliency.SaliencyAccumulator.add` (sums; the maximum for max_activation_norm) in rank
+    order, so every rank returns the same float64 result. The token count is summed too, unless every rank fed
+    the same tokens (``same_tokens``: a model split by layers)."""
+    from .saliency import ARRAY_KEYS, SaliencyAccumulator
 
     if w.group is None:
-        return
-    arrays = {k: getattr(acc, k) for k in ARRAY_KEYS}
-    arrays["total_tokens"] = np.array([acc.total_tokens], dtype=np.float64)
-    summed = all_reduce(arrays, w, maxima=("max_activation_norm", "total_tokens") if same_tokens else
-                        ("max_activation_norm",))
-    for k in ARRAY_KEYS:
-        getattr(acc, k)[...] = summed[k]
-    acc.total_tokens = int(summed["total_tokens"][0])
+        return acc
+    mine = {k: getattr(acc, k) for k in ARRAY_KEYS}
+    mine["total_tokens"] = np.array([acc.total_tokens], dtype=np.float64)
+    ranks = []
+    for arrays in gather(mine, w):
+        one = SaliencyAccumulator(acc.num_layers, acc.num_experts, model_type=acc.model_type,
+                                  moe_layer_indices=acc.moe_layer_indices, top_k=acc.top_k)
+        for k in ARRAY_KEYS:
+            setattr(one, k, arrays[k])
+        one.total_tokens = int(arrays["total_tokens"][0])
+        ranks.append(one)
+    total = ranks[0]
+    for other in ranks[1:]:
+        total.add(other)
+    if same_tokens:
+        total.total_tokens = acc.total_tokens
+    return total
 
 
 # ------------------------------------------------------------------------------------ a model split by layers

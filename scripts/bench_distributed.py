@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(cmd: list[str]) -> tuple[float, float, str]:
@@ -60,6 +53,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
+    from bench_serve import free_port  # scripts/ is this script's own directory on sys.path
+
     from mlx_fun.tiny import _stdlib_corpus
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_distributed."))
@@ -76,7 +71,7 @@ def main() -> int:
             cmd = [sys.executable, "-m", "mlx_fun", *common, "--output", str(out)]
             if name != "1 process":
                 cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()", "--backend",
-                       args.backend, "-n", str(args.ranks), "--starting-port", str(_port()), "--", *cmd]
+                       args.backend, "-n", str(args.ranks), "--starting-port", str(free_port()), "--", *cmd]
             wall, reported, line = timed(cmd)
             if name not in best or wall < best[name][0]:
                 best[name] = (wall, reported, line, out)

@@ -71,19 +71,19 @@ def run(
     writer.check_output_path(output, kind="file", inputs=inputs)  # every rank fails alike, before any collective
     reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs) if w.writer
                else contextlib.nullcontext())
+    say = log if w.writer else quiet  # one rank speaks
     with reserve as res:
-        mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, log if w.writer else quiet)
+        mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, say)
         report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
-                                log=log if w.writer else quiet)
+                                log=say)
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
                                text_key=text_key, seed=shared_seed(seed, w))
         mine = samples if pipeline else my_share(samples, w)
         n_layers = len(split[0]) if split else len(adapter.moe_layers())
-        if w.writer:
-            ranks = f" over {w.size} ranks" + (" (layers split)" if pipeline else "") if w.size > 1 else ""
-            log(f"{adapter.model_type}: {n_layers} MoE layers × {adapter.num_experts} experts, "
-                f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens{ranks}")
-        warnings = warn_past_context(samples, config, log if w.writer else quiet)
+        ranks = f" over {w.size} ranks" + (" (layers split)" if pipeline else "") if w.size > 1 else ""
+        say(f"{adapter.model_type}: {n_layers} MoE layers × {adapter.num_experts} experts, "
+            f"top-{adapter.top_k}; {len(samples)} samples, {engine.total_tokens(samples):,} tokens{ranks}")
+        warnings = warn_past_context(samples, config, say)
         if w.writer:
             res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
         budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
@@ -94,7 +94,7 @@ def run(
                       evaluate_output=pipeline)
         if split:
             acc = globalize(acc, *split)
-        reduce_saliency(acc, w, same_tokens=pipeline)
+        acc = reduce_saliency(acc, w, same_tokens=pipeline)
         seconds = time.perf_counter() - start
         if w.writer:
             acc.write_npz(res.tmp)
