@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -77,7 +78,9 @@ def test_bad_output_fails_on_every_rank_without_hanging(tmp_path):
     proc = launch(2, "collect", *ARGS, "--output", str(MODEL), timeout=120)  # a hang would time out
     out = proc.stdout + proc.stderr
     assert "Error: --output " + str(MODEL) + " is the input given to --model" in out
-    assert "rank 0 exited with code 2" in out  # (mlx.launch itself only warns and exits 0)
+    # the first rank to exit is reported with code 2 and mlx.launch stops the other (-15); which rank is first is a
+    # race. (mlx.launch itself only warns and exits 0.)
+    assert re.search(r"rank [01] exited with code 2", out), out
 
 
 def test_ranks_on_one_host_share_its_cores(tmp_path):
