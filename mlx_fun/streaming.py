@@ -64,11 +64,16 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def weight_files(model_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files mlx-lm's loader reads from ``model_dir``, in its order (``model*.safetensors``)."""
+    return glob.glob(str(Path(model_dir) / "model*.safetensors"))
+
+
 def source_tensors(model_dir: str | os.PathLike) -> dict[str, SourceTensor]:
-    """Every tensor of the ``model*.safetensors`` files mlx-lm loads from ``model_dir`` (later files win, as in
-    mlx-lm), with where its bytes are."""
+    """Every tensor of the files mlx-lm loads from ``model_dir`` (later files win, as in mlx-lm), with where its
+    bytes are."""
     out: dict[str, SourceTensor] = {}
-    for wf in glob.glob(str(Path(model_dir) / "model*.safetensors")):
+    for wf in weight_files(model_dir):
         header, base = read_header(wf)
         for name, t in header.items():
             if name != "__metadata__":
@@ -90,7 +95,7 @@ class Snapshot:
         qc = config.get("quantization_config") or {}
         rebuilt_on_load = "quantization" not in config and qc.get("quant_method") in ("awq", "gptq")
         raw = {}
-        for wf in glob.glob(str(Path(model_dir) / "model*.safetensors")):
+        for wf in weight_files(model_dir):
             raw.update(mx.load(wf))
         kept = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else raw
         self.verbatim = set() if rebuilt_on_load else {
@@ -158,7 +163,7 @@ def plan(model, snapshot: Snapshot | None, rows: dict[str, list[int]] | None = N
 def _shards(items: list[_Out], max_bytes: int) -> list[list[_Out]]:
     shards: list[list[_Out]] = []
     size = 0
-    for it in items:  # mlx-lm's make_shards
+    for it in items:  # mlx-lm's make_shards rule (which takes whole GiB only; --max-shard-size takes bytes)
         if not shards or size + it.nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -178,7 +183,7 @@ def _copy(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> None:
             except OSError:
                 done = 0
         if done <= 0:  # no copy_file_range (macOS), or a filesystem pair it refuses
-            buf = os.pread(src_fd, min(step, _CHUNK), src_off)
+            buf = os.pread(src_fd, step, src_off)
             if not buf:
                 raise OSError(f"unexpected end of a source file at byte {src_off}")
             done = os.pwrite(dst_fd, buf, dst_off)

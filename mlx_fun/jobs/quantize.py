@@ -56,8 +56,7 @@ def run(
     from ..streaming import Snapshot, shard_bytes
 
     config = check_supported(model)
-    if config.get("quantization") or config.get("quantization_config"):
-        found = config.get("quantization") or config.get("quantization_config")
+    if found := (config.get("quantization") or config.get("quantization_config")):
         raise UserError(f"{param('model')} {model} is already quantized ({_describe(found)}); quantize starts from "
                         f"the float original.")
     dense = q.setting("dense", dense_bits, dense_group_size, dense_mode)
