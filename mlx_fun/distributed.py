@@ -128,6 +128,13 @@ def pipeline_load(model_path, w: World):
     full, tokenizer, config = load_model(model_path, lazy=True)  # no weights read: the layout, and the tokenizer
     global_layers = get_adapter(full, config).moe_layers()  # exactly as an unsharded collect loads it
     del full
+    try:  # sharded_load synchronizes the ranks with a collective on the CPU stream, which NCCL cannot run
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=w.group))
+    except RuntimeError:
+        raise UserError("--pipeline needs a backend whose collectives run on the CPU (ring, MPI, JACCL): mlx-lm's "
+                        "sharded_load synchronizes the ranks there and NCCL cannot; launch with --backend ring "
+                        "(its send/recv carries GPU arrays too), or collect data-parallel under NCCL without "
+                        "--pipeline.") from None
     try:
         model, _ = sharded_load(str(model_path), pipeline_group=w.group)
     except ValueError as e:

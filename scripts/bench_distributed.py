@@ -2,7 +2,19 @@
 """Data-parallel `collect` under mlx.launch against one process, on the same samples.
 
     python scripts/bench_distributed.py [--model data/tiny-moe] [--ranks 2] [--samples 256] [--tokens 512]
-                                        [--backend ring] [--repeats 2]
+                                        [--backend ring] [--repeats 2] [--build '{"num_hidden_layers": 12}']
+    python scripts/bench_distributed.py --backend nccl --build '{...}'     # 2 GPUs of one host, NCCL
+
+Model: ``--model`` or, with ``--build JSON``, a random qwen3_moe made in the temp dir by
+``mlx_fun.tiny.make_tiny_model`` with those keyword arguments, for runs where the bundled model is too small to
+keep an accelerator busy. The README's two-GPU figure used (0.87 GiB on disk)::
+
+    --samples 1024 --build '{"hidden_size":1024,"num_hidden_layers":12,"num_experts":64,"num_experts_per_tok":8,
+      "moe_intermediate_size":512,"intermediate_size":2048,"num_attention_heads":16,"num_key_value_heads":4,
+      "head_dim":64,"bits":4}'
+
+With ``--backend nccl`` (one GPU a rank, ``CUDA_VISIBLE_DEVICES`` set by mlx.launch) the one process runs on one
+GPU.
 
 Dataset: ``--samples`` equal slices of Python's own standard library sources (``mlx_fun.tiny``'s offline
 corpus), written as JSONL in a temp dir. Each measurement is a fresh ``mlx-fun collect`` (``python -m mlx_fun``) and, for
@@ -32,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed(cmd: list[str]) -> tuple[float, float, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -51,6 +63,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--backend", default="ring")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--build", default=None, help="JSON: make_tiny_model keywords for a random qwen3_moe")
     args = ap.parse_args()
 
     from bench_serve import free_port  # scripts/ is this script's own directory on sys.path
@@ -58,6 +71,10 @@ def main() -> int:
     from mlx_fun.tiny import _stdlib_corpus
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_distributed."))
+    if args.build:
+        from mlx_fun.tiny import make_tiny_model
+
+        args.model = str(make_tiny_model("qwen3_moe", tmp / "model", **json.loads(args.build)))
     text = "\n".join(_stdlib_corpus(max_chars=args.samples * args.tokens * 4))
     size = len(text) // args.samples  # one sample per slice, about --tokens tokens each
     data = tmp / "data.jsonl"
@@ -71,7 +88,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "mlx_fun", *common, "--output", str(out)]
             if name != "1 process":
                 cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()", "--backend",
-                       args.backend, "-n", str(args.ranks), "--starting-port", str(free_port()), "--", *cmd]
+                       args.backend, "-n", str(args.ranks), "--starting-port", str(free_port()),
+                       "--nccl-port", str(free_port()), "--", *cmd]
             wall, reported, line = timed(cmd)
             if name not in best or wall < best[name][0]:
                 best[name] = (wall, reported, line, out)
@@ -79,13 +97,17 @@ def main() -> int:
     counts = all(np.array_equal(a[k], b[k]) for k in ("freq", "reap_count", "total_tokens"))
     rel = max(float(np.max(np.abs(a[k] - b[k]) / np.maximum(np.abs(a[k]), 1e-300)))
               for k in ("weighted_freq_sum", "reap_sum", "ean_sum"))
-    print(f"model {Path(args.model).name}; {int(a['total_tokens']):,} tokens ({args.samples} samples ≤ {args.tokens} "
-          f"tokens); {os.cpu_count()} CPU cores; best of {args.repeats}")
+    import mlx.core as mx
+
+    gb = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors")) / 2**30
+    print(f"model {Path(args.model).name} ({gb:.2f} GiB); {int(a['total_tokens']):,} tokens ({args.samples} samples "
+          f"≤ {args.tokens} tokens); {os.cpu_count()} CPU cores; {mx.default_device()}; backend {args.backend}; "
+          f"best of {args.repeats}")
     for name, (wall, reported, line, _) in best.items():
         print(f"{name:>10}: wall {wall:6.2f} s, collect {reported:6.2f} s  ({line})")
-    print(f"same_file: counts {'equal' if counts else 'DIFFER'}, sums within {rel:.1e} relative (ranks on one host "
-          f"share its cores, so their BLAS runs fewer threads and float32 forwards round differently; with equal "
-          f"OPENBLAS_NUM_THREADS the test sees <= 1e-9)")
+    print(f"same_file: counts {'equal' if counts else 'DIFFER'}, sums within {rel:.1e} relative (on CPUs, ranks on one "
+          f"host share its cores, so their BLAS runs fewer threads and float32 forwards round differently; with "
+          f"equal OPENBLAS_NUM_THREADS the test sees <= 1e-9)")
     one, many = best["1 process"], best[f"{args.ranks} ranks"]
     print(f"collect_speedup_wall={one[0] / many[0]:.2f}")
     print(f"collect_speedup={one[1] / many[1]:.2f}")
