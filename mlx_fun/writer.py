@@ -26,7 +26,10 @@ the same output. Writes are atomic against interruption of the process; file out
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
+import functools
+import inspect
 import fcntl
 import json
 import os
@@ -68,16 +71,54 @@ def _stderr_notice(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------------------------------ job inputs
+#: the paths the running job reads, by how messages name them (``--model``): every reservation checks its output
+#: against them, so an option that reads a file cannot be forgotten by the job that writes
+_JOB_INPUTS: contextvars.ContextVar[dict[str, object]] = contextvars.ContextVar("mlx_fun_job_inputs", default={})
+#: job parameters that name what a job writes (or a directory it writes into), not what it reads
+OUTPUT_PARAMS = frozenset({"output", "auto_save", "data_dir", "merge_into"})
+
+
+def path_params(func: Callable) -> list[str]:
+    """The parameters of ``func`` that name files or directories it reads: every one annotated with ``Path``
+    (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`."""
+    return [name for name, p in inspect.signature(func).parameters.items()
+            if "Path" in str(p.annotation) and name not in OUTPUT_PARAMS]
+
+
+def job_inputs(run: Callable) -> Callable:
+    """Wrap a job's ``run`` so that, while it runs, every output it reserves is checked against every path it
+    was given to read (:func:`path_params`): ``mlx_fun.jobs`` wraps each job once, in one list."""
+    names = path_params(run)
+    signature = inspect.signature(run)
+
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        paths = {param(n): bound.arguments[n] for n in names if bound.arguments.get(n) is not None}
+        token = _JOB_INPUTS.set(paths)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _JOB_INPUTS.reset(token)
+
+    wrapped.reads = tuple(names)
+    return wrapped
+
+
 # ------------------------------------------------------------------------------------------ path checks
 def _resolve(path: str | os.PathLike) -> Path:
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).resolve()
 
 
 def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str, object] | None = None,
-                      force: bool = False, flag: str | None = None) -> Path:
+                      force: bool = False, flag: str | None = None, keep: bool = False,
+                      force_flag: str | None = None) -> Path:
     """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
 
-    ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored).
+    ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored); the
+    paths the running job reads (:func:`job_inputs`) are added to them. ``keep``: an existing file is refused
+    unless ``force`` (named ``force_flag`` in the message, default ``--force``).
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be 'file' or 'dir', not {kind!r}")
@@ -85,7 +126,7 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
     if not os.fspath(path).strip():
         raise UserError(f"{flag} is empty; give a path to write to.")
     out = _resolve(path)
-    for label, value in (inputs or {}).items():
+    for label, value in {**_JOB_INPUTS.get(), **(inputs or {})}.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         for inp in values:
             if inp is None or not Path(os.path.expanduser(os.fspath(inp))).exists():
@@ -111,6 +152,9 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
             raise UserError(f"{flag} {path} exists and is not empty; pass {param('force')} to replace it, or pick another path.")
     elif out.is_dir():
         raise UserError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'result'}.")
+    elif keep and out.exists() and not force:
+        raise UserError(f"{flag} {path} already exists; pass {force_flag or param('force')} to replace it, or pick "
+                        f"another path.")
     return out
 
 
@@ -138,6 +182,9 @@ def _acquire_lock(lock_path: Path, flag: str, shown: str) -> int:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
+            if holder == str(os.getpid()):
+                raise UserError(f"{flag} {shown} is being written by another request of this server, which is "
+                                f"saving there now; wait for it to finish or choose another path.") from None
             raise UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it "
                             f"to finish or choose another path.") from None
         try:
@@ -145,8 +192,9 @@ def _acquire_lock(lock_path: Path, flag: str, shown: str) -> int:
         except FileNotFoundError:
             same = False
         if same:  # not unlinked by a finishing holder between our open() and flock()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            with contextlib.suppress(OSError):  # the pid only informs a second run's message; a full disk is no
+                os.ftruncate(fd, 0)             # reason to fail here (and leave the lock behind)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
         os.close(fd)
 
@@ -238,8 +286,8 @@ class Reservation:
         free = shutil.disk_usage(self.path.parent).free
         if free < nbytes * 1.01 + _SPACE_MARGIN:
             raise UserError(f"not enough free space for {self.flag} {self.shown}: {what} needs about "
-                            f"{fmt_bytes(nbytes)}, {fmt_bytes(free)} is free there; free some space or write "
-                            f"elsewhere.")
+                            f"{fmt_bytes(nbytes)} and mlx-fun keeps {fmt_bytes(_SPACE_MARGIN)} more free (metadata, "
+                            f"filesystem slack), {fmt_bytes(free)} is free there; free some space or write elsewhere.")
 
     def write_failed(self, exc: BaseException) -> UserError:
         """A one-line error for a failed write into ``tmp`` (e.g. MLX's ``[write] Unable to write``)."""
@@ -306,15 +354,19 @@ def _fsync_dir(path: Path) -> None:
 @contextlib.contextmanager
 def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, object] | None = None,
            force: bool = False, flag: str | None = None, suffix: str = "",
-           notice: Callable[[str], None] | None = None) -> Iterator[Reservation]:
+           notice: Callable[[str], None] | None = None, keep: bool = False,
+           force_flag: str | None = None) -> Iterator[Reservation]:
     """Reserve ``path`` now and write it atomically when the block succeeds (see the module docstring).
 
     ``kind`` is ``"file"`` (write to ``res.tmp``, a file path ending in ``suffix``) or ``"dir"`` (fill the
-    directory ``res.tmp``). ``force`` lets a non-empty directory be replaced (files are always replaceable).
+    directory ``res.tmp``). ``force`` lets a non-empty directory be replaced; files are replaceable unless
+    ``keep`` (then only with ``force``, named ``force_flag`` in the message). ``inputs`` adds to the paths the
+    running job reads (:func:`job_inputs`), all refused as or around the output.
     """
     shown = os.fspath(path)
     flag = flag or param("output")
-    target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag)
+    target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag, keep=keep,
+                               force_flag=force_flag)
     res = Reservation(target, shown, kind, force, flag, suffix, notice or _stderr_notice)
     with _signals_raise():
         try:

@@ -7,6 +7,9 @@ ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only
     jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz")
     jobs.prune.run(model="data/tiny-moe", saliency="s.npz", n_prune=8, output="pruned")
 
+Every ``run`` here is wrapped by :func:`mlx_fun.writer.job_inputs`: each output it reserves is refused if it is,
+contains or lies inside any path the job was given to read (every parameter annotated with ``Path``).
+
 Errors are one-line ``UserError`` s that name the parameter at fault (``n_prune=`` here, ``--n-prune`` under the
 CLI: :func:`mlx_fun.errors.param`).
 """
@@ -32,3 +35,12 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
     tune_dispatch,
     ui,
 )
+
+from ..writer import job_inputs as _job_inputs  # noqa: E402
+
+#: every job, once: command name order of mlx_fun.cli.COMMANDS
+ALL = (collect, prune, merge, eval, smoke_test, demo, serve, safety_scan, domain_scan, steer, amplify, abliterate,
+       quantize, ui, tune_dispatch, stats_diff, stats_merge, stats_purge, doctor)
+for _job in ALL:
+    if not hasattr(_job.run, "reads"):
+        _job.run = _job_inputs(_job.run)

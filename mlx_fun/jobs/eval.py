@@ -43,7 +43,7 @@ def check_model_dir(path, name: str) -> dict:
 def run(
     *,
     model: str | Path,
-    dataset: Sequence[str],
+    dataset: Sequence[str | Path],
     reference: str | Path | None = None,
     max_samples: int = 128,
     max_tokens: int = 2048,
