@@ -371,7 +371,12 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
     with _signals_raise():
         try:
             res._open()
-            yield res
+            try:
+                yield res
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # the output's disk: say which output
+                    raise res.write_failed(e) from None
+                raise
             with _signals_blocked():
                 res._commit()
         finally:

@@ -80,6 +80,7 @@ def run(
     from . import collect, eval as eval_job, prune, smoke_test
 
     out = Path(output)
+    writer.check_output_path(out, kind="dir", force=True)  # not an input, nor around one (its own rule next)
     check_workdir(out)
     model_dir = Path(model) if model is not None else bundled_model_dir()
     n_experts = adapter_class(read_config(model_dir)).config_num_experts(read_config(model_dir))

@@ -22,10 +22,11 @@ class Context:
     data_dir: Path  # the UI's own files (saliency files it compares, exports it writes); the server has its own
 
     def npz_files(self) -> list[str]:
-        """The ``.npz`` files in the data directory and its sub-directories (one level), relative, sorted."""
+        """The ``.npz`` files in the data directory and its sub-directories (one level), relative, sorted; hidden
+        entries never (the writer's temps and locks, ``.<name>.mlxfun-*.tmp.npz`` / ``.<name>.lock``, are hidden)."""
         root = self.data_dir
         return sorted({p.relative_to(root).as_posix() for pat in ("*.npz", "*/*.npz") for p in root.glob(pat)
-                       if p.is_file()})
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)})
 
 
 def problem(e: BaseException) -> str:
