@@ -13,6 +13,7 @@ from mlx_lm import load as mlx_lm_load
 
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
+from mlx_fun.errors import UserError
 from mlx_fun.io import load_model
 from mlx_fun.rewrite.amplify import target
 
@@ -89,3 +90,47 @@ def test_amplify_errors(make_model, tmp_path):
             "--scale", -1)
     assert r.exit_code == 2 and "--scale" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_scale_whose_bias_is_not_finite_is_refused_naming_the_largest_that_is(make_model, tmp_path):
+    """Issue 29 row 11: `--scale 1e300` wrote inf into e_score_correction_bias. Any scale (or --threshold) whose
+    boosted bias is not finite in the bias's dtype is refused before anything is written; the message names
+    --scale and the largest finite scale, and that scale works."""
+    import re
+
+    from .test_nothing_lost import hidden, tree
+
+    path = make_model("deepseek_v3")
+    model, tok, config = load_model(path)
+    adapter = get_adapter(model, config)
+    report = _report(tmp_path / "d.json", adapter, {0: [0, 1]})
+    before, out = tree(path), tmp_path / "out"
+    base = ["amplify", "--model", path, "--domain-map", report, "--output", out]
+    for extra in (["--scale", "1e300"], ["--threshold", "-1e300"], ["--scale", "1e39"]):
+        got = cli(*base, *extra)
+        expect_error(got, "--scale", "infinite in float32", "the largest finite scale for this model")
+        assert not out.exists() and hidden(tmp_path) == [] and tree(path) == before
+    largest = float(re.search(r"pass --scale (\S+) or less", got.output).group(1))
+    assert 1.6e38 < largest < 1.71e38  # float32's 3.4e38 over the composite score 2
+    assert cli(*base, "--scale", largest).exit_code == 0
+    written, _, written_config = load_model(out)
+    name = target(adapter, adapter.blocks()[0])[0]
+    bias = dict(tree_flatten(get_adapter(written, written_config).blocks()[0].parameters()))[name]
+    assert mx.isfinite(bias).all().item() and bias.max().item() > 3e38
+    with pytest.raises(UserError, match=r"^scale= 1e\+300 would make .* pass scale= 1.7e\+38 or less"):
+        jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "py", scale=1e300)
+    # the other numeric inputs: a threshold so low that composite − threshold overflows, a non-finite composite
+    layer, n = str(adapter.moe_layers()[0]), adapter.num_experts
+    comp = np.zeros((len(adapter.moe_layers()), n))
+    comp[0, :2] = 1e308
+    (tmp_path / "huge.json").write_text(json.dumps({"scores": {"composite": comp.tolist()},
+                                                    "domain_experts": {layer: [0, 1]}}))
+    expect_error(cli("amplify", "--model", path, "--domain-map", tmp_path / "huge.json", "--output", tmp_path / "o2",
+                     "--threshold", "-1e308"), "--threshold -1e+308", "overflows")
+    comp[0, :2] = np.nan
+    (tmp_path / "nan.json").write_text(json.dumps({"scores": {"composite": comp.tolist()},
+                                                   "domain_experts": {layer: [0]}}))
+    expect_error(cli("amplify", "--model", path, "--domain-map", tmp_path / "nan.json", "--output", tmp_path / "o2"),
+                 "--domain-map", "non-finite")
+    assert not (tmp_path / "py").exists() and not (tmp_path / "o2").exists()
+    assert hidden(tmp_path) == [] and tree(path) == before

@@ -38,7 +38,7 @@ def run(
     from .. import writer
     from ..expert_files import load_report_experts
     from ..io import params_nbytes, write_model_dir
-    from ..rewrite.amplify import apply, boosts, target
+    from ..rewrite.amplify import apply, target
     from ..streaming import Snapshot
 
     for name, value in (("scale", scale), ("threshold", threshold)):
@@ -67,15 +67,20 @@ def run(
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{param('domain_map')} {domain_map} has no scores.composite; write it with "
                             "`mlx-fun domain-scan`.") from None
+        if not np.isfinite(composite).all():
+            raise UserError(f"{param('domain_map')} {domain_map}: scores.composite holds non-finite values "
+                            f"(NaN / Infinity); write it again with `mlx-fun domain-scan`.")
         if composite.shape != (len(layers), adapter.num_experts):
             raise UserError(f"{param('domain_map')} {domain_map}: scores.composite has shape {composite.shape}, "
                             f"the model {(len(layers), adapter.num_experts)}; scan this model.")
-        boost = boosts(composite, domain, scale=float(scale), threshold=float(threshold))
+        boost = _checked_boost(adapter, composite, domain, scale=float(scale), threshold=float(threshold),
+                               name=found[0], domain_map=domain_map)
         paths = apply(adapter, boost)
         boosted = {str(layers[p]): {str(e): round(float(boost[p, e]), 6) for e in np.flatnonzero(boost[p])}
                    for p in range(len(layers)) if boost[p].any()}
-        warnings = [] if boosted else [f"no domain expert has a composite score above {param('threshold')} "
-                                       f"{threshold}; the model is written unchanged."]
+        why = (f"{param('scale')} 0 adds nothing" if scale == 0 else
+               f"no domain expert has a composite score above {param('threshold')} {threshold}")
+        warnings = [] if boosted else [f"{why}; the model is written unchanged."]
         for w in warnings:
             log(f"Warning: {w}")
         meta = {"domain_name": report.get("domain_name"), "domain_map": str(domain_map), "scale": scale,
@@ -85,3 +90,30 @@ def run(
         write_model_dir(res, mdl, config, source=model, metadata={"amplification_metadata.json": meta},
                         snapshot=snapshot, donate=True)
     return AmplifyResult(Path(output), found[1], boosted, warnings)
+
+
+def _checked_boost(adapter, composite, domain, *, scale: float, threshold: float, name: str, domain_map) -> np.ndarray:
+    """The boost, once sure that every biased value stays finite in the bias's dtype; else a one-line refusal
+    naming ``scale`` and the largest finite scale for this model, domain map and threshold."""
+    from ..rewrite.amplify import boosts, largest_scale
+
+    unit = boosts(composite, domain, scale=1.0, threshold=threshold)
+    if not np.isfinite(unit).all():
+        raise UserError(f"{param('threshold')} {threshold:g} is so far below the composite scores that "
+                        f"composite − threshold overflows; pass a {param('threshold')} near the scores "
+                        f"(those in {domain_map} lie in [{composite.min():.3g}, {composite.max():.3g}]).")
+    limit, dtype = largest_scale(adapter, unit)
+    if scale > limit:
+        where = f"this model, {param('domain_map')} {domain_map} and {param('threshold')} {threshold:g}"
+        fix = (f"the largest finite scale for {where} is {_round_down(limit):g}; pass {param('scale')} "
+               f"{_round_down(limit):g} or less" if limit > 0 else f"no scale above 0 keeps it finite for {where}")
+        raise UserError(f"{param('scale')} {scale:g} would make {name} infinite in {dtype} (the boost reaches "
+                        f"{float(unit.max()) * scale:.3g}); {fix}.")
+    return boosts(composite, domain, scale=scale, threshold=threshold)
+
+
+def _round_down(x: float) -> float:
+    """``x`` cut (never rounded up) to 3 significant digits, so the number a message offers is safe to pass."""
+    from decimal import ROUND_DOWN, Context, Decimal
+
+    return float(Context(prec=3, rounding=ROUND_DOWN).create_decimal(Decimal(x)))

@@ -8,6 +8,7 @@ class would refuse to load, so :func:`target` returns None and the job says so; 
 models at run time instead.
 
 ``boost = scale × max(0, composite − threshold)`` per domain expert, from the domain report's composite scores.
+:func:`largest_scale` bounds ``scale`` so that every boosted bias stays finite in its own dtype.
 """
 
 from __future__ import annotations
@@ -44,6 +45,34 @@ def boosts(composite: np.ndarray, domain: dict[int, set[int]], *, scale: float, 
     return out
 
 
+def _param(block, name: str):
+    """``(owner module, attribute, value)`` of the block's parameter at dotted path ``name``."""
+    obj = block
+    *parents, leaf = name.split(".")
+    for part in parents:
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj, leaf, getattr(obj, leaf)
+
+
+def largest_scale(adapter: MoEAdapter, unit: np.ndarray) -> tuple[float, str]:
+    """``(largest scale, dtype)``: the largest ``scale`` for which ``bias + scale × unit`` stays finite in every MoE
+    block's target bias, in that bias's own dtype (``unit``: the boost at scale 1, >= 0; ``inf`` when it boosts
+    nothing), with a one-in-a-million margin for the float32 sum's rounding; ``dtype`` names the first bias's."""
+    limit, dtype = float("inf"), ""
+    for pos, block in enumerate(adapter.blocks()):
+        found = target(adapter, block)
+        if found is None:
+            continue
+        old = _param(block, found[0])[2]
+        dtype = dtype or str(old.dtype).rsplit(".", 1)[-1]
+        d = np.asarray(unit[pos], dtype=np.float64)
+        up = d > 0
+        if up.any():
+            room = float(mx.finfo(old.dtype).max) - np.array(old.astype(mx.float32), dtype=np.float64)[up]
+            limit = min(limit, float(np.min(room / d[up])) * (1 - 1e-6))
+    return limit, dtype
+
+
 def apply(adapter: MoEAdapter, boost: np.ndarray) -> list[str]:
     """Add ``boost[pos]`` to each MoE block's target parameter (in its dtype); returns the parameter paths."""
     paths = []
@@ -52,11 +81,7 @@ def apply(adapter: MoEAdapter, boost: np.ndarray) -> list[str]:
         if found is None:
             raise ValueError(f"MoE layer {adapter.moe_layers()[pos]} has no router bias to amplify")
         name, _ = found
-        obj = block
-        *parents, leaf = name.split(".")
-        for part in parents:
-            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-        old = getattr(obj, leaf)
+        obj, leaf, old = _param(block, name)
         setattr(obj, leaf, (old.astype(mx.float32) + mx.array(boost[pos], dtype=mx.float32)).astype(old.dtype))
         paths.append(f"layer {adapter.moe_layers()[pos]}: {name}")
     return paths
