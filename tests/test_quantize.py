@@ -176,3 +176,35 @@ def test_quantized_input_and_too_many_cold_layers_refused(tmp_path, make_model):
     assert not (tmp_path / "q").exists()
     r = run_cli("quantize", "--model", str(make_model("qwen3_moe", bits=4)), "--output", str(tmp_path / "q"))
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--expert-group-size", "0"], ["--expert-group-size must be one of 32, 64, 128 for affine", "got 0"]),
+    (["--dense-group-size", "0"], ["--dense-group-size must be one of 32, 64, 128 for affine", "got 0"]),
+    (["--expert-mode", "mxfp4", "--expert-group-size", "0"], ["--expert-group-size must be one of 32 for mxfp4"]),
+    (["--dense-mode", "nvfp4", "--dense-group-size", "0"], ["--dense-group-size must be one of 16 for nvfp4"]),
+    (["--expert-group-size", "7"], ["--expert-group-size", "got 7"]),
+    (["--expert-group-size", "-64"], ["--expert-group-size", "got -64"]),
+    (["--expert-bits", "0"], ["--expert-bits"]),
+    (["--dense-bits", "0"], ["--dense-bits"]),
+    (["--router-bits", "0"], ["--router-bits"]),
+    (["--cold-bits", "0"], ["--cold-bits"]),
+    # the cold layers take --expert-group-size: a size their mode refuses names that flag (not a --cold-group-size)
+    (["--expert-group-size", "128", "--saliency", "s.npz", "--cold-layers", "1", "--cold-mode", "mxfp4"],
+     ["--expert-group-size must be one of 32 for mxfp4", "got 128"]),
+])
+def test_a_zero_group_size_or_bits_is_refused_not_taken_for_the_default(tmp_path, make_model, args, needles):
+    """Issue 29 row 18a: `--expert-group-size 0` silently became 64 (7 and -64 were refused). Every group-size and
+    bits option refuses 0 in one line, exit 2, before anything is written."""
+    from .cli_helpers import expect_error
+    from .test_nothing_lost import hidden, tree
+
+    src = make_model("qwen3_moe")
+    model, _, config = load_model(src, lazy=True)
+    SaliencyAccumulator.for_adapter(get_adapter(model, config)).save(tmp_path / "s.npz")
+    before = tree(src)
+    args = [str(tmp_path / a) if a == "s.npz" else a for a in args]
+    expect_error(run_cli("quantize", "--model", str(src), "--output", str(tmp_path / "q"), *args), *needles)
+    assert not (tmp_path / "q").exists() and hidden(tmp_path) == [] and tree(src) == before
+    with pytest.raises(UserError, match=r"expert_group_size= must be one of 32, 64, 128 for affine .*got 0\."):
+        jobs.quantize.run(model=src, output=tmp_path / "q", expert_group_size=0)

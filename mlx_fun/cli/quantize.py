@@ -16,11 +16,14 @@ BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
 @click.option("--expert-bits", type=BITS, default="4", show_default=True, help="Bits of the routed experts (affine).")
 @click.option("--expert-mode", type=MODES, default="affine", show_default=True,
               help="Routed experts' format (mxfp4 / nvfp4: 4 bits, mxfp8: 8 bits).")
-@click.option("--expert-group-size", type=int, default=None, help="Routed experts' group size (default per mode: 64, 32, 16).")
+@click.option("--expert-group-size", type=int, default=None,
+              help="Routed experts' (and cold layers') group size: affine 32, 64 or 128; mxfp4 / mxfp8 32; nvfp4 16. "
+                   "Left out: the mode's default (64, 32, 32, 16).")
 @click.option("--dense-bits", type=BITS, default="4", show_default=True,
               help="Bits of attention, shared experts, dense MLPs, embeddings and head.")
 @click.option("--dense-mode", type=MODES, default="affine", show_default=True, help="Their format.")
-@click.option("--dense-group-size", type=int, default=None, help="Their group size (default per mode).")
+@click.option("--dense-group-size", type=int, default=None,
+              help="Their group size (allowed values and default as for --expert-group-size).")
 @click.option("--router-bits", type=click.Choice(["16", "8"]), default="16", show_default=True,
               help="16: routers stay in float; 8: 8-bit affine.")
 @click.option("--saliency", type=click.Path(), default=None,

@@ -71,7 +71,8 @@ def run(
         raise UserError(f"{param('cold_layers')} / {param('cold_bits')} pick layers by saliency; add "
                         f"{param('saliency')} (a .npz from `mlx-fun collect`).")
     require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")
-    cold = None if cold_layers is None else q.setting("cold", cold_bits, expert_group_size, cold_mode or expert_mode)
+    cold = None if cold_layers is None else q.setting("cold", cold_bits, expert_group_size, cold_mode or expert_mode,
+                                                      group_param="expert_group_size")
     max_shard = shard_bytes(max_shard_size)
     start, warnings = time.perf_counter(), []
     with writer.output(output, kind="dir", inputs={param("model"): model, param("saliency"): saliency},

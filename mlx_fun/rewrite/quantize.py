@@ -49,8 +49,11 @@ class Setting:
             f"{self.mode} g{self.group_size}")
 
 
-def setting(name: str, bits: int | None, group_size: int | None, mode: str) -> Setting:
-    """A checked setting; ``name`` is the parameter prefix (``expert`` → ``expert_bits`` / ``expert_mode`` ...)."""
+def setting(name: str, bits: int | None, group_size: int | None, mode: str, *, group_param: str | None = None
+            ) -> Setting:
+    """A checked setting; ``name`` is the parameter prefix (``expert`` → ``expert_bits`` / ``expert_mode`` ...),
+    ``group_param`` the parameter the group size came from (default ``<name>_group_size``). Only ``None`` means
+    the mode's default group size: 0 is refused like any other size the mode does not allow."""
     if mode not in MODES:
         raise UserError(f"{param(name + '_mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
     default_gs, forced, allowed = MODES[mode]
@@ -62,10 +65,10 @@ def setting(name: str, bits: int | None, group_size: int | None, mode: str) -> S
     elif bits not in AFFINE_BITS:
         raise UserError(f"{param(name + '_bits')} must be one of {', '.join(map(str, AFFINE_BITS))} for affine, "
                         f"got {bits!r}.")
-    gs = group_size or default_gs
-    if gs not in allowed:
-        raise UserError(f"{param(name + '_group_size')} must be one of {', '.join(map(str, allowed))} for {mode}, "
-                        f"got {gs}.")
+    gs = default_gs if group_size is None else group_size
+    if isinstance(gs, bool) or not isinstance(gs, int) or gs not in allowed:
+        raise UserError(f"{param(group_param or name + '_group_size')} must be one of {', '.join(map(str, allowed))} "
+                        f"for {mode} (leave it out for {default_gs}), got {gs!r}.")
     return Setting(int(bits), int(gs), mode)
 
 
