@@ -63,7 +63,7 @@ def run(
     from .. import engine, writer
     from ..data import load_samples, pad_id
     from ..io import write_model_dir
-    from ..rewrite.merge import merge_model, select_centroids
+    from ..rewrite.merge import check_max_group_size, merge_model, select_centroids
     from ..rewrite.prune import pruned_nbytes
     from ..saliency import SaliencyAccumulator
     from ..selection import check_keep_counts, parse_expert_ranges
@@ -82,6 +82,7 @@ def run(
     if model_wide and expert_list is not None:
         raise UserError(f"{param('model_wide')} selects centroids from {param('saliency')}; it does not apply to "
                         f"{param('expert_list')}.")
+    check_max_group_size(max_group_size)
     for name, path in (("saliency", saliency), ("expert_list", expert_list), ("dataset", dataset)):
         require_path(name, path)
     inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
@@ -108,9 +109,9 @@ def run(
         warnings += check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers)
         n_kept = len(keep_map[0])
         if n_kept * max_group_size < E:
-            warnings.append(f"{n_kept} centroids × {param('max_group_size')} {max_group_size} < {E} experts: the "
-                            "experts left over join their most similar centroid, so some groups exceed the maximum "
-                            "size.")
+            warnings.append(f"{n_kept} centroids × {param('max_group_size')} {max_group_size} < {E} experts: "
+                            f"{E - n_kept * max_group_size} experts per layer fit in no group and are dropped, as "
+                            f"prune drops them; {param('max_group_size')} {-(-E // n_kept)} merges them all.")
         for line in warnings:
             log(f"Warning: {line}")
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,

@@ -20,9 +20,10 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
    ``corr`` is the cosine of the token-centred logit columns (Pearson correlation over the tokens): how alike
    the router treats the two experts.
 4. **Grouping** (:func:`group_experts`) — centroids in descending saliency each claim their most similar
-   unassigned non-centroid experts until the group (centroid included) has ``max_group_size`` members;
-   experts still unassigned (only possible when ``E > centroids × max_group_size``) join their most similar
-   centroid. Every expert ends in exactly one group.
+   unassigned non-centroid experts until the group (centroid included) has ``max_group_size`` members. No
+   group grows past ``max_group_size``: experts still unassigned (only possible when ``E > centroids ×
+   max_group_size``) join no group and are dropped as prune drops them (``max_group_size`` 1 is exactly prune).
+   The reference joins them to their most similar centroid instead, past the maximum.
 5. **Alignment** — each member's intermediate neurons are permuted onto the centroid's before averaging.
    Cost of pairing centroid neuron ``a`` with member neuron ``b`` = squared distance of their unit-normalised
    intermediate activations over the alignment tokens + squared distance of their unit-normalised weight
@@ -69,7 +70,7 @@ import numpy as np
 
 from .. import engine, moe_hook
 from ..adapters.base import MoEAdapter, expert_projections, intermediate
-from ..errors import UserError
+from ..errors import UserError, param
 from .driver import LayerDriver
 from .weights import dense, stored, write
 from .prune import check_keep_map, prune_block, pruned_config
@@ -228,18 +229,25 @@ def _desc_order(values: np.ndarray, candidates) -> list[int]:
     return cand[np.lexsort((cand, -np.asarray(values, dtype=np.float64)[cand]))].tolist()
 
 
+def check_max_group_size(max_group_size) -> None:
+    """A whole number of experts >= 1, else a one-line ``UserError`` naming the parameter."""
+    if isinstance(max_group_size, bool) or not isinstance(max_group_size, (int, np.integer)) or max_group_size < 1:
+        raise UserError(f"{param('max_group_size')} must be a whole number of experts >= 1 (1: every centroid "
+                        f"alone, exactly prune), got {max_group_size!r}.")
+
+
 def group_experts(
     similarity: np.ndarray, saliency: np.ndarray, centroids: Sequence[int], max_group_size: int
 ) -> dict[int, list[int]]:
-    """``{centroid: [centroid, members...]}`` covering every expert exactly once (see the module docstring).
+    """``{centroid: [centroid, members...]}``, every expert in at most one group (see the module docstring).
 
     Centroids claim in descending saliency; each claims its most similar unassigned non-centroid experts
-    until its group has ``max_group_size`` members; leftovers join their most similar centroid.
+    until its group has ``max_group_size`` members. Experts left over when every group is full are in no group:
+    they are dropped, as prune drops them.
     """
     S = np.asarray(similarity, dtype=np.float64)
     E = S.shape[0]
-    if max_group_size < 1:
-        raise UserError(f"--max-group-size must be at least 1, got {max_group_size}.")
+    check_max_group_size(max_group_size)
     cents = [int(c) for c in centroids]
     if len(set(cents)) != len(cents) or any(not 0 <= c < E for c in cents) or not cents:
         raise ValueError(f"centroids must be distinct experts in [0, {E}), got {cents}")
@@ -252,9 +260,6 @@ def group_experts(
         take = _desc_order(S[c], unassigned)[:room]
         members.extend(take)
         unassigned.difference_update(take)
-    for e in sorted(unassigned):  # only when every group is full
-        best = _desc_order(S[e], cents)[0]
-        groups[best].append(e)
     return groups
 
 
@@ -431,8 +436,7 @@ def merge_model(
         raise UserError(f"unknown similarity mode '{similarity_mode}'; choose one of {', '.join(SIMILARITY_MODES)}.")
     if alignment not in ALIGNMENTS:
         raise UserError(f"unknown alignment '{alignment}'; choose one of {', '.join(ALIGNMENTS)}.")
-    if max_group_size < 1:
-        raise UserError(f"--max-group-size must be at least 1, got {max_group_size}.")
+    check_max_group_size(max_group_size)
     if max_similarity_tokens < 1 or max_alignment_tokens < 1:
         raise UserError("--max-similarity-tokens and --max-alignment-tokens must be at least 1.")
     moe_layers = adapter.moe_layers()
@@ -472,7 +476,7 @@ def merge_model(
     n_tokens = driver.n_tokens
 
     tap = ReamCaptureTap()
-    centroid_map, group_map = {}, {}
+    centroid_map, group_map, dropped_map = {}, {}, {}
     # every expert on the similarity tokens, a few experts at a time: each chunk's outputs no larger than one
     # forward's hidden state (token budget × hidden), so merging never peaks above the forward it replays
     chunk_elems = engine.token_budget(token_budget) * int(driver.batches[0].h.shape[-1])
@@ -496,6 +500,9 @@ def merge_model(
         )  # fmt: skip   2. rewrite; the driver then propagates through the merged layer
         centroid_map[str(i)] = keep_map[pos]
         group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
+        grouped = {e for m in groups.values() for e in m}
+        if dropped := [e for e in range(E) if e not in grouped]:  # every group full: dropped, as prune drops them
+            dropped_map[str(i)] = dropped
 
     with moe_hook.hooked(adapter, [tap]):
         driver.run(on_layer, progress=progress, desc="merge")
@@ -508,6 +515,7 @@ def merge_model(
         "metric": metric if scores is not None else "reap (calibration tokens)",
         "centroid_map": centroid_map,
         "group_map": group_map,
+        "dropped_map": dropped_map,
         "similarity_mode": similarity_mode,
         "alignment": alignment,
         "max_group_size": max_group_size,
