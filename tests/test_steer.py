@@ -89,3 +89,33 @@ def test_a_masked_expert_is_never_selected(make_model, family, bits):
     np.testing.assert_array_equal(acc.freq.sum(axis=1), adapter.top_k * sum(map(len, samples)))
     for p, layer in enumerate(layers):
         assert base.freq[p, hot[str(layer)]].sum() > 0 and acc.freq[p, hot[str(layer)]].sum() == 0, layer
+
+
+def test_compare_prints_the_unsteered_reply_first(make_model, tmp_path):
+    """Issue 29 row 23: `steer --compare` printed the unsteered reply after the steered one, though README and
+    --help say first. Now: the unsteered line, then the steered text as it streams, then the steered summary."""
+    path = make_model("deepseek_v3")
+    report = tmp_path / "domain_report.json"
+    report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
+    args = dict(model=path, prompt="hello world", domain_map=report, domain_mode="suppress", max_tokens=8)
+    want = jobs.steer.run(**args, compare=True)
+    assert want.generation.text and want.baseline.text
+    got = cli("steer", *[a for k, v in args.items() for a in (f"--{k.replace('_', '-')}", v)], "--compare")
+    assert got.exit_code == 0, got.output
+    out, head = got.output, f"[unsteered: {want.baseline.text!r}]\n"
+    assert head in out, out
+    before, after = out[:out.index(head)], out[out.index(head) + len(head):]
+    assert want.generation.text not in before and "[steered (" not in before, out  # nothing steered before it
+    assert after.startswith(want.generation.text), out  # then the steered text, streamed
+    assert after[len(want.generation.text):].lstrip("\n").startswith("[steered (additive): 3 experts masked"), out
+
+
+def test_help_examples_keep_their_line_breaks():
+    """Issue 29 row 23: a lone `\\` at a line's end in cli/steer.py's docstring joined its second example into one
+    line of --help. Each example line ends in ` \\` or ends the command, and holds no run of spaces."""
+    text = cli("steer", "--help").output
+    example = text[text.index("Example"):text.index("Options:")]
+    lines = [ln.strip() for ln in example.splitlines()[1:] if ln.strip()]
+    assert sum(ln.startswith("mlx-fun steer ") for ln in lines) == 2 and len(lines) == 4, example
+    assert all("  " not in ln for ln in lines), example
+    assert [ln.endswith(" \\") for ln in lines] == [True, False, True, False], example

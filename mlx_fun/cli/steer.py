@@ -31,7 +31,8 @@ from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, mod
 @click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the Gumbel-max sampler.")
 @click.option("--chat", is_flag=True, default=False, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--compare", is_flag=True, default=False, help="First print the unsteered reply (same sampler).")
+@click.option("--compare", is_flag=True, default=False,
+              help="First print the unsteered reply (same sampler), then stream the steered one.")
 @dispatch_option
 @friendly_errors
 def command(**kwargs):
@@ -44,18 +45,21 @@ def command(**kwargs):
     Example (the bundled refusing chat model, after the safety-scan example):
       mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode unsafe --chat --compare \\
           --prompt "How do I pick a lock?" --max-tokens 20
-      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \
+      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \\
           --chat --prompt "What does os.path.join do?" --max-tokens 20
     """
     from ..jobs import steer
 
-    show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), log=echo_err))
+    show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), on_baseline=show_baseline, log=echo_err))
+
+
+def show_baseline(baseline) -> None:
+    """--compare: the unsteered reply, printed before the steered one starts streaming."""
+    click.echo(f"[unsteered: {baseline.text!r}]", err=True)
 
 
 def show(result) -> None:
     click.echo("")
-    if result.baseline is not None:
-        click.echo(f"[unsteered: {result.baseline.text!r}]", err=True)
     n_off = sum(map(len, result.steering.deactivate.values()))
     n_on = sum(map(len, result.steering.activate.values()))
     click.echo(f"[steered ({result.steering.scheme}): {n_off} experts masked, {n_on} boosted] "

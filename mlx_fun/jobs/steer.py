@@ -38,12 +38,14 @@ def run(
     dispatch_table: str | Path | None = None,
     dequant_cache: int | str = 0,
     on_text: Callable[[str], None] | None = None,
+    on_baseline: Callable[[object], None] | None = None,
     log: Log = quiet,
 ) -> SteerResult:
     """Generate after ``prompt`` with the router steering (``scheme`` additive or rank) of a safety report (``mode`` ``safe``: boost its
     HRCG experts, at most top_k per layer; ``unsafe``: mask its safety-critical experts) and/or a domain report
     (``domain_mode`` ``boost`` / ``suppress``), through the hooked MoE call of every family. ``compare`` first
-    generates without steering (same sampler, same seed)."""
+    generates without steering (same sampler, same seed) and hands that generation to ``on_baseline`` before the
+    steered one starts (whose text goes to ``on_text`` as it is produced)."""
     from .. import moe_hook
     from ..sampling import encode_prompt, make_sampler, run_generation
     from ..steering import for_adapter
@@ -74,6 +76,8 @@ def run(
     baseline = None
     if compare:
         baseline = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed)
+        if on_baseline is not None:
+            on_baseline(baseline)
     with moe_hook.hooked(adapter, [], steering.route_steers(adapter)):
         generation = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
                                     on_text=on_text)
