@@ -8,7 +8,8 @@ standard-library docstrings). Optional sources are used when installed from a pa
 Nothing is downloaded; third-party text is generated on your machine, never committed.
 
     python scripts/prepare_dataset.py --output data/corpus                  # code + prose, all splits
-    python scripts/prepare_dataset.py --source all --output data/corpus     # every installed source
+    python scripts/prepare_dataset.py --source all --output data/corpus     # every installed source (the others
+                                                                            # are named on stderr, with how to install)
     python scripts/prepare_dataset.py --source code --split train --max-samples 512 --output data/corpus
 
 Writes OUTPUT/<domain>/<split>.jsonl ({"content": ...} lines, the plain-text format every mlx-fun command
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
             hint = "" if have[s] else f"  (install: {corpus.INSTALL_HINTS[s]})"
             print(f"{s:12s} {'yes' if have[s] else 'no '}  {corpus.DESCRIPTIONS[s].split(' (')[0]}{hint}")
         return 0
+    if "all" in (args.source or []):
+        for line in skipped(have, args.openzeppelin):
+            print(line, file=sys.stderr)
     chosen: list[str] = []
     for s in args.source or ["stdlib"]:
         names = {"stdlib": list(corpus.ALWAYS), "all": [k for k in corpus.SOURCES if have[k]]}.get(s, [s])
@@ -66,6 +70,18 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {Path(args.output) / 'manifest.json'}")
     return 0
+
+
+def skipped(have: dict[str, bool], openzeppelin: str | None) -> list[str]:
+    """One line per optional source that ``--source all`` leaves out: which, why, and how to install it."""
+    lines = []
+    for name in corpus.OPTIONAL:
+        if not have[name]:
+            why = "not installed here"
+            if name == "solidity":
+                why = f"--openzeppelin {openzeppelin} does not exist" if openzeppelin else "no --openzeppelin given"
+            lines.append(f"--source all: skipped {name} ({why}; install: {corpus.INSTALL_HINTS[name]})")
+    return lines
 
 
 if __name__ == "__main__":
