@@ -11,21 +11,34 @@ Accumulators are numpy float64, fed once per layer per batch with ``np.add.at`` 
 
 Metrics (higher = more important): ``reap`` = reap_sum / reap_count, ``ean`` = ean_sum / reap_count,
 ``freq`` = freq, ``weighted_freq`` = weighted_freq_sum.
+
+:meth:`SaliencyAccumulator.load` is the one reader of saliency ``.npz`` files and checks everything it reads
+(one (num_layers, num_experts) shape, finite numbers, no negative count or norm);
+:meth:`~SaliencyAccumulator.ranking_scores` refuses a metric that ranks nothing (every expert tied: all 0 after
+``stats-purge``, reap / ean of a frequency-only file).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, param
 
 METRICS = ("reap", "ean", "freq", "weighted_freq")
 ARRAY_KEYS = ("freq", "weighted_freq_sum", "reap_sum", "ean_sum", "reap_count", "max_activation_norm")
 #: what names the model a file was collected on; all of it is checked before a file is used or combined
 IDENTITY_KEYS = ("model_type", "top_k", "num_layers", "num_experts", "moe_layer_indices")
+#: counts and output norms: never negative (router weights, and so weighted_freq_sum / reap_sum, carry their sign)
+NON_NEGATIVE = ("freq", "reap_count", "ean_sum", "max_activation_norm")
+#: what :meth:`SaliencyAccumulator.ranking_scores` ranks: experts within each layer, experts by their sums over
+#: the layers (model-wide), or layers by their sums over the experts (quantize's cold layers)
+RANKINGS = ("experts", "columns", "layers")
+_NEEDS = {"reap": ("reap_sum", "reap_count"), "ean": ("ean_sum", "reap_count"), "freq": ("freq",),
+          "weighted_freq": ("weighted_freq_sum",)}
 FORMAT_VERSION = 1
 
 
@@ -48,6 +61,8 @@ class SaliencyAccumulator:
         self.top_k = int(top_k)
         self.total_tokens = 0
         self.extra: dict[str, np.ndarray] = {}  # e.g. rank_sum of a stats-merge result
+        self.source = "saliency file"  # how messages name these statistics (load: the parameter and path)
+        self.missing: list[str] = []  # ARRAY_KEYS the loaded file did not hold (left 0)
         for key in ARRAY_KEYS:
             setattr(self, key, np.zeros((self.num_layers, self.num_experts), dtype=np.float64))
 
@@ -139,10 +154,11 @@ class SaliencyAccumulator:
     def identity(self) -> dict:
         return {key: getattr(self, key) for key in IDENTITY_KEYS}
 
-    def check_matches(self, adapter, source: str = "saliency file") -> list[str]:
+    def check_matches(self, adapter, source: str | None = None) -> list[str]:
         """Raise a ``UserError`` unless these statistics were collected on ``adapter``'s model: model_type, top_k,
         MoE layer indices and expert count must all agree. Returns warnings (a file without model_type / top_k,
-        written by another tool, is checked on what it has)."""
+        written by another tool, is checked on what it has). Messages name ``source`` (default :attr:`source`)."""
+        source = source or self.source
         want = {"model_type": adapter.model_type, "top_k": adapter.top_k, "num_layers": len(adapter.moe_layers()),
                 "num_experts": adapter.num_experts, "moe_layer_indices": adapter.moe_layers()}
         for key, value in want.items():
@@ -186,36 +202,143 @@ class SaliencyAccumulator:
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "SaliencyAccumulator":
+    def load(cls, path: str | os.PathLike, *, name: str | None = None) -> "SaliencyAccumulator":
+        """Read a saliency ``.npz`` and check all of it (:func:`_read_npz`, :func:`_check_arrays`): every bad
+        file is one ``UserError``. ``name`` is the job parameter that gave ``path``; messages name it."""
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"saliency file {path} does not exist; create it with `mlx-fun collect`.")
+        label = f"{param(name)} {path}" if name else f"saliency file {path}"
+        data = _read_npz(path, label)
+        L, E = _check_arrays(data, label)
         try:
-            data = dict(np.load(path, allow_pickle=False))
-        except Exception as e:  # zipfile/ValueError/OSError: not an npz
-            raise UserError(f"{path} is not a readable .npz saliency file ({type(e).__name__}: {e}).") from None
-        if "freq" not in data:
-            raise UserError(f"{path} has no 'freq' array; it is not a saliency file written by `mlx-fun collect`.")
-        freq = data["freq"]
-        if freq.ndim != 2:
-            raise UserError(f"{path}: 'freq' has shape {freq.shape}, expected (num_layers, num_experts).")
-        L, E = freq.shape
-        acc = cls(
-            L,
-            E,
-            model_type=str(data.get("model_type", "unknown")),
-            moe_layer_indices=[int(i) for i in data["moe_layer_indices"]] if "moe_layer_indices" in data else None,
-            top_k=int(data.get("top_k", 0)),
-        )
+            acc = cls(
+                L,
+                E,
+                model_type=str(data.get("model_type", "unknown")),
+                moe_layer_indices=[int(i) for i in data["moe_layer_indices"]] if "moe_layer_indices" in data else None,
+                top_k=int(data.get("top_k", 0)),
+            )
+            acc.total_tokens = int(data.get("total_tokens", 0))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{label}: its model_type / top_k / moe_layer_indices / total_tokens are not what "
+                            f"`mlx-fun collect` writes ({e}); re-run `mlx-fun collect`.") from None
+        if len(acc.moe_layer_indices) != L:
+            raise UserError(f"{label}: moe_layer_indices lists {len(acc.moe_layer_indices)} layers but its arrays "
+                            f"have {L} rows; the file is damaged: re-run `mlx-fun collect`.")
         for key in ARRAY_KEYS:
             if key in data:
-                arr = np.asarray(data[key], dtype=np.float64)
-                if arr.shape != (L, E):
-                    raise UserError(f"{path}: '{key}' has shape {arr.shape}, expected {(L, E)}.")
-                setattr(acc, key, arr)
-        acc.total_tokens = int(data.get("total_tokens", 0))
+                setattr(acc, key, data[key])
         acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
+        acc.source, acc.missing = label, [key for key in ARRAY_KEYS if key not in data]
         return acc
+
+    # ------------------------------------------------------------------ ranking
+    def ranking_scores(self, metric: str, *, over: str = "experts") -> np.ndarray:
+        """:meth:`scores` of ``metric`` for ranking ``over`` one of :data:`RANKINGS`; a ``UserError`` when they rank
+        nothing (every expert of a layer, every column sum or every layer sum tied: all 0 after ``stats-purge``,
+        reap / ean of a frequency-only file, freq's equal layer totals), naming the metrics this file can rank by."""
+        scores = self.scores(metric)
+        tie = self._tie(scores, over)
+        if tie is None:
+            return scores
+        usable = [m for m in METRICS if m != metric and self._tie(self.scores(m), over) is None]
+        fix = (f"this file can rank by {' or '.join(usable)}: pass {param('metric')} {usable[0]}" if usable else
+               "no metric of this file can: re-run `mlx-fun collect` (or `stats-purge` with lower thresholds)")
+        raise UserError(f"{self.source} cannot rank {'layers' if over == 'layers' else 'experts'} by "
+                        f"{param('metric')} {metric}: {tie}{self._why_empty(metric)}; {fix}.")
+
+    def _why_empty(self, metric: str) -> str:
+        """Why ``metric`` may carry nothing in this file: an array it needs is missing, or there are no norms."""
+        if f"rank_sum_{metric}" in self.extra:
+            return ""
+        if needs := [key for key in _NEEDS[metric] if key in self.missing]:
+            return f" (the file has no {' or '.join(repr(key) for key in needs)} array)"
+        if metric in ("reap", "ean") and not self.has_norms:
+            return " (the file has no output norms: reap_count is 0 everywhere, collected frequency-only)"
+        return ""
+
+    def _tie(self, scores: np.ndarray, over: str) -> str | None:
+        """Where ``scores`` tie completely for ranking ``over`` (see :meth:`ranking_scores`), in words; else None."""
+        if over not in RANKINGS:
+            raise ValueError(f"over must be one of {RANKINGS}, got {over!r}")
+        rows = {"experts": scores, "columns": scores.sum(axis=0, keepdims=True),
+                "layers": scores.sum(axis=1)[None, :]}[over]
+        for pos, row in enumerate(rows):
+            if np.ptp(row) <= 1e-9 * np.abs(row).max():  # equal up to rounding (all 0 included)
+                value = f"{float(row[0]):.6g}"
+                if over == "experts":
+                    return f"every expert of layer {self.moe_layer_indices[pos]} scores {value}"
+                if over == "columns":
+                    return f"every expert's score summed over the layers is {value}"
+                return f"every MoE layer's experts sum to {value}"
+        return None
+
+
+def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` at ``path``; a ``UserError`` (naming ``label``) for a missing path, a directory, a
+    file that is not an ``.npz`` or one without ``freq``."""
+    if not path.exists():
+        raise UserError(f"{label} does not exist; create it with `mlx-fun collect`.")
+    if path.is_dir():
+        raise UserError(f"{label} is a directory, not a saliency file; pass the .npz that `mlx-fun collect` wrote.")
+    if not path.is_file():
+        raise UserError(f"{label} is not a regular file; pass the .npz that `mlx-fun collect` wrote.")
+    try:
+        data = dict(np.load(path, allow_pickle=False))
+    except Exception as e:  # zipfile/ValueError/OSError: not an npz
+        raise UserError(f"{label} is not a readable .npz saliency file ({type(e).__name__}: {e}).") from None
+    if "freq" not in data:
+        raise UserError(f"{label} has no 'freq' array; it is not a saliency file written by `mlx-fun collect`.")
+    return data
+
+
+def _check_arrays(data: dict[str, np.ndarray], label: str) -> tuple[int, int]:
+    """The one validator of a saliency file's arrays: all :data:`ARRAY_KEYS` (turned into float64 in ``data``) and
+    ``rank_sum_*`` share one (num_layers, num_experts) shape, hold finite numbers, and :data:`NON_NEGATIVE` ones
+    no negative value. Returns that shape."""
+    keys = [k for k in (*ARRAY_KEYS, *sorted(k for k in data if k.startswith("rank_sum_"))) if k in data]
+    for key in keys:
+        if data[key].dtype.kind not in "biuf":
+            raise UserError(f"{label}: '{key}' holds {data[key].dtype} values, not numbers; re-run `mlx-fun collect`.")
+        data[key] = np.asarray(data[key], dtype=np.float64)
+    shape = _expected_shape(data, keys, label)
+    for key in keys:
+        arr = data[key]
+        bad = ~np.isfinite(arr) | ((arr < 0) if key in NON_NEGATIVE else False)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            rule = "finite and not negative" if key in NON_NEGATIVE else "finite"
+            raise UserError(f"{label}: '{key}' is {arr[pos]} at MoE layer position {pos[0]}, expert {pos[1]} "
+                            f"({int(bad.sum())} such entries), but must be {rule}; the file is damaged: re-run "
+                            "`mlx-fun collect`.")
+    if "rank_files" in data:
+        n = data["rank_files"]
+        if n.shape != () or n.dtype.kind not in "biuf" or not np.isfinite(n) or n < 1:
+            raise UserError(f"{label}: 'rank_files' is {n}, not a file count of 1 or more; re-run "
+                            "`mlx-fun stats-merge`.")
+    return shape
+
+
+def _expected_shape(data: dict[str, np.ndarray], keys: list[str], label: str) -> tuple[int, int]:
+    """The (num_layers, num_experts) the file records (else the shape most of its arrays have, ``freq``'s on a
+    tie); a ``UserError`` naming the array whose shape differs and what agrees on the expected one."""
+    shapes = {key: data[key].shape for key in keys}
+    recorded = None
+    if "num_layers" in data and "num_experts" in data:
+        try:
+            recorded = (int(data["num_layers"]), int(data["num_experts"]))
+        except (TypeError, ValueError):
+            raise UserError(f"{label}: num_layers / num_experts are not integers; re-run `mlx-fun collect`.") from None
+    want = recorded or Counter(shapes.values()).most_common(1)[0][0]
+    if len(want) != 2 or min(want) < 1:
+        raise UserError(f"{label}: 'freq' has shape {shapes['freq']}, expected (num_layers, num_experts), both at "
+                        "least 1; re-run `mlx-fun collect`.")
+    bad = [key for key, shape in shapes.items() if shape != want]
+    if bad:
+        agree = [f"'{key}'" for key, shape in shapes.items() if shape == want]
+        agree += ["its num_layers / num_experts"] if recorded else []
+        raise UserError(f"{label}: '{bad[0]}' has shape {shapes[bad[0]]}, but {', '.join(agree)} say {want}; the file "
+                        "is damaged or not from `mlx-fun collect`: re-run `mlx-fun collect`.")
+    return want
 
 
 def _unknown(key: str, value) -> bool:

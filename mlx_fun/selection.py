@@ -273,8 +273,6 @@ def select_experts(
     if S.ndim != 2:
         raise UserError(f"saliency scores must be (num_layers, num_experts), got shape {S.shape}.")
     L, E = S.shape
-    if np.isnan(S).any():
-        raise UserError("the saliency scores contain NaN; re-run `mlx-fun collect` (or check the merged stats file).")
     if strategy not in STRATEGIES:
         raise UserError(f"unknown --strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}.")
     if not _is_int(top_k) or top_k < 1:

@@ -95,9 +95,9 @@ def run(
         moe_layers, E = adapter.moe_layers(), adapter.num_experts
         scores, warnings = None, []
         if saliency is not None:
-            acc = SaliencyAccumulator.load(saliency)
+            acc = SaliencyAccumulator.load(saliency, name="saliency")
             warnings += acc.check_matches(adapter)
-            scores = acc.scores(metric)
+            scores = acc.ranking_scores(metric, over="columns" if model_wide else "experts")
         if expert_list is not None:
             from ..expert_files import load_expert_list
 

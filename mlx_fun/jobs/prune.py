@@ -75,6 +75,7 @@ def run(
     from .. import writer
     from ..io import params_nbytes, write_model_dir
     from ..rewrite.prune import expert_rows, prune_model
+    from ..saliency import SaliencyAccumulator
     from ..streaming import Snapshot, shard_bytes
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
@@ -87,13 +88,15 @@ def run(
         require_path(name, path)
     inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
               param("safety_map"): safety_map, param("domain_map"): domain_map}
+    acc = None if saliency is None else SaliencyAccumulator.load(saliency, name="saliency")
+    scores = None if acc is None else acc.ranking_scores(metric, over="columns" if model_wide else "experts")
     start = time.perf_counter()
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, _tokenizer, config, adapter = load_moe(model, lazy=True)
         snapshot = Snapshot(mdl, model, config)
         moe_layers, E = adapter.moe_layers(), adapter.num_experts
         keep_map, warnings = select_keep_map(
-            adapter, saliency=saliency, expert_list=expert_list, n_prune=n_prune, metric=metric, strategy=strategy,
+            adapter, acc=acc, scores=scores, expert_list=expert_list, n_prune=n_prune, strategy=strategy,
             model_wide=model_wide, min_experts_per_layer=min_experts_per_layer, ignore_experts=ignore_experts,
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
         for line in warnings:
@@ -121,12 +124,12 @@ def run(
                        time.perf_counter() - start, warnings, stats.copied, stats.evaluated, stats.shards)
 
 
-def select_keep_map(adapter, *, saliency, expert_list, n_prune, metric, strategy, model_wide, min_experts_per_layer,
+def select_keep_map(adapter, *, acc, scores, expert_list, n_prune, strategy, model_wide, min_experts_per_layer,
                     ignore_experts, safety_map=None, safety_mode=None, domain_map=None):
-    """``(keep_map, warnings)``: the experts to keep per MoE position, from an expert list or from saliency
-    (with safety / domain protection or targeting)."""
+    """``(keep_map, warnings)``: the experts to keep per MoE position, from an expert list or from the loaded
+    saliency ``acc`` and its checked ``scores`` (:meth:`~mlx_fun.saliency.SaliencyAccumulator.ranking_scores`), with
+    safety / domain protection or targeting."""
     from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
-    from ..saliency import SaliencyAccumulator
     from ..selection import check_keep_counts, parse_expert_ranges, select_experts
 
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
@@ -134,7 +137,6 @@ def select_keep_map(adapter, *, saliency, expert_list, n_prune, metric, strategy
     if expert_list is not None:
         keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
     else:
-        acc = SaliencyAccumulator.load(saliency)
         warnings += acc.check_matches(adapter)
         protected_sets, targeted = [], None
         if safety_map is not None:
@@ -146,7 +148,7 @@ def select_keep_map(adapter, *, saliency, expert_list, n_prune, metric, strategy
         if domain_map is not None:
             protected_sets.append(load_report_experts(domain_map, "domain", moe_layers, E))
         keep_map = select_experts(
-            acc.scores(metric), n_prune, top_k=adapter.top_k, strategy=strategy, model_wide=model_wide,
+            scores, n_prune, top_k=adapter.top_k, strategy=strategy, model_wide=model_wide,
             min_experts_per_layer=min_experts_per_layer,
             ignore_experts=parse_expert_ranges(ignore_experts) if ignore_experts else None,
             protected=merge_expert_sets(*protected_sets) if protected_sets else None, targeted=targeted,

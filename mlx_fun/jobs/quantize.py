@@ -111,9 +111,9 @@ def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[i
     if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= len(layers):
         raise UserError(f"{param('cold_layers')} must be 1..{len(layers)} (this model has {len(layers)} MoE layers), "
                         f"got {n!r}.")
-    acc = SaliencyAccumulator.load(saliency)
+    acc = SaliencyAccumulator.load(saliency, name="saliency")
     warnings += acc.check_matches(adapter)
-    scores = acc.scores(metric)
+    scores = acc.ranking_scores(metric, over="layers")
     sums = scores.sum(axis=1)
     return {layer: round(float(sums[layers.index(layer)]), 6) for layer in coldest_layers(scores, layers, n)}
 

@@ -17,7 +17,7 @@ def run(*, file1: str | Path, file2: str | Path, metric: str = "reap", output: s
     inputs = {param("file1"): file1, param("file2"): file2}
     if output is not None:
         writer.check_output_path(output, kind="file", inputs=inputs)
-    a, b = SaliencyAccumulator.load(file1), SaliencyAccumulator.load(file2)
+    a, b = SaliencyAccumulator.load(file1, name="file1"), SaliencyAccumulator.load(file2, name="file2")
     report = {"file1": str(file1), "file2": str(file2), **diff(a, b, metric, labels=(str(file1), str(file2)))}
     if output is not None:
         writer.write_json(output, report, inputs=inputs)

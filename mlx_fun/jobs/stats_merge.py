@@ -29,7 +29,7 @@ def run(*, files: Sequence[str | Path], output: str | Path, metric: str = "reap"
     writer.check_output_path(output, kind="file", inputs={param("files"): files})
     if len(files) < 2:
         raise UserError(f"stats-merge needs at least 2 saliency files, got {len(files)}; repeat {param('files')}.")
-    accs = [SaliencyAccumulator.load(f) for f in files]
+    accs = [SaliencyAccumulator.load(f, name="files") for f in files]
     warnings = merge_warnings(accs, metric, files)
     merged = rank_merge(accs, metric, labels=files)
     merged.save(output, inputs={param("files"): files})

@@ -20,6 +20,7 @@ def run(*, input: str | Path, output: str | Path, min_freq: float | None = None,
         raise UserError(f"stats-purge needs at least one filter: {param('min_freq')}, {param('min_count')} or "
                         f"{param('max_norm')}.")
     writer.check_output_path(output, kind="file", inputs={param("input"): input})
-    purged, report = purge(SaliencyAccumulator.load(input), min_freq=min_freq, min_count=min_count, max_norm=max_norm)
+    purged, report = purge(SaliencyAccumulator.load(input, name="input"), min_freq=min_freq, min_count=min_count,
+                           max_norm=max_norm)
     purged.save(output, inputs={param("input"): input})
     return report
