@@ -32,24 +32,36 @@ def refusal_rate(replies: list[str]) -> float:
     return sum(map(is_refusal, replies)) / len(replies) if replies else 0.0
 
 
-def greedy_replies(model, tokenizer, prompts: list[list[int]], max_tokens: int = 16) -> list[str]:
+def _bar(total: int, progress: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", desc=desc, dynamic_ncols=True, leave=False, disable=not progress)
+
+
+def greedy_replies(model, tokenizer, prompts: list[list[int]], max_tokens: int = 16, *, progress: bool = False,
+                   desc: str = "replies") -> list[str]:
     """Greedy replies (up to ``max_tokens`` tokens, stopped at the end-of-sequence tokens) to prompt token lists,
     batched by mlx-lm's ``BatchGenerator``; one at a time (``stream_generate``) for the models whose caches it
-    cannot batch (llama4's chunked attention cache)."""
+    cannot batch (llama4's chunked attention cache). ``progress``: a bar of finished replies."""
     if not prompts:
         return []
-    try:
-        return _batched(model, tokenizer, prompts, max_tokens)
-    except ValueError as e:
-        if "support batching" not in str(e):
-            raise
-    from mlx_lm import stream_generate
+    with _bar(len(prompts), progress, desc) as bar:
+        try:
+            return _batched(model, tokenizer, prompts, max_tokens, bar)
+        except ValueError as e:
+            if "support batching" not in str(e):
+                raise
+        from mlx_lm import stream_generate
 
-    return ["".join(r.text for r in stream_generate(model, tokenizer, list(p), max_tokens=max_tokens))
-            for p in prompts]
+        bar.reset()
+        out = []
+        for p in prompts:
+            out.append("".join(r.text for r in stream_generate(model, tokenizer, list(p), max_tokens=max_tokens)))
+            bar.update(1)
+        return out
 
 
-def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[str]:
+def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar) -> list[str]:
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64,
@@ -64,20 +76,25 @@ def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> lis
             for r in responses:
                 if r.finish_reason != "stop":
                     out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    bar.update(1)
     finally:
         gen.close()
     return [tokenizer.decode(out[u]) for u in uids]
 
 
-def first_token_logprobs(model, prompts: list[list[int]]):
+def first_token_logprobs(model, prompts: list[list[int]], *, progress: bool = False,
+                         desc: str = "first-token log-probs"):
     """The model's float32 log-probabilities of the token after each prompt (one forward per prompt)."""
     import mlx.core as mx
 
     out = []
-    for p in prompts:
-        logits = model(mx.array(p)[None])[0, -1].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits))
-        mx.eval(out[-1])
+    with _bar(len(prompts), progress, desc) as bar:
+        for p in prompts:
+            logits = model(mx.array(p)[None])[0, -1].astype(mx.float32)
+            out.append(logits - mx.logsumexp(logits))
+            mx.eval(out[-1])
+            bar.update(1)
     return out
 
 

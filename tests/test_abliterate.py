@@ -190,11 +190,13 @@ def test_every_family_abliterates_and_reloads(make_model, tmp_path, family, bits
     out = tmp_path / "abl"
     if family in HYPER_CONNECTED:
         expect_error(cli("abliterate", "--model", make_model(family), "--harmful-dataset", harmful,
-                         "--benign-dataset", benign, "--output", out), "residual state of shape", "hyper-connections")
+                         "--benign-dataset", benign, "--output", out, "--no-refusal-filter"), "residual state of shape",
+                     "hyper-connections")
         assert not out.exists()
         return
     got = jobs.abliterate.run(model=make_model(family, bits=bits), harmful_dataset=harmful, benign_dataset=benign,
-                              output=out, layers="all", max_samples=4, eval_samples=2, reply_tokens=2, seed=0)
+                              output=out, layers="all", max_samples=4, eval_samples=2, reply_tokens=2, seed=0,
+                              refusal_filter=False)
     assert got.modified and got.layers == list(range(len(got.direction_norms)))
     meta = json.loads((out / "abliteration_metadata.json").read_text())
     assert meta["abliterated_layers"] == got.layers and meta["target"] == "all"
@@ -213,7 +215,7 @@ def test_safety_experts_touches_exactly_the_reports_experts(make_model, tmp_path
     out = tmp_path / "abl"
     got = jobs.abliterate.run(model=path, harmful_dataset=harmful, benign_dataset=benign, output=out, layers="all",
                               target="safety-experts", safety_map=report, max_samples=4, eval_samples=2,
-                              reply_tokens=2, seed=0)
+                              reply_tokens=2, seed=0, refusal_filter=False)
     assert set(got.modified) == {str(moe[0]), str(moe[-1])}
     new, _, _ = load_model(out)
     old = dict(tree_flatten(model.parameters()))
@@ -252,7 +254,7 @@ def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
     out = tmp_path / "abl"
     got = jobs.abliterate.run(model=make_model("qwen3_moe"), harmful_dataset=harmful, benign_dataset=benign,
                               output=out, search=3, max_kl=10.0, max_samples=4, eval_samples=2, reply_tokens=2,
-                              seed=0)
+                              seed=0, refusal_filter=False)
     assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight, t.direction_layer) for t in got.trials}) == 3
     best = min(got.trials, key=lambda t: (t.harmful_refusal, t.benign_kl))
     assert (got.layers, got.weight, got.direction_layer) == (best.layers, best.weight, best.direction_layer)
@@ -360,3 +362,75 @@ def test_phrasing_names_how_a_reply_opens():
     assert phrasing("Sorry, I can't assist with that.") == "sorry i"
     assert phrasing("  I\u2019m sorry, but no") == "i'm sorry"
     assert phrasing("No.") == "no" and phrasing("") == ""
+
+
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_a_model_that_refuses_nothing_is_refused_with_the_rate(make_model, tmp_path):
+    """Row 17: a random model refuses none of the harmful prompts; abliterate used to warn, exit 0 and write a
+    modified model. Now one line with the measured rate and both ways out, exit 2, nothing written."""
+    harmful, benign = _prompts(tmp_path)
+    before = _tree(tmp_path)
+    out = tmp_path / "abl"
+    result = cli("abliterate", "--model", make_model("qwen3_moe"), "--harmful-dataset", harmful, "--benign-dataset",
+                 benign, "--output", out, "--max-samples", 4, "--eval-samples", 2)
+    expect_error(result, "refuses none of the 4 harmful capture prompts (0.0%", "nothing was written",
+                 "--harmful-dataset", "--no-refusal-filter")
+    assert not out.exists() and _tree(tmp_path) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_same_prompts_on_both_sides_are_refused_before_loading(make_model, tmp_path):
+    harmful, _ = _prompts(tmp_path)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(harmful.read_bytes())
+    for benign in (harmful, copy):
+        result = cli("abliterate", "--model", make_model("qwen3_moe"), "--harmful-dataset", harmful,
+                     "--benign-dataset", benign, "--output", tmp_path / "abl")
+        expect_error(result, "hold the same prompts", "zero")
+        assert "Loading" not in result.output and not (tmp_path / "abl").exists()
+
+
+def test_a_chat_model_that_refuses_every_benign_prompt_is_refused(tmp_path):
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = tmp_path / "abl"
+    lines = (data / "safety" / "harmful_train.jsonl").read_text().splitlines(keepends=True)
+    benign = tmp_path / "more_harmful.jsonl"  # other harmful prompts, passed as benign by mistake
+    benign.write_text("".join(lines[len(lines) // 2:]))
+    result = cli("abliterate", "--model", data / "tiny-moe-chat", "--harmful-dataset",
+                 data / "safety" / "harmful_train.jsonl", "--benign-dataset", benign,
+                 "--output", out, "--max-samples", 4, "--eval-samples", 2, "--seed", 0)
+    expect_error(result, "refuses all 4 benign capture prompts (100.0%; harmful: 4 of 4", "--benign-dataset",
+                 "--no-refusal-filter")
+    assert not out.exists()
+
+
+def test_every_phase_says_what_it_does(tmp_path):
+    """Row 24: the README example showed nothing for most of its run; every phase now logs a line and shows a bar."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = tmp_path / "abl"
+    result = cli("abliterate", "--model", data / "tiny-moe-chat", "--harmful-dataset",
+                 data / "safety" / "harmful_train.jsonl", "--benign-dataset", data / "safety" / "benign_train.jsonl",
+                 "--eval-harmful-dataset", data / "safety" / "harmful_test.jsonl", "--eval-benign-dataset",
+                 data / "safety" / "benign_test.jsonl", "--output", out, "--max-samples", 8, "--eval-samples", 4,
+                 "--rounds", 2, "--seed", 0)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    lines = [
+        "Measuring the original model's first-token log-probs on 4 evaluation benign prompts ...",
+        "Round 1: the model's replies to 8 harmful and 8 benign capture prompts (16 tokens each) ...",
+        "Measuring the original model on 4 harmful and 4 benign evaluation prompts ...",
+        "Measuring the abliterated model on 4 harmful and 4 benign evaluation prompts ...",
+        f"Writing {out} ...",
+    ]
+    at = [text.index(line) for line in lines]
+    assert at == sorted(at), text
+    for bar in ("reference log-probs", "round 1 harmful replies", "round 1 benign replies", "evaluation harmful replies",
+                "capture benign log-probs", "round 1 benign"):
+        assert f"{bar}:" in text, (bar, text[-3000:])

@@ -59,6 +59,10 @@ from .common import FiniteFloat, echo_err, friendly_errors, model_option, text_t
               help="Largest benign first-token KL (nats) --search accepts and a later round may reach.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prompts per forward pass while capturing.")
+@click.option("--refusal-filter/--no-refusal-filter", default=True, show_default=True,
+              help="Take the directions from the harmful prompts the model refuses and the benign ones it answers "
+                   "(Arditi et al.); a model that refuses none of them (or all benign ones) is refused with the "
+                   "measured rates. --no-refusal-filter: from every prompt, whatever the model replies.")
 @click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
 @friendly_errors
 def command(**kwargs):

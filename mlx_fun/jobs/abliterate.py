@@ -13,6 +13,9 @@ Every round starts from the original weights, so a quantized model is rounded on
 evaluation harmful prompts and the benign first-token KL against the original (:mod:`mlx_fun.refusal`), and the
 model with ``abliteration_metadata.json`` beside it. ``search`` tries settings of (layers, weight, direction
 layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
+A model that refuses none of the harmful capture prompts (or all the benign ones) has no refusal to remove: the
+job stops there with the measured rates, nothing written, unless ``refusal_filter=False`` (every prompt, whatever
+the model replies). Every phase logs what it does and, with ``progress``, shows a bar.
 """
 
 from __future__ import annotations
@@ -110,6 +113,31 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
     parse_layers(layers, where=param("layers"))
 
 
+def _check_distinct(harmful, benign) -> None:
+    """The direction is harmful minus benign: the same prompts on both sides give none."""
+    a, b = Path(harmful), Path(benign)
+    same = a.resolve() == b.resolve() or (a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes())
+    if same:
+        raise UserError(f"{param('harmful_dataset')} {harmful} and {param('benign_dataset')} {benign} hold the same "
+                        "prompts, so their difference (the refusal direction) is zero; pass prompts the model refuses "
+                        "and prompts it answers.")
+
+
+def _check_refusals(refused: int, harmful: int, answered: int, benign: int, reply_tokens: int) -> None:
+    """Arditi et al.'s filter keeps the harmful prompts the model refuses and the benign ones it answers: with none
+    on one side there is no refusal to measure (a model that does not refuse has nothing to abliterate)."""
+    off = "--no-refusal-filter" if param("x").startswith("--") else "refusal_filter=False"
+    if not refused:
+        raise UserError(f"the model refuses none of the {harmful} harmful capture prompts (0.0% of its first "
+                        f"{reply_tokens}-token replies open like a refusal), so there is no refusal to remove and "
+                        f"nothing was written; pass prompts this model refuses to {param('harmful_dataset')} (try one "
+                        f"with `mlx-fun smoke-test`), or {off} to take the direction from every prompt anyway.")
+    if not answered:
+        raise UserError(f"the model refuses all {benign} benign capture prompts (100.0%; harmful: {refused} of "
+                        f"{harmful}, {refused / harmful:.1%}), so there is nothing to compare its refusals with and "
+                        f"nothing was written; pass prompts it answers to {param('benign_dataset')}, or {off}.")
+
+
 def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
     from ..data import load_samples
 
@@ -160,7 +188,7 @@ class _Abliteration:
     """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
 
     def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, phrasings, max_kl, warnings):
+                 target, safety, phrasings, max_kl, warnings, refusal_filter=True, progress=False, log=quiet):
         from ..data import pad_id
         from ..refusal import first_token_logprobs
 
@@ -168,10 +196,10 @@ class _Abliteration:
         self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
         self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
         self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
-        self.warnings = warnings
-        self.reference = first_token_logprobs(model, eval_b)
+        self.warnings, self.refusal_filter, self.progress, self.log = warnings, refusal_filter, progress, log
+        log(f"Measuring the original model's first-token log-probs on {len(eval_b)} evaluation benign prompts ...")
+        self.reference = first_token_logprobs(model, eval_b, progress=progress, desc="reference log-probs")
         self._capture_reference = None  # capture benign first-token log-probs of the original (later rounds)
-        self.progress = False
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
 
     def statistics(self, r: int) -> _Stats | None:
@@ -183,21 +211,19 @@ class _Abliteration:
         from ..refusal import greedy_replies, is_refusal, phrasing
         from ..residual import directions
 
-        replies = greedy_replies(self.model, self.tok, self.harmful, self.reply_tokens)
+        self.log(f"Round {r}: the model's replies to {len(self.harmful)} harmful and {len(self.benign)} benign "
+                 f"capture prompts ({self.reply_tokens} tokens each) ...")
+        replies = self._replies(self.harmful, f"round {r} harmful replies")
         hs = [(s, phrasing(t) if self.phrasings > 1 else "all") for s, t in zip(self.harmful, replies) if is_refusal(t)]
-        bs = [s for s, t in zip(self.benign, greedy_replies(self.model, self.tok, self.benign, self.reply_tokens))
+        bs = [s for s, t in zip(self.benign, self._replies(self.benign, f"round {r} benign replies"))
               if not is_refusal(t)]
         refused, answered = len(hs), len(bs)
         if r > 1 and (refused < MIN_REFUSED or not bs):
             return None
-        if r == 1 and not hs:
-            self.warnings.append(f"the model refuses none of the {len(self.harmful)} harmful prompts "
-                                 "(mlx_fun.refusal.is_refusal); the direction comes from all of them, in one round.")
-            hs = [(s, "all") for s in self.harmful]
-        if r == 1 and not bs:
-            self.warnings.append(f"the model refuses all {len(self.benign)} benign prompts; the direction comes "
-                                 "from all of them.")
-            bs = self.benign
+        if r == 1 and not self.refusal_filter:  # every prompt, whatever the model replied
+            hs, bs = [(s, "all") for s in self.harmful], self.benign
+        elif r == 1:
+            _check_refusals(refused, len(self.harmful), answered, len(self.benign), self.reply_tokens)
         by = defaultdict(list)
         for sample, key in hs:
             by[key].append(sample)
@@ -208,6 +234,11 @@ class _Abliteration:
         groups = sorted(((k, len(g), means[k] - mb) for k, g in by.items() if len(g) >= MIN_PHRASING),
                         key=lambda x: -x[1]) or [("all", len(hs), mh - mb)]
         return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms, groups)
+
+    def _replies(self, samples, desc: str) -> list[str]:
+        from ..refusal import greedy_replies
+
+        return greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc)
 
     def _capture(self, samples, desc):
         from ..residual import capture
@@ -256,7 +287,8 @@ class _Abliteration:
         done, touched, undo = [], {}, []
         self.over_kl = None
         if rounds > 1 and self._capture_reference is None:  # the original model, before round 1 changes it
-            self._capture_reference = first_token_logprobs(self.model, self.benign)
+            self._capture_reference = first_token_logprobs(self.model, self.benign, progress=self.progress,
+                                                           desc="capture benign log-probs")
         for r in range(1, rounds + 1):
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
@@ -267,7 +299,8 @@ class _Abliteration:
             restore(undo)
             touched, undo = self.apply(done, layers, weight, source)
             if r > 1:
-                kl = mean_kl(self._capture_reference, first_token_logprobs(self.model, self.benign))
+                kl = mean_kl(self._capture_reference, first_token_logprobs(
+                    self.model, self.benign, progress=self.progress, desc=f"round {r} benign KL"))
                 if kl > self.max_kl:
                     self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
@@ -290,12 +323,15 @@ class _Abliteration:
                      embed=None if source is None else stack[:, source])
 
     def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
-        from ..refusal import first_token_logprobs, greedy_replies, mean_kl, refusal_rate
+        from ..refusal import first_token_logprobs, mean_kl, refusal_rate
 
-        kl = 0.0 if original else mean_kl(self.reference, first_token_logprobs(self.model, self.eval_b))
-        return Trial(layers, weight, refusal_rate(greedy_replies(self.model, self.tok, self.eval_h, self.reply_tokens)),
-                     refusal_rate(greedy_replies(self.model, self.tok, self.eval_b, self.reply_tokens)), kl, rounds,
-                     source)
+        which = "the original model" if original else "the abliterated model"
+        self.log(f"Measuring {which} on {len(self.eval_h)} harmful and {len(self.eval_b)} benign evaluation "
+                 "prompts ...")
+        kl = 0.0 if original else mean_kl(self.reference, first_token_logprobs(
+            self.model, self.eval_b, progress=self.progress, desc="evaluation benign KL"))
+        return Trial(layers, weight, refusal_rate(self._replies(self.eval_h, "evaluation harmful replies")),
+                     refusal_rate(self._replies(self.eval_b, "evaluation benign replies")), kl, rounds, source)
 
     def search(self, first: _Stats, candidates, rounds: int, progress: bool):
         """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
@@ -307,7 +343,8 @@ class _Abliteration:
             from tqdm import tqdm
 
             bar = tqdm(total=len(candidates) * rounds, unit="trial", desc="search", dynamic_ncols=True)
-        trials, kept = [], []
+        trials, kept, log = [], [], self.log
+        self.log = quiet  # the search bar says what each trial does
         try:
             for lay, w, src in candidates:
                 def measured(done, lay=lay, w=w, src=src):
@@ -320,6 +357,7 @@ class _Abliteration:
                 _, _, undo = self.abliterate(first, lay, w, src, rounds, on_round=measured)
                 restore(undo)
         finally:
+            self.log = log
             if bar is not None:
                 bar.close()
         return trials, kept
@@ -351,6 +389,7 @@ def run(
     search: int = 0,
     max_kl: float = 0.5,
     batch_size: int = 4,
+    refusal_filter: bool = True,
     force: bool = False,
     progress: bool = False,
     log: Log = quiet,
@@ -369,6 +408,7 @@ def run(
                        ("eval_harmful_dataset", eval_harmful_dataset), ("eval_benign_dataset", eval_benign_dataset)):
         if path is not None:
             require_path(name, path, "pass a JSONL file or a directory of text files")
+    _check_distinct(harmful_dataset, benign_dataset)
     inputs = {param("model"): model, param("harmful_dataset"): harmful_dataset,
               param("benign_dataset"): benign_dataset}
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
@@ -388,11 +428,11 @@ def run(
             eval_b=_prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset",
                             max_samples=eval_samples, **kw),
             position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
-            safety=_safety(adapter, target, safety_map), phrasings=phrasings, max_kl=float(max_kl), warnings=warnings)
+            safety=_safety(adapter, target, safety_map), phrasings=phrasings, max_kl=float(max_kl), warnings=warnings,
+            refusal_filter=refusal_filter, progress=progress, log=log)
         if eval_harmful_dataset is None or eval_benign_dataset is None:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
-        job.progress = progress and not search
         first = job.statistics(1)
         norms = first.norms
         single = direction == "single"
@@ -423,7 +463,7 @@ def run(
         after = after or job.measure(chosen, float(weight), len(done), source)
         for w in warnings:
             log(f"Warning: {w}")
-        meta = {"method": "abliteration", "target": target, "abliterated_layers": chosen, "weight": weight,
+        meta = {"method": "abliteration", "target": target, "refusal_filter": refusal_filter, "abliterated_layers": chosen, "weight": weight,
                 "direction": direction, "direction_layer": source, "extraction_position": extraction_position,
                 "layers_spec": str(layers),
                 "direction_norms": {str(i): round(float(norms[i]), 6) for i in range(n_layers)},
@@ -435,6 +475,7 @@ def run(
                                "held_out": eval_harmful_dataset is not None and eval_benign_dataset is not None},
                 "search": {"trials": [t.row() for t in trials], "max_kl": max_kl} if trials else None}
         res.require_space(params_nbytes(mdl))
+        log(f"Writing {output} ...")
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
     return AbliterateResult(Path(output), chosen, float(weight), before, after,
                             {str(i): float(norms[i]) for i in range(n_layers)}, done[0].dirs[0],
