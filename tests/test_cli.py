@@ -92,37 +92,3 @@ def test_console_script_collect_help():
 def test_collect_rejects_bad_numbers(tmp_path, bad_args, needle):
     result = run("collect", "--model", tmp_path, "--dataset", SAMPLE, "--output", tmp_path / "x.npz", *bad_args)
     assert result.exit_code == 2 and needle in result.output
-
-
-def test_readme_python_api_runs(tmp_path, monkeypatch, capsys):
-    """The README's Python examples run as written: the jobs (collect → prune / merge → eval → smoke-test, the
-    CLI's own functions) and the library pipeline (load → hooks → accumulate → select → prune → save)."""
-    import re
-    import shutil
-
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"## Python API\n(.*?)\n## ", readme, re.S).group(1)
-    codes = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(codes) == 2
-    shutil.copytree(ROOT / "data" / "tiny-moe", tmp_path / "data" / "tiny-moe")
-    shutil.copy(SAMPLE, tmp_path / "data" / SAMPLE.name)
-    monkeypatch.chdir(tmp_path)
-    ns: dict = {}
-    exec(compile(codes[0], "README.md", "exec"), ns)
-    printed = capsys.readouterr().out.splitlines()
-    got, report = ns["got"], ns["report"]
-    assert printed[0] == f"{got.tokens} tokens; (4, 32)" and got.tokens > 500
-    assert float(printed[1].split()[0]) == report.results["calibration_sample"]["kl"] > 0
-    assert ns["text"].strip() and "\n".join(printed[2:]) == ns["text"].rstrip("\n")
-    assert ns["merged"].kept == 24 and ns["pruned"].kept == 24
-    assert SaliencyAccumulator.load(tmp_path / "saliency.npz").total_tokens == got.tokens
-    for out in ("pruned", "merged"):
-        assert json.loads((tmp_path / out / "config.json").read_text())["num_experts"] == 24
-    exec(compile(codes[1], "README.md", "exec"), {})
-    acc = SaliencyAccumulator.load(tmp_path / "saliency.npz")
-    assert acc.scores("reap").shape == (4, 32) and acc.freq.sum() > 0
-    import mlx_lm
-
-    pruned, _ = mlx_lm.load(str(tmp_path / "my-pruned"))
-    assert json.loads((tmp_path / "my-pruned" / "config.json").read_text())["num_experts"] == 24
-    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 24

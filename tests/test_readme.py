@@ -1,5 +1,6 @@
-"""The README is true: every shell block runs as written, in order, on the bundled model in a fresh directory, and
-every command's `--help` example is one of those commands (so it runs too)."""
+"""The README is true: every block — shell and Python — runs as written, in README order, in one fresh directory
+on the bundled model (as a user follows it top to bottom), and every command's `--help` example is one of those
+commands (so it runs too)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ NOT_RUN = {
 
 
 def blocks() -> list[tuple[str, str]]:
-    """``("bash", text)`` for every ```bash block and ``("file:NAME", text)`` for a block under
-    ``<!-- file: NAME -->`` (a file the README asks to save), in README order."""
+    """``("bash", text)`` for every ```bash block, ``("python", text)`` for every ```python block (run as it is)
+    and ``("file:NAME", text)`` for a block under ``<!-- file: NAME -->`` (a file the README asks to save), in
+    README order."""
     out = []
     for m in re.finditer(r"(<!-- file: (?P<file>[^ ]+) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", README, re.S):
         if m.group("file"):
             out.append((f"file:{m.group('file')}", m.group("body")))
-        elif m.group("lang") == "bash":
-            out.append(("bash", m.group("body")))
+        elif m.group("lang") in ("bash", "python"):
+            out.append((m.group("lang"), m.group("body")))
     return out
 
 
@@ -92,7 +94,9 @@ def normalise(cmd: str) -> str:
     return " ".join(shlex.split(cmd))
 
 
-def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
+def test_every_readme_block_runs_in_order_in_one_directory(tmp_path):
+    """Shell and Python blocks alike, in README order, in one directory: an example that only works in a fresh
+    directory (the Python API block once met `pruned/` from the prune example) fails here."""
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     for name in ("tiny-moe", "tiny-moe-chat", "safety", "calibration_sample.jsonl"):
@@ -102,12 +106,19 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     bundled_before = tree(ROOT / "data" / "tiny-moe")
     chat_before = tree(ROOT / "data" / "tiny-moe-chat")
-    ran, skipped, servers = [], [], []
+    ran, skipped, servers, printed = [], [], [], []
     for kind, body in blocks():  # files the README asks to save ("save this as …") exist from the start
         if kind.startswith("file:"):
             (work / kind[5:]).write_text(body)
     try:
         for kind, body in blocks():
+            if kind == "python":  # as a user runs it: `python` in the same directory, servers stopped
+                while servers:
+                    servers.pop().stop()
+                printed.append(_run(f"python <<README block {len(printed) + 1}>>", [sys.executable, "-"], work, env,
+                                    stdin=body).stdout)
+                ran.append(f"python block {len(printed)}")
+                continue
             if kind != "bash":
                 continue
             for cmd in commands(body):
@@ -122,16 +133,14 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
                     servers.append(Background(cmd, work, env))
                     ran.append(cmd)
                     continue
-                proc = subprocess.run(cmd, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-                assert proc.returncode == 0, f"$ {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-                assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, f"$ {cmd}\n{proc.stderr[-3000:]}"
+                _run(cmd, cmd, work, env)
                 ran.append(cmd)
         while servers:
             servers.pop().stop()
     finally:
         for server in servers:
             server.proc.kill()
-    assert len(ran) >= 20 and len(skipped) == 5, (ran, skipped)
+    assert len(ran) >= 22 and len(skipped) == 5, (ran, skipped)
     assert {c.split()[1] for c in ran if c.startswith("mlx-fun ")} >= {
         "demo", "collect", "prune", "merge", "smoke-test", "eval", "stats-diff", "stats-merge", "stats-purge",
         "tune-dispatch", "doctor", "serve", "ui", "safety-scan", "domain-scan",
@@ -139,16 +148,45 @@ def test_every_readme_shell_block_runs_on_the_bundled_model(tmp_path):
     assert any(c.startswith("mlx.launch --backend ring -n 2 -- mlx-fun collect") for c in ran)
     for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
                           ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24),
-                          ("pruned-domain", 24)):
+                          ("pruned-domain", 24), ("api-pruned", 24), ("api-merged", 24), ("my-pruned", 24)):
         assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
     report = json.loads((work / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
     for name in ("amplified/amplification_metadata.json", "safety_report.json", "domain_report.json", "online.npz", "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "mlx-fun-demo/summary.md",
-                 "cache/mlx-fun/dispatch_table.json"):
+                 "cache/mlx-fun/dispatch_table.json", "saliency.npz", "pipeline.npz"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
+    _check_python_api(work, printed)
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left
     assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled models are only ever read
     assert tree(ROOT / "data" / "tiny-moe-chat") == chat_before
+
+
+def _run(shown: str, cmd, cwd, env, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """One README command (a shell line, or ``python -`` fed a block): exit 0, no error, no traceback."""
+    proc = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=cwd, env=env, input=stdin, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"$ {shown}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, f"$ {shown}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _check_python_api(work: Path, printed: list[str]) -> None:
+    """What the Python API blocks print and write: the jobs (collect → prune / merge → eval → smoke-test) and the
+    library pipeline (load → hooks → accumulate → select → prune → save)."""
+    import mlx_lm
+
+    from mlx_fun.saliency import SaliencyAccumulator
+
+    assert len(printed) == 2, printed
+    lines = printed[0].splitlines()
+    tokens = SaliencyAccumulator.load(work / "saliency.npz").total_tokens
+    assert lines[0] == f"{tokens} tokens; (4, 32)" and tokens > 500, lines
+    assert float(lines[1].split()[0]) > 0 and lines[1].endswith(" nats KL to the original"), lines
+    assert "".join(lines[2:]).strip(), lines  # the merged model's reply
+    acc = SaliencyAccumulator.load(work / "pipeline.npz")
+    assert acc.scores("reap").shape == (4, 32) and acc.freq.sum() > 0
+    pruned, _ = mlx_lm.load(str(work / "my-pruned"))
+    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 24
 
 
 def _help_examples(cmd_name: str) -> list[str]:
