@@ -304,19 +304,77 @@ def bundled_saliency(tmp_path_factory):
     return out
 
 
+#: A ``sitecustomize`` for the child: an audit hook (it sees every os.mkdir / open / rename the writer makes) that
+#: stops the process (SIGSTOP) at the first audited event once its output's temp is in the state ``PAUSE_AT``
+#: names — "reserved": the temp exists; "writing": the temp holds a file — so a test kills it in exactly that
+#: state, however slow or loaded the machine (a poll from outside can miss a write that starts and ends between
+#: two looks).
+PAUSE_HOOK = """
+import os, signal, sys
+
+_at, _prefix = os.environ["PAUSE_AT"], os.environ["PAUSE_PREFIX"]
+_state = {"temp": None, "busy": False, "done": False}
+
+
+def _hook(event, args):
+    if _state["done"] or _state["busy"]:
+        return
+    _state["busy"] = True
+    try:
+        if event == "os.mkdir" and os.path.basename(os.fsdecode(args[0])).startswith(_prefix):
+            _state["temp"] = os.fsdecode(args[0])  # raised before the directory exists: check at the next event
+        elif _state["temp"] and os.path.isdir(_state["temp"]) and (_at == "reserved" or os.listdir(_state["temp"])):
+            _state["done"] = True
+            os.kill(os.getpid(), signal.SIGSTOP)
+    finally:
+        _state["busy"] = False
+
+
+sys.addaudithook(_hook)
+"""
+
+
+def _start_paused(args: list, hook_dir: Path, at: str, prefix: str) -> subprocess.Popen:
+    """Start ``args`` with :data:`PAUSE_HOOK` and return once it is stopped at ``at`` (waitpid, no guessing)."""
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(PAUSE_HOOK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook_dir), os.environ.get("PYTHONPATH", "")]),
+               PAUSE_AT=at, PAUSE_PREFIX=prefix)
+    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 600  # only against a hang: the wait ends when the child stops (or exits)
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid and os.WIFSTOPPED(status):
+            return proc
+        if pid:  # it exited without reaching the state: nothing to kill
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            pytest.fail(f"exited with {proc.returncode} before its temp was {at}:\n{proc.stderr.read()}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"not stopped at {at} within 600 s:\n{proc.communicate()[1]}")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 @pytest.mark.parametrize("point", ["reserved", "writing", "0.4s", "1.2s"])
 def test_killed_prune_leaves_no_temp_after_the_next_run(tmp_path, bundled_saliency, sig, point):
+    """Killed with its output reserved, half written, or at a given time: afterwards the output is absent or
+    complete, and the next run leaves no temp. "reserved" and "writing" are reached by stopping the child in that
+    state (:data:`PAUSE_HOOK`), not by polling for it: a poll failed once on a loaded 2-core machine (issue 29
+    row 26), the whole write having started and ended between two looks."""
     out = tmp_path / "out"
     args = [MLX_FUN, "prune", "--model", BUNDLED, "--saliency", bundled_saliency, "--n-prune", 8, "--output", out]
-    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if point == "reserved":
-        assert _wait_for(lambda: _temps(tmp_path, "out"))
-    elif point == "writing":
-        assert _wait_for(lambda: any(any(t.iterdir()) for t in _temps(tmp_path, "out")))
-    else:
+    if point in ("reserved", "writing"):
+        proc = _start_paused(args, tmp_path.parent / f"{tmp_path.name}-hook", point, ".out.mlxfun-")
+        temps = _temps(tmp_path, "out")
+        assert len(temps) == 1 and not out.exists()
+        assert point == "reserved" or any(temps[0].iterdir())  # "writing": a file is in it
+        proc.send_signal(sig)
+        if sig != signal.SIGKILL:
+            os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs again
+    else:  # any moment: the run may not have started writing, or may have finished
+        proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(float(point[:-1]))
-    proc.send_signal(sig)
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     if sig == signal.SIGTERM and proc.returncode != -signal.SIGTERM:  # -15: it died before setting up, no temp yet
         assert proc.returncode in (143, 0), err
@@ -324,7 +382,11 @@ def test_killed_prune_leaves_no_temp_after_the_next_run(tmp_path, bundled_salien
             assert err.strip().splitlines()[-1] == "Interrupted by SIGTERM; outputs not yet complete were removed."
     if sig == signal.SIGTERM:
         assert not _temps(tmp_path, "out")  # SIGTERM cleans up at once
+        if point in ("reserved", "writing"):
+            assert proc.returncode == 143, err  # stopped inside the writer: its handler ran
     assert not out.exists() or _complete(out)  # absent or complete, never partial
+    if point in ("reserved", "writing"):
+        assert not out.exists()
     again = cli("prune", "--model", BUNDLED, "--saliency", bundled_saliency, "--n-prune", 8, "--output", out,
                 "--force")
     assert again.returncode == 0, again.stderr
