@@ -49,16 +49,15 @@ def _weights_bytes(path):
 
 def _check_groups(meta, E, n_kept, max_group_size):
     for layer, groups in meta["group_map"].items():
-        members = [e for g in groups.values() for e in g] + meta["dropped_map"].get(layer, [])
-        assert sorted(members) == list(range(E)), f"layer {layer}: every expert exactly once, grouped or dropped"
+        members = [e for g in groups.values() for e in g]
+        assert sorted(members) == list(range(E)), f"layer {layer}: every expert exactly once"
         assert sorted(int(c) for c in groups) == meta["centroid_map"][layer] and len(groups) == n_kept
         assert all(g[0] == int(c) for c, g in groups.items())
         assert max(len(g) for g in groups.values()) <= max_group_size
-        assert len(meta["dropped_map"].get(layer, [])) == max(0, E - n_kept * max_group_size)
 
 
 # ---------------------------------------------------------------------------------------------- grouping
-def test_grouping_never_exceeds_max_size_and_drops_only_what_fits_nowhere():
+def test_grouping_never_exceeds_max_size_and_covers_every_expert_once():
     rng = np.random.default_rng(0)
     for trial in range(300):
         E = int(rng.integers(2, 40))
@@ -68,13 +67,15 @@ def test_grouping_never_exceeds_max_size_and_drops_only_what_fits_nowhere():
         sim = (sim + sim.T) / 2
         sal = rng.random(E)
         cents = sorted(rng.choice(E, k, replace=False).tolist())
+        if k * C < E:  # no room for every expert: refused, never a group past C
+            with pytest.raises(UserError, match=rf"max_group_size= {-(-E // k)} or more"):
+                group_experts(sim, sal, cents, C)
+            continue
         groups = group_experts(sim, sal, cents, C)
         members = [e for g in groups.values() for e in g]
-        assert len(members) == len(set(members)) == min(E, k * C) and sorted(groups) == cents
+        assert sorted(members) == list(range(E)) and sorted(groups) == cents
         assert all(g[0] == c for c, g in groups.items())
         assert max(len(g) for g in groups.values()) <= C
-        if k * C < E:  # every group is full; the experts left over are in none (dropped, as prune drops them)
-            assert min(len(g) for g in groups.values()) == C
         # the most salient centroid claimed its most similar non-centroids first
         top = max(cents, key=lambda c: (sal[c], -c))
         others = [e for e in range(E) if e not in cents]
@@ -84,9 +85,10 @@ def test_grouping_never_exceeds_max_size_and_drops_only_what_fits_nowhere():
 
 def test_max_group_size_is_never_exceeded():
     """Issue 29 row 18b: `--max-group-size 1` made groups of 5 (leftovers joined their most similar centroid).
-    The maximum holds; what fits in no group is dropped."""
+    The maximum holds: a size with no room for every expert is refused."""
     sim = np.array([[1, 0, .9, .1], [0, 1, .2, .8], [.9, .2, 1, 0], [.1, .8, 0, 1]], dtype=float)  # fmt: skip
-    assert group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 1) == {0: [0], 1: [1]}
+    with pytest.raises(UserError, match="^2 centroids × max_group_size= 1 hold 2 of the 4 experts per layer"):
+        group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 1)
     assert group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 2) == {0: [0, 2], 1: [1, 3]}
     assert group_experts(sim, np.array([2.0, 1.0, 0, 0]), [0, 1], 16) == {0: [0, 2, 3], 1: [1]}
 
@@ -344,10 +346,10 @@ def test_merge_cli_end_to_end(tmp_path, saliency_file):
     assert meta["similarity_mode"] == "average" and meta["metric"].startswith("reap")
 
 
-def test_max_group_size_one_is_exactly_prune(tmp_path, saliency_file):
-    """Issue 29 row 18b: `merge --max-group-size 1` produced groups of 5. The maximum is honoured: every centroid
-    stays alone, the experts no group has room for are dropped (with a warning naming the size that merges them
-    all), and the result holds exactly the tensors `prune` writes for the same experts."""
+def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, saliency_file):
+    """Issue 29 row 18b: `merge --max-group-size 1` produced groups of 5 (the leftovers joined their most similar
+    centroid past the maximum). Now one line naming the smallest size that works, exit 2, nothing written; that
+    size then merges with no group past it."""
     from mlx_fun.errors import UserError
     from mlx_fun.jobs import merge as merge_job
 
@@ -355,25 +357,21 @@ def test_max_group_size_one_is_exactly_prune(tmp_path, saliency_file):
 
     model, sal = saliency_file
     before = tree(model)
-    got = run("merge", "--model", model, "--saliency", sal, "--n-prune", 3, "--dataset", SAMPLE, "--output",
-              tmp_path / "merged", "--max-tokens", 16, "--max-samples", 4, "--max-group-size", 1)  # fmt: skip
+    base = ("merge", "--model", model, "--saliency", sal, "--n-prune", 3, "--dataset", SAMPLE, "--max-tokens", 16,
+            "--max-samples", 4)
+    _error(run(*base, "--output", tmp_path / "merged", "--max-group-size", 1),
+           "5 centroids × --max-group-size 1 hold 5 of the 8 experts per layer, so 3 would fit in no group; pass "
+           "--max-group-size 2 or more, or merge at most 0 experts per layer at this size")
+    assert not (tmp_path / "merged").exists() and hidden(tmp_path) == [] and tree(model) == before
+    got = run(*base, "--output", tmp_path / "merged", "--max-group-size", 2)
     assert got.exit_code == 0, got.output
-    assert "Warning: 5 centroids × --max-group-size 1 < 8 experts: 3 experts per layer fit in no group and are " \
-           "dropped, as prune drops them; --max-group-size 2 merges them all." in got.output
     meta = json.loads((tmp_path / "merged" / "ream_metadata.json").read_text())
-    _check_groups(meta, 8, 5, 1)
-    assert all(len(g) == 1 for groups in meta["group_map"].values() for g in groups.values())
-    assert run("prune", "--model", model, "--saliency", sal, "--n-prune", 3, "--output", tmp_path / "pruned").exit_code == 0
-    kept = json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())["keep_map"]
-    assert kept == meta["centroid_map"]
-    a, b = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("merged", "pruned"))
-    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    _check_groups(meta, 8, 5, 2)
     for bad in (0, 1.5, True):
-        with pytest.raises(UserError, match=rf"^max_group_size= must be a whole number of experts >= 1 .*got {bad}"):
+        with pytest.raises(UserError, match=rf"^max_group_size= must be a whole number of experts >= 1, got {bad}"):
             merge_job.run(model=model, saliency=sal, n_prune=3, dataset=SAMPLE, output=tmp_path / "py",
                           max_group_size=bad)
-    _error(run("merge", "--model", model, "--saliency", sal, "--n-prune", 3, "--dataset", SAMPLE, "--output",
-               tmp_path / "py", "--max-group-size", 0), "--max-group-size")  # fmt: skip
+    _error(run(*base, "--output", tmp_path / "py", "--max-group-size", 0), "--max-group-size")
     assert not (tmp_path / "py").exists() and hidden(tmp_path) == [] and tree(model) == before
 
 

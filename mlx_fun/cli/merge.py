@@ -33,9 +33,8 @@ from .prune import echo_size_summary
 @click.option("--alignment", type=click.Choice(["hungarian", "greedy", "none"]), default="hungarian", show_default=True,
               help="Neuron alignment before averaging: hungarian (optimal), greedy (fast), none.")
 @click.option("--max-group-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Most experts per merge group, centroid included (REAM's C). Never exceeded: when the "
-                   "centroids' groups are full, the experts left over are dropped as prune drops them (1: exactly "
-                   "prune), with a warning.")
+              help="Most experts per merge group, centroid included (REAM's C). Never exceeded: a size too "
+                   "small for the centroids to hold every expert is refused, naming the smallest that works.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=64, show_default=True,
               help="Calibration samples (a random subset when the dataset has more).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -65,8 +64,8 @@ def command(**kwargs):
       mlx-fun merge --model data/tiny-moe --expert-list filtered_experts.json --dataset corpus/code/train.jsonl \\
           --output merged-list --max-samples 16 --max-tokens 512
 
-    Each non-centroid expert joins its most similar centroid with room (groups of at most --max-group-size;
-    experts for which no group has room are dropped, as prune drops them); members'
+    Each non-centroid expert joins its most similar centroid with room (groups of at most --max-group-size);
+    members'
     neurons are aligned to the centroid's and the group is averaged with saliency weights; the centroid's
     router row is kept. Layers are processed in order with hidden states carried forward through the merged
     layers (one pass over the calibration data). Quantized models stay quantized (same bits / group size /
@@ -79,15 +78,13 @@ def command(**kwargs):
 
 
 def show(result) -> None:
-    """Per layer: experts before → centroids, experts merged, experts dropped (no group had room), the largest
-    group, seconds; then the size."""
+    """Per layer: experts before → centroids, experts merged, the largest group, seconds; then the size."""
     meta = result.metadata
-    click.echo(f"{'layer':>6} {'experts':>12}  {'merged':>6}  {'dropped':>7}  {'largest':>7}  {'s':>6}")
+    click.echo(f"{'layer':>6} {'experts':>12}  {'merged':>6}  {'largest':>7}  {'s':>6}")
     for layer in result.moe_layers:
         groups = meta["group_map"][str(layer)]
         merged = sum(len(m) - 1 for m in groups.values())
-        dropped = len(meta.get("dropped_map", {}).get(str(layer), []))
         largest = max(len(m) for m in groups.values())
-        click.echo(f"{layer:>6} {result.num_experts:>5} → {result.kept:<4}  {merged:>6}  {dropped:>7}  {largest:>7}  "
+        click.echo(f"{layer:>6} {result.num_experts:>5} → {result.kept:<4}  {merged:>6}  {largest:>7}  "
                    f"{meta['layer_seconds'][str(layer)]:>6.2f}")
     echo_size_summary(result.model, result.output, result.num_experts, result.kept, result.seconds)

@@ -63,7 +63,7 @@ def run(
     from .. import engine, writer
     from ..data import load_samples, pad_id
     from ..io import write_model_dir
-    from ..rewrite.merge import check_max_group_size, merge_model, select_centroids
+    from ..rewrite.merge import check_group_room, check_max_group_size, merge_model, select_centroids
     from ..rewrite.prune import pruned_nbytes
     from ..saliency import SaliencyAccumulator
     from ..selection import check_keep_counts, parse_expert_ranges
@@ -108,10 +108,7 @@ def run(
                 ignore_experts=parse_expert_ranges(ignore_experts, E) if ignore_experts else None)
         warnings += check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers)
         n_kept = len(keep_map[0])
-        if n_kept * max_group_size < E:
-            warnings.append(f"{n_kept} centroids × {param('max_group_size')} {max_group_size} < {E} experts: "
-                            f"{E - n_kept * max_group_size} experts per layer fit in no group and are dropped, as "
-                            f"prune drops them; {param('max_group_size')} {-(-E // n_kept)} merges them all.")
+        check_group_room(n_kept, E, max_group_size)
         for line in warnings:
             log(f"Warning: {line}")
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,

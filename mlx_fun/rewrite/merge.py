@@ -21,9 +21,9 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
    the router treats the two experts.
 4. **Grouping** (:func:`group_experts`) — centroids in descending saliency each claim their most similar
    unassigned non-centroid experts until the group (centroid included) has ``max_group_size`` members. No
-   group grows past ``max_group_size``: experts still unassigned (only possible when ``E > centroids ×
-   max_group_size``) join no group and are dropped as prune drops them (``max_group_size`` 1 is exactly prune).
-   The reference joins them to their most similar centroid instead, past the maximum.
+   group grows past ``max_group_size``, so ``centroids × max_group_size`` must reach ``E``
+   (:func:`check_group_room`; refused otherwise). The reference joins leftovers to their most similar centroid
+   instead, past the maximum.
 5. **Alignment** — each member's intermediate neurons are permuted onto the centroid's before averaging.
    Cost of pairing centroid neuron ``a`` with member neuron ``b`` = squared distance of their unit-normalised
    intermediate activations over the alignment tokens + squared distance of their unit-normalised weight
@@ -232,25 +232,36 @@ def _desc_order(values: np.ndarray, candidates) -> list[int]:
 def check_max_group_size(max_group_size) -> None:
     """A whole number of experts >= 1, else a one-line ``UserError`` naming the parameter."""
     if isinstance(max_group_size, bool) or not isinstance(max_group_size, (int, np.integer)) or max_group_size < 1:
-        raise UserError(f"{param('max_group_size')} must be a whole number of experts >= 1 (1: every centroid "
-                        f"alone, exactly prune), got {max_group_size!r}.")
+        raise UserError(f"{param('max_group_size')} must be a whole number of experts >= 1, got {max_group_size!r}.")
+
+
+def check_group_room(n_kept: int, num_experts: int, max_group_size: int) -> None:
+    """Every expert must find a group: ``n_kept`` centroids of at most ``max_group_size`` members hold them all,
+    else a one-line ``UserError`` with the smallest size that does and the most experts that size allows merging."""
+    check_max_group_size(max_group_size)
+    if n_kept * max_group_size < num_experts:
+        most = num_experts - -(-num_experts // max_group_size)
+        raise UserError(f"{n_kept} centroids × {param('max_group_size')} {max_group_size} hold {n_kept * max_group_size} "
+                        f"of the {num_experts} experts per layer, so {num_experts - n_kept * max_group_size} would "
+                        f"fit in no group; pass {param('max_group_size')} {-(-num_experts // n_kept)} or more, or "
+                        f"merge at most {most} experts per layer at this size (`mlx-fun prune` removes experts "
+                        f"without merging).")
 
 
 def group_experts(
     similarity: np.ndarray, saliency: np.ndarray, centroids: Sequence[int], max_group_size: int
 ) -> dict[int, list[int]]:
-    """``{centroid: [centroid, members...]}``, every expert in at most one group (see the module docstring).
+    """``{centroid: [centroid, members...]}`` covering every expert exactly once (see the module docstring).
 
     Centroids claim in descending saliency; each claims its most similar unassigned non-centroid experts
-    until its group has ``max_group_size`` members. Experts left over when every group is full are in no group:
-    they are dropped, as prune drops them.
+    until its group has ``max_group_size`` members (:func:`check_group_room`: there is room for all).
     """
     S = np.asarray(similarity, dtype=np.float64)
     E = S.shape[0]
-    check_max_group_size(max_group_size)
     cents = [int(c) for c in centroids]
     if len(set(cents)) != len(cents) or any(not 0 <= c < E for c in cents) or not cents:
         raise ValueError(f"centroids must be distinct experts in [0, {E}), got {cents}")
+    check_group_room(len(cents), E, max_group_size)
     groups = {c: [c] for c in _desc_order(saliency, cents)}
     unassigned = set(range(E)) - set(cents)
     for c, members in groups.items():
@@ -476,7 +487,7 @@ def merge_model(
     n_tokens = driver.n_tokens
 
     tap = ReamCaptureTap()
-    centroid_map, group_map, dropped_map = {}, {}, {}
+    centroid_map, group_map = {}, {}
     # every expert on the similarity tokens, a few experts at a time: each chunk's outputs no larger than one
     # forward's hidden state (token budget × hidden), so merging never peaks above the forward it replays
     chunk_elems = engine.token_budget(token_budget) * int(driver.batches[0].h.shape[-1])
@@ -500,9 +511,6 @@ def merge_model(
         )  # fmt: skip   2. rewrite; the driver then propagates through the merged layer
         centroid_map[str(i)] = keep_map[pos]
         group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
-        grouped = {e for m in groups.values() for e in m}
-        if dropped := [e for e in range(E) if e not in grouped]:  # every group full: dropped, as prune drops them
-            dropped_map[str(i)] = dropped
 
     with moe_hook.hooked(adapter, [tap]):
         driver.run(on_layer, progress=progress, desc="merge")
@@ -515,7 +523,6 @@ def merge_model(
         "metric": metric if scores is not None else "reap (calibration tokens)",
         "centroid_map": centroid_map,
         "group_map": group_map,
-        "dropped_map": dropped_map,
         "similarity_mode": similarity_mode,
         "alignment": alignment,
         "max_group_size": max_group_size,
