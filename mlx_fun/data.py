@@ -24,7 +24,14 @@ type) is a ``UserError`` naming the file and the 1-based line number.
 
 **Directory**: every file below it (recursively, in sorted path order; hidden directories such as ``.git``
 are skipped) whose suffix is in ``extensions`` (case-insensitive, default ``.sol`` and ``.txt``) is one
-plain-text sample, read as UTF-8 (undecodable bytes are replaced).
+plain-text sample, read as UTF-8.
+
+**Bytes**: JSONL lines and directory files follow one rule: they must be UTF-8 (a leading byte-order mark is
+dropped), and a text file must hold no NUL bytes (a binary file); anything else is a ``UserError`` naming the
+file (and line). Datasets are read in bounded pieces: one JSONL line, or one file of a directory, may be at most
+``MAX_SAMPLE_BYTES`` (16 MiB); a longer one is a ``UserError``. The dataset and every file read from a directory
+must be regular files (or links to them): a FIFO, a device such as ``/dev/zero`` or a socket is refused before
+anything is read from it.
 
 Samples that tokenize to no tokens are skipped; a dataset left with none is a ``UserError``. ``max_samples``
 keeps a random subset (``random.Random(seed)``) in the dataset's order; ``max_tokens`` truncates every sample.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +55,18 @@ from .errors import UserError
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
 DEFAULT_TEXT_KEY = "content"
+#: the most bytes one sample may take: one JSONL line, or one file of a dataset directory
+MAX_SAMPLE_BYTES = 16 << 20
 
 __all__ = [
     "DEFAULT_EXTENSIONS",
     "DEFAULT_TEXT_KEY",
+    "MAX_SAMPLE_BYTES",
     "Sample",
     "count_tokens",
     "iter_batches",
+    "json_type_name",
+    "json_whole",
     "load_dataset",
     "load_samples",
     "pad_id",
@@ -238,7 +251,8 @@ def _directory_items(root: Path, exts: tuple[str, ...]) -> list[_Item]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             file = Path(dirpath) / name
-            if file.suffix.lower() in exts and (file.is_file() or file.is_symlink()):  # a dangling link: an error
+            if file.suffix.lower() in exts:
+                _check_sample_file(file)
                 files.append((file.relative_to(root).as_posix(), file))
     if not files:
         raise UserError(
@@ -250,36 +264,111 @@ def _directory_items(root: Path, exts: tuple[str, ...]) -> list[_Item]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# reading: regular files only, in bounded pieces, UTF-8
+
+
+def _limit() -> str:
+    return f"{MAX_SAMPLE_BYTES >> 20} MiB"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _open_regular(path: Path, what: str, fix: str):
+    """``path`` opened for binary reading, or a ``UserError`` when it is no regular file. Opened without blocking
+    (opening a FIFO waits for a writer) and checked on the open descriptor, so nothing is read from a device."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UserError(f"{what} is {_kind(mode)}, not a regular file; {fix}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_sample_file(file: Path) -> None:
+    """A file of a dataset directory: a regular file (or a link to one) of at most ``MAX_SAMPLE_BYTES``."""
+    fix = "remove it from the dataset directory"
+    try:
+        st = file.stat()
+    except OSError as e:  # a dangling link, no permission to the target, ...
+        raise UserError(f"cannot read {file} ({e.strerror or e}); fix it or {fix}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"dataset file {file} is {_kind(st.st_mode)}, not a regular file; {fix}")
+    if st.st_size > MAX_SAMPLE_BYTES:
+        raise UserError(f"dataset file {file} is {st.st_size / (1 << 20):,.1f} MiB, over the {_limit()} one sample "
+                        f"may take; split it into smaller files")
+
+
+def _read_text_file(file: Path) -> str:
+    """The text of one file of a dataset directory, under the same rule as a JSONL line (UTF-8, bounded), and
+    with no NUL bytes (a binary file)."""
+    fix = "remove it from the dataset directory"
+    try:
+        with _open_regular(file, f"dataset file {file}", fix) as f:
+            raw = f.read(MAX_SAMPLE_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"cannot read {file} ({e.strerror or e}); check its permissions") from None
+    if len(raw) > MAX_SAMPLE_BYTES:
+        raise UserError(f"dataset file {file} is over the {_limit()} one sample may take; split it into smaller files")
+    text = _decode(raw, str(file), bom=True)
+    if "\0" in text:
+        raise UserError(f"{file}: a NUL byte at byte {raw.index(0)}, so not a text file; {fix}")
+    return text
+
+
+def _decode(raw: bytes, where: str, *, bom: bool) -> str:
+    """``raw`` as UTF-8 (``bom``: a leading byte-order mark dropped), or a ``UserError`` at ``where``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}); save the file as UTF-8") from None
+    return text.removeprefix("\ufeff") if bom else text
+
+
+# ----------------------------------------------------------------------------------------------------------
 # JSONL
 
 
 def _jsonl_items(path: Path, text_key: str) -> list[_Item]:
     items: list[_Item] = []
     try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
+        with _open_regular(path, f"dataset {path}", "pass a JSONL file or a directory of text files") as f:
+            lineno = 0
+            while raw := f.readline(MAX_SAMPLE_BYTES + 1):
+                lineno += 1
                 where = f"{path} line {lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise UserError(
-                        f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}); save the file as UTF-8"
-                    ) from None
-                if lineno == 1:
-                    line = line.lstrip("\ufeff")
+                if len(raw) > MAX_SAMPLE_BYTES and not raw.endswith(b"\n"):
+                    raise UserError(f"{where} is longer than {_limit()}, the most one sample may take; "
+                                    f"split it, or write one JSON object per line")
+                line = _decode(raw, where, bom=lineno == 1)
                 if not line.strip():
                     continue
                 items.append(_parse_line(line, where, f"{path}:{lineno}", text_key, path))
     except OSError as e:
-        raise UserError(f"cannot read dataset {path} ({e.strerror or e}); check the path and permissions")
+        raise UserError(f"cannot read dataset {path} ({e.strerror or e}); check the path and permissions") from None
     return items
 
 
-def _type_name(value: Any) -> str:
+def json_type_name(value: Any) -> str:
+    """How a message names the JSON type of ``value``: "an object", "a list", "a string", "null", ..."""
     if value is None:
         return "null"
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number"}.get(type(value), f"a {type(value).__name__}")
+
+
+def json_whole(value: Any, minimum: int) -> bool:
+    """``value`` is a JSON whole number (not a boolean) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -> _Item:
@@ -290,7 +379,7 @@ def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -
         raise UserError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object{hint}") from None
     if not isinstance(obj, dict):
         raise UserError(
-            f"{where}: expected a JSON object, got {_type_name(obj)}; each line must be one JSON object "
+            f"{where}: expected a JSON object, got {json_type_name(obj)}; each line must be one JSON object "
             f'such as {{"{text_key}": "..."}}'
         )
 
@@ -301,14 +390,14 @@ def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -
         prompt, completion = obj["prompt"], obj["completion"]
         for key, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, str):
-                raise UserError(f"{where}: '{key}' must be a string, got {_type_name(value)}; fix the line")
+                raise UserError(f"{where}: '{key}' must be a string, got {json_type_name(value)}; fix the line")
         return _Item(source=source, kind="text", payload=prompt + completion, where=where)
 
     if text_key in obj:
         text = obj[text_key]
         if not isinstance(text, str):
             raise UserError(
-                f"{where}: '{text_key}' must be a string, got {_type_name(text)}; fix the line or pass "
+                f"{where}: '{text_key}' must be a string, got {json_type_name(text)}; fix the line or pass "
                 f"--text-key with the key that holds the text"
             )
         return _Item(source=source, kind="text", payload=text, where=where)
@@ -324,24 +413,24 @@ def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -
 def _check_messages(messages: Any, where: str) -> list[dict]:
     expected = 'a non-empty list of {"role": ..., "content": ...} objects'
     if not isinstance(messages, list) or not messages:
-        got = "an empty list" if isinstance(messages, list) else _type_name(messages)
+        got = "an empty list" if isinstance(messages, list) else json_type_name(messages)
         raise UserError(f"{where}: 'messages' must be {expected}, got {got}; fix the line")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise UserError(
                 f"{where}: 'messages'[{i}] must be an object with 'role' and 'content', "
-                f"got {_type_name(message)}; 'messages' must be {expected}"
+                f"got {json_type_name(message)}; 'messages' must be {expected}"
             )
         role = message.get("role")
         if not isinstance(role, str):
             raise UserError(
-                f"{where}: 'messages'[{i}] needs a string 'role', got {_type_name(role)}; "
+                f"{where}: 'messages'[{i}] needs a string 'role', got {json_type_name(role)}; "
                 f"'messages' must be {expected}"
             )
         content = message.get("content")
         if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             raise UserError(
-                f"{where}: 'messages'[{i}] needs a string 'content', got {_type_name(content)}; "
+                f"{where}: 'messages'[{i}] needs a string 'content', got {json_type_name(content)}; "
                 f"'messages' must be {expected}"
             )
     return messages
@@ -356,11 +445,7 @@ def _tokenize(item: _Item, tokenizer: Any, generation_prompt: bool = False) -> l
         prompt = generation_prompt and item.payload[-1].get("role") == "user"
         return _apply_chat_template(tokenizer, item.payload, item.where, prompt)
     if item.kind == "file":
-        try:
-            text = Path(item.payload).read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise UserError(f"cannot read {item.payload} ({e.strerror or e}); check its permissions") from None
-        return _encode_text(tokenizer, text)
+        return _encode_text(tokenizer, _read_text_file(Path(item.payload)))
     return _encode_text(tokenizer, item.payload)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -352,6 +353,55 @@ def test_invalid_utf8_line(tmp_path, tok):
     f.write_bytes(b'{"content": "ok"}\n{"content": "\xff\xfe"}\n')
     with pytest.raises(UserError, match=r"u\.jsonl line 2: not valid UTF-8"):
         load_samples(f, tok)
+
+
+def test_one_byte_rule_for_jsonl_lines_and_directory_files(tmp_path, tok):
+    """Invalid UTF-8 is refused in a directory's text file as in a JSONL line (it used to be replaced silently); a
+    byte-order mark is dropped from both."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "bom.txt").write_bytes(b"\xef\xbb\xbfhello there")
+    assert load_samples(d, tok) == [enc(tok, "hello there")]
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"content": "hello there"}\n')
+    assert load_samples(tmp_path / "bom.jsonl", tok) == [enc(tok, "hello there")]
+    (d / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1\.txt: not valid UTF-8 \(invalid continuation byte at byte 3\)"):
+        load_samples(d, tok)
+
+
+def test_sample_byte_limit_is_exact_and_checked_for_unchosen_samples(tmp_path, tok, monkeypatch):
+    import mlx_fun.data as data
+
+    monkeypatch.setattr(data, "MAX_SAMPLE_BYTES", 40)
+    fits, over = json.dumps({"content": "x" * 25}), json.dumps({"content": "x" * 26})  # 40 and 41 bytes
+    f = write_jsonl(tmp_path / "lines.jsonl", [fits, fits, fits])
+    assert len(load_samples(f, tok)) == 3
+    write_jsonl(f, [fits] * 20 + [over])
+    for _ in range(3):  # the long line is found whichever lines are chosen
+        with pytest.raises(UserError, match=r"lines\.jsonl line 21 is longer than 0 MiB, the most one sample may"):
+            load_samples(f, tok, max_samples=1)
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("y" * 40)
+    assert load_samples(d, tok) == [enc(tok, "y" * 40)]
+    (d / "b.txt").write_text("y" * 41)
+    with pytest.raises(UserError, match=r"b\.txt is 0\.0 MiB, over the 0 MiB one sample may take; split it"):
+        load_samples(d, tok, max_samples=1, seed=0)
+
+
+def test_directory_special_files_are_refused_not_skipped_or_read(tmp_path, tok):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("fine")
+    (d / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    with pytest.raises(UserError, match=r"cannot read .*gone\.txt \(No such file or directory\); fix it or remove it from the dataset"):
+        load_samples(d, tok)
+    (d / "gone.txt").unlink()
+    os.mkfifo(d / "pipe.txt")
+    with pytest.raises(UserError, match=r"pipe\.txt is a FIFO \(named pipe\), not a regular file"):
+        load_samples(d, tok)
+    with pytest.raises(UserError, match=r"dataset /dev/null is a character device, not a regular file"):
+        load_samples("/dev/null", tok)
 
 
 def test_bad_limits(many, tok):

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from ..data import MAX_SAMPLE_BYTES
 from ..errors import UserError, cli_names
 from ..saliency import METRICS
 
@@ -141,7 +142,8 @@ def dataset_options(fn):
     )(fn)
     fn = click.option(
         "--dataset", required=True, type=click.Path(),
-        help="JSONL file (messages / prompt+completion / text lines, detected per line) or a directory of files.",
+        help="JSONL file (messages / prompt+completion / text lines, detected per line) or a directory of files; "
+             f"UTF-8, each line (or file) at most {MAX_SAMPLE_BYTES >> 20} MiB, no devices or FIFOs.",
     )(fn)
     return fn
 
