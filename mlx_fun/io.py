@@ -11,28 +11,94 @@ from .errors import UserError
 
 
 def read_config(model_path: str | os.PathLike) -> dict:
-    """``config.json`` of a local model directory, with friendly errors."""
+    """``config.json`` of a local model directory, with friendly errors, checked by :func:`check_config` (so
+    every command that takes a model refuses a malformed config in one line, before anything loads)."""
+    from .errors import param
+
     path = Path(model_path)
     if not path.exists():
-        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory to --model.")
+        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory to {param('model')}.")
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise UserError(f"{path} has no config.json; --model must be an mlx-lm model directory.")
+        raise UserError(f"{path} has no config.json; {param('model')} must be an mlx-lm model directory.")
+    fix = "fix or re-download the model."
     try:
-        return json.loads(cfg.read_text())
+        config = json.loads(cfg.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download the model.")
+        raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{cfg} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    check_config(config, where=cfg)
+    return config
+
+
+def check_config(config, *, where: str | os.PathLike) -> None:
+    """The one check of a model's config (``where``: the file, for messages): a JSON object whose ``model_type``
+    and ``text_config`` have the right types, whose expert facts make sense for the family's adapter (routed
+    experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`), and from which
+    mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun adapter is left to
+    the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into one line)."""
+    from .adapters import REGISTRY
+    from .data import json_type_name
+
+    fix = "fix it or re-download the model."
+    if not isinstance(config, dict):
+        raise UserError(f"{where} holds {json_type_name(config)}, not a JSON object of model settings; {fix}")
+    for key, kind, want in (("model_type", str, "a string"), ("text_config", dict, "an object")):
+        if key in config and not isinstance(config[key], kind):
+            raise UserError(f"{where}: {key!r} must be {want}, got {json_type_name(config[key])}; {fix}")
+    model_type = config.get("model_type")
+    if model_type in REGISTRY:  # other types: mlx-fun's commands name what they support, load_model mlx-lm's error
+        REGISTRY[model_type].check_config(config, where=where)
+        _check_model_args(config, where, fix)
+
+
+def _check_model_args(config: dict, where, fix: str) -> None:
+    """mlx-lm's ``ModelArgs.from_dict(config)``, the step of its loader that a missing key fails, before any
+    weight is read; an unknown ``model_type`` is left to the caller."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _model, args_class = _get_classes(config)
+    except ValueError:
+        return
+    try:
+        args_class.from_dict(config)
+    except Exception as e:  # noqa: BLE001 -- a missing argument (TypeError), a value __post_init__ refuses, ...
+        detail = " ".join(str(e).split())[:200]
+        raise UserError(f"{where} does not describe a {config['model_type']} model mlx-lm can build "
+                        f"({type(e).__name__}: {detail}); {fix}") from None
+
+
+#: files that hold a tokenizer's vocabulary (a fast tokenizer, sentencepiece, BPE / WordPiece vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+#: and such files named after their format (``spiece.model``, ``qwen.tiktoken``, ...)
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+
+
+def check_tokenizer(model_path: str | os.PathLike) -> None:
+    """A one-line ``UserError`` when the model directory holds no tokenizer vocabulary (mlx-lm would load an
+    empty tokenizer from it, which encodes every prompt to nothing)."""
+    path = Path(model_path)
+    names = [f.name for f in path.iterdir() if f.is_file()]
+    if any(n in TOKENIZER_FILES or n.endswith(TOKENIZER_SUFFIXES) for n in names):
+        return
+    raise UserError(f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (nor another "
+                    f"*{' / *'.join(TOKENIZER_SUFFIXES)} vocabulary) is in it; copy the original model's tokenizer "
+                    f"files into the directory.")
 
 
 def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str = "--model"):
     """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
-    cannot load (a missing or truncated shard, an unknown model type) is a one-line ``UserError`` naming ``flag``."""
+    cannot load (a missing or truncated shard, an unknown model type, no tokenizer) is a one-line ``UserError``
+    naming ``flag``."""
     from mlx_lm import load
 
     config = read_config(model_path)
+    check_tokenizer(model_path)
     try:
         model, tokenizer = load(str(model_path), lazy=lazy)
-    except (OSError, ValueError, RuntimeError) as e:  # a missing/corrupt shard, an unknown model type, ...
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...
         detail = " ".join(str(e).split())[:240]
         raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
                         f"a complete mlx-lm model directory (an interrupted download or copy?).") from None

@@ -258,3 +258,26 @@ def test_doctor_names_moe_types_of_a_newer_mlx_lm(monkeypatch):
     assert model_types() == f"{len(REGISTRY)} supported, 4 unsupported (see the README's table)"
     monkeypatch.delitem(REGISTRY, "mellum")
     assert model_types().endswith("; MoE types of this mlx-lm that mlx-fun does not know yet: mellum")
+
+
+def test_config_expert_facts_are_checked_once_before_loading(tmp_path):
+    """io.check_config asks the family's adapter: top-k a whole number (hunyuan: or a list of equal ones) at most
+    the routed-expert count; a dense checkpoint (0 experts) is left to the adapter's own no-MoE-layers message."""
+    from mlx_fun.io import check_config
+    from mlx_fun.tiny import tiny_config
+
+    where = tmp_path / "config.json"
+    check_config(tiny_config("hunyuan", moe_topk=[2, 2]), where=where)
+    check_config(tiny_config("qwen3_5", num_experts=0), where=where)
+    for cfg, needle in [
+        (tiny_config("hunyuan", moe_topk=[2, 3]), "per-layer moe_topk [2, 3] differ"),
+        (tiny_config("hunyuan", moe_topk=[2, True]), "moe_topk (experts per token) must be a whole number"),
+        (tiny_config("deepseek_v3", n_routed_experts=4, num_experts_per_tok=6), "num_experts_per_tok = 6 is more "
+         "than the 4 routed experts (n_routed_experts)"),
+        (tiny_config("mixtral", num_local_experts=-1), "num_local_experts (the routed-expert count) must be a whole"),
+        (tiny_config("gpt_oss", num_experts_per_tok=0), "num_experts_per_tok (experts per token) must be a whole "
+         "number of at least 1, got a number 0"),
+    ]:
+        with pytest.raises(UserError) as e:
+            check_config(cfg, where=where)
+        assert str(e.value).startswith(f"{where}: ") and needle in str(e.value), str(e.value)

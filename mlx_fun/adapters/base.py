@@ -8,6 +8,7 @@ the block's ``__call__`` in mlx-lm.
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -64,6 +65,31 @@ class MoEAdapter:
     @classmethod
     def config_top_k(cls, config: dict) -> int:
         return int(config.get("text_config", config)[cls.top_k_key])
+
+    @classmethod
+    def check_config(cls, config: dict, *, where) -> None:
+        """A one-line ``UserError`` for expert facts of config.json (``where``: the file) that mlx-lm would only
+        trip over mid-forward: the routed-expert count must be a whole number >= 0, top-k one >= 1 (hunyuan: or a
+        list of equal ones) and at most the expert count. Absent keys are mlx-lm's to default or to ask for."""
+        from ..data import json_type_name, json_whole
+
+        cfg, fix = config.get("text_config", config), "fix it or re-download the model."
+        experts, top_k = cfg.get(cls.num_experts_key), cfg.get(cls.top_k_key)
+        if cls.num_experts_key in cfg and not json_whole(experts, 0):
+            raise UserError(f"{where}: {cls.num_experts_key} (the routed-expert count) must be a whole number, got "
+                            f"{json_type_name(experts)} {json.dumps(experts)}; {fix}")
+        if cls.top_k_key not in cfg:
+            return
+        if not all(json_whole(k, 1) for k in (top_k if isinstance(top_k, list) and top_k else [top_k])):
+            raise UserError(f"{where}: {cls.top_k_key} (experts per token) must be a whole number of at least 1, "
+                            f"got {json_type_name(top_k)} {json.dumps(top_k)}; {fix}")
+        try:
+            k = cls.config_top_k(config)
+        except ValueError as e:
+            raise UserError(f"{where}: {e}; {fix}") from None
+        if experts and k > experts:
+            raise UserError(f"{where}: {cls.top_k_key} = {k} is more than the {experts} routed experts "
+                            f"({cls.num_experts_key}); top-k must be at most the expert count: {fix}")
 
     # ----------------------------------------------------------------- structure
     @property

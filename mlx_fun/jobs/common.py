@@ -21,12 +21,14 @@ def require_path(name: str, path, what: str = "check the path") -> None:
 
 
 def check_supported(model_path) -> dict:
-    """Fail fast (before loading weights) on a missing model or an unsupported ``model_type``; return the config."""
+    """Fail fast (before loading weights) on a missing model, a malformed config (``io.read_config`` checks it), an
+    unsupported ``model_type`` or a directory without tokenizer files; return the config."""
     from ..adapters import adapter_class
-    from ..io import read_config
+    from ..io import check_tokenizer, read_config
 
     config = read_config(model_path)
     adapter_class(config)
+    check_tokenizer(model_path)
     return config
 
 
