@@ -429,13 +429,14 @@ class DispatchSettings:
     dequant_cache_bytes: int = 0
 
     def apply(self, model, echo=None) -> DispatchReport:
-        """:func:`apply` with these settings; a bad table becomes a ``UserError``. ``echo`` gets the summary."""
+        """:func:`apply` with these settings; a bad table becomes a ``UserError`` (its message names the file, the
+        problem and the fix: :func:`load_table`). ``echo`` gets the summary."""
         from .errors import UserError
 
         try:
             report = apply(model, self.mode, self.table_path, self.dequant_cache_bytes)
         except ValueError as e:
-            raise UserError(f"{e}; fix the file or drop --dispatch-table.") from None
+            raise UserError(str(e)) from None
         if echo is not None:
             echo(report.summary())
         return report

@@ -157,12 +157,37 @@ class LayerKey:
 # --------------------------------------------------------------------------------------------------- table
 
 
-def _parse_bands(raw) -> list[tuple[int, Plan]]:
-    bands = sorted(((int(b["from"]), Plan.parse(b["plan"])) for b in raw), key=lambda t: t[0])
-    if not bands:
-        raise ValueError("a table entry needs at least one band")
+def _bad(where: str, want: str, value) -> ValueError:
+    from .data import json_type_name
+
+    return ValueError(f"{where} must be {want}, got {json_type_name(value)} {json.dumps(value)[:60]}")
+
+
+def _parse_bands(raw, where: str = "bands") -> list[tuple[int, Plan]]:
+    """Bands from their JSON (a non-empty list of ``{"from": M, "plan": ...}``, the first from M = 1); a
+    ``ValueError`` naming ``where`` (``entries[3].bands[0].plan``) for any other shape."""
+    from .data import json_whole
+
+    if not isinstance(raw, list):
+        raise _bad(where, 'a list of {"from": M, "plan": ...} bands', raw)
+    if not raw:
+        raise ValueError(f"{where} needs at least one band")
+    bands = []
+    for i, band in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(band, dict):
+            raise _bad(at, 'an object {"from": M, "plan": ...}', band)
+        if not json_whole(band.get("from"), 1):
+            raise _bad(f"{at}.from", "a whole number >= 1", band.get("from"))
+        if not isinstance(band.get("plan"), str):
+            raise _bad(f"{at}.plan", "a string", band.get("plan"))
+        try:
+            bands.append((band["from"], Plan.parse(band["plan"])))
+        except ValueError as e:
+            raise ValueError(f"{at}.plan: {e}") from None
+    bands.sort(key=lambda t: t[0])
     if bands[0][0] > 1:
-        raise ValueError("the first band of a table entry must start at M = 1")
+        raise ValueError(f"the first band of {where} must start at M = 1")
     return bands
 
 
@@ -198,15 +223,29 @@ class Entry:
         return any(plan.dequant for _, plan in bands)
 
     @classmethod
-    def from_json(cls, obj: dict, source: str = "") -> "Entry":
+    def from_json(cls, obj: dict, source: str = "", where: str = "the entry") -> "Entry":
+        """An entry from its JSON; a ``ValueError`` naming ``where`` and the field for any malformed one."""
+        from .data import json_whole
+
+        if not isinstance(obj, dict):
+            raise _bad(where, "an object (backend, quant, D, H, E, k, bands)", obj)
+        missing = [key for key in ("backend", "quant", "D", "H", "E", "k", "bands") if key not in obj]
+        if missing:
+            raise ValueError(f"{where} has no {', '.join(repr(k) for k in missing)}")
+        for key in ("backend", "quant"):
+            if not isinstance(obj[key], str) or not obj[key]:
+                raise _bad(f"{where}.{key}", "a non-empty string", obj[key])
+        for key in ("D", "H", "E", "k"):
+            if not json_whole(obj[key], 1):
+                raise _bad(f"{where}.{key}", "a whole number >= 1", obj[key])
+        if obj["k"] > obj["E"]:
+            raise ValueError(f"{where}.k ({obj['k']}) must not exceed its E ({obj['E']})")
         known = {"backend", "quant", "D", "H", "E", "k", "bands", "bands_cached"}
         cached = obj.get("bands_cached")
         return cls(
-            backend=str(obj["backend"]),
-            quant=str(obj["quant"]),
-            D=int(obj["D"]), H=int(obj["H"]), E=int(obj["E"]), k=int(obj["k"]),
-            bands=_parse_bands(obj["bands"]),
-            bands_cached=_parse_bands(cached) if cached else None,
+            backend=obj["backend"], quant=obj["quant"], D=obj["D"], H=obj["H"], E=obj["E"], k=obj["k"],
+            bands=_parse_bands(obj["bands"], f"{where}.bands"),
+            bands_cached=_parse_bands(cached, f"{where}.bands_cached") if cached not in (None, []) else None,
             source=source,
             extra={key: v for key, v in obj.items() if key not in known},
         )
@@ -284,10 +323,17 @@ class Table:
     # ----- files
     @classmethod
     def from_json(cls, obj: dict, source: str = "") -> "Table":
+        """A table from its JSON; a ``ValueError`` naming the field for any malformed shape."""
+        if not isinstance(obj, dict):
+            raise _bad("the table", 'a JSON object {"version": 1, "entries": [...]}', obj)
         version = obj.get("version", TABLE_VERSION)
         if version != TABLE_VERSION:
             raise ValueError(f"dispatch table version {version} is not supported (expected {TABLE_VERSION})")
-        return cls((Entry.from_json(e, source) for e in obj.get("entries", [])), [source] if source else [])
+        entries = obj.get("entries", [])
+        if not isinstance(entries, list):
+            raise _bad("'entries'", "a list of entries", entries)
+        return cls((Entry.from_json(e, source, f"entries[{i}]") for i, e in enumerate(entries)),
+                   [source] if source else [])
 
     def to_json(self) -> dict:
         return {"version": TABLE_VERSION, "entries": [e.to_json() for e in self.entries]}
@@ -297,18 +343,33 @@ class Table:
         return Table(self.entries + other.entries, self.sources + other.sources)
 
 
+#: the largest table file read (tables are a few kB; this bounds what a wrong path, say a device, can cost)
+MAX_TABLE_BYTES = 16 << 20
+
+
 def read_table(path: str | os.PathLike) -> Table:
-    """Read a table file; a missing or malformed file raises ``ValueError`` with the reason."""
+    """Read a table file; a missing, unreadable or malformed file raises a one-line ``ValueError`` naming the
+    file and the problem (no fix: callers add the one that fits them)."""
     p = Path(path)
+    if not p.exists():
+        raise ValueError(f"dispatch table {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"dispatch table {p} is not a regular file")
     try:
-        obj = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"dispatch table {p} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"dispatch table {p} could not be read: {e}") from None
+        with open(p, "rb") as f:
+            raw = f.read(MAX_TABLE_BYTES + 1)
+        if len(raw) > MAX_TABLE_BYTES:
+            raise ValueError(f"dispatch table {p} is larger than {MAX_TABLE_BYTES >> 20} MiB, not a table")
+        obj = json.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise ValueError(f"dispatch table {p} could not be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"dispatch table {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dispatch table {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     try:
         return Table.from_json(obj, source=str(p))
-    except (KeyError, TypeError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"dispatch table {p} is malformed: {e}") from None
 
 
@@ -329,14 +390,22 @@ def user_table_path() -> Path:
 
 
 def load_table(table_path: str | os.PathLike | None = None, user: bool = True) -> Table:
-    """The shipped table, overlaid by the user table (if it exists) and by ``table_path`` (if given)."""
+    """The shipped table, overlaid by the user table (if it exists) and by ``table_path`` (if given). A bad file is
+    a one-line ``ValueError`` naming it, the problem and the fix."""
+    from .errors import param
+
     table = shipped_table()
-    if user:
-        up = user_table_path()
-        if up.is_file():
-            table = table.merged(read_table(up))
+    reads = []
+    if user and user_table_path().is_file():
+        reads.append((user_table_path(), f"fix or delete this user table (mlx-fun tune-dispatch writes it; "
+                                         f"{TABLE_ENV} names another file)"))
     if table_path is not None:
-        table = table.merged(read_table(table_path))
+        reads.append((table_path, f"fix the file or drop {param('dispatch_table')}"))
+    for path, fix in reads:
+        try:
+            table = table.merged(read_table(path))
+        except ValueError as e:
+            raise ValueError(f"{e}; {fix}.") from None
     return table
 
 
