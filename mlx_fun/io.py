@@ -56,8 +56,10 @@ def check_config(config, *, where: str | os.PathLike) -> None:
 def _check_model_args(config: dict, where, fix: str) -> None:
     """mlx-lm's ``ModelArgs.from_dict(config)``, the step of its loader that a missing key fails, before any
     weight is read; an unknown ``model_type`` is left to the caller."""
-    from mlx_lm.utils import _get_classes
-
+    try:
+        from mlx_lm.utils import _get_classes  # private to mlx-lm: where it is gone, its loader says the same later
+    except ImportError:
+        return
     try:
         _model, args_class = _get_classes(config)
     except ValueError:
