@@ -108,6 +108,7 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str =
 
 
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
+_NOT_COPIED = _WEIGHT_FILES + ("README.md",)  # the source's card describes the source: the output gets its own
 
 
 def dir_size(path: str | os.PathLike) -> int:
@@ -140,10 +141,12 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
     Weights are written tensor by tensor (:func:`mlx_fun.streaming.write_weights`: what ``snapshot`` proves
     untouched is copied from the source files, ``rows`` are kept rows of them, the rest is evaluated one tensor
     at a time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
-    the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied; ``metadata``
-    maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written beside them (a ``str``
-    is written as it is, e.g. a ``README.md`` model card). A failing write (a full disk: MLX raises
-    ``RuntimeError: [write] Unable to write``) becomes a one-line ``UserError``.
+    the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied but its
+    ``README.md``; ``metadata`` maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written
+    beside them (a ``str`` is written as it is). The model card ``README.md`` is written by
+    :func:`mlx_fun.model_card.card` from that metadata (base model, method, settings, measured numbers, the
+    source card's license), unless ``metadata`` holds a ``README.md`` of its own. A failing write (a full disk:
+    MLX raises ``RuntimeError: [write] Unable to write``) becomes a one-line ``UserError``.
     """
     import copy as _copy
 
@@ -157,11 +160,12 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
                               max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
         save_config(_copy.deepcopy(config), config_path=dest / "config.json")
         for f in src.iterdir():
-            if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
+            if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
                 shutil.copyfile(f, dest / f.name)  # new files get the user's umask, not the source's mode
-        for name, obj in (metadata or {}).items():
+        files = {"README.md": _model_card(res, source, metadata), **(metadata or {})}
+        for name, obj in files.items():
             text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
-            (dest / name).write_text(text)
+            (dest / name).write_text(text, encoding="utf-8")
     except OSError as e:
         raise res.write_failed(e) from None
     except RuntimeError as e:
@@ -169,6 +173,23 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
             raise
         raise res.write_failed(e) from None
     return stats
+
+
+def _model_card(res, source, metadata: dict | None) -> str:
+    """The output's ``README.md`` (:mod:`mlx_fun.model_card`): the base model is ``source``'s Hugging Face repo id
+    when known, else ``source`` as given; sizes are the safetensors bytes of the source and of the weights just
+    written into ``res.tmp``."""
+    from .model_card import base_model, card, source_front_matter
+
+    if metadata and isinstance(metadata.get("README.md"), str):
+        return metadata["README.md"]
+
+    def weights(path) -> int:
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors") if f.is_file())
+
+    base, provenance = base_model(source)
+    return card(metadata, base=base, provenance=provenance, output=res.shown, source_card=source_front_matter(source),
+                size_before=weights(source) or None, size_after=weights(res.tmp))
 
 
 def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False,
