@@ -38,9 +38,9 @@ import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from . import classswap, dispatch_dense
+from . import classswap, dispatch_dense, mlx_lm_compat
 from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of this module's API
     Entry,
     LayerKey,
@@ -71,6 +71,10 @@ from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of 
     user_table_path,
     write_table,
 )
+
+# mlx-lm's sorted path, private to it: a newer mlx-lm without them is one line at import (mlx_lm_compat)
+_gather_sort = mlx_lm_compat.get("dispatch", "mlx_lm.models.switch_layers", "_gather_sort")
+_scatter_unsort = mlx_lm_compat.get("dispatch", "mlx_lm.models.switch_layers", "_scatter_unsort")
 
 MODES = ("auto", "mlx-lm")
 #: most (token, expert) rows one grouped-matmul call may have, per backend. MLX's CUDA kernels put the batch of

@@ -56,9 +56,10 @@ def check_config(config, *, where: str | os.PathLike) -> None:
 def _check_model_args(config: dict, where, fix: str) -> None:
     """mlx-lm's ``ModelArgs.from_dict(config)``, the step of its loader that a missing key fails, before any
     weight is read; an unknown ``model_type`` is left to the caller."""
-    try:
-        from mlx_lm.utils import _get_classes  # private to mlx-lm: where it is gone, its loader says the same later
-    except ImportError:
+    from . import mlx_lm_compat
+
+    _get_classes = mlx_lm_compat.lookup("mlx_lm.utils", "_get_classes")  # where it is gone, mlx-lm's loader
+    if _get_classes is None:  # says the same later
         return
     try:
         _model, args_class = _get_classes(config)

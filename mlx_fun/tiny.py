@@ -153,8 +153,10 @@ def _randomize_zero_router_params(model, seed: int) -> None:
 def build_model(config: dict, seed: int = 0):
     """Instantiate an mlx-lm model of ``config`` with random weights (in memory)."""
     import mlx.core as mx
-    from mlx_lm.utils import _get_classes
 
+    from . import mlx_lm_compat
+
+    _get_classes = mlx_lm_compat.get("tiny models", "mlx_lm.utils", "_get_classes")
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import mlx_lm_compat
 from ..errors import UserError
 from .bailing import (
     BailingHybridAdapter,
@@ -106,7 +107,8 @@ def supported_model_types() -> list[str]:
 
 
 def adapter_class(config: dict) -> type[MoEAdapter]:
-    """The adapter class of ``config['model_type']`` (config facts without loading weights); ``UserError`` if none."""
+    """The adapter class of ``config['model_type']`` (config facts without loading weights); ``UserError`` if none,
+    or if the installed mlx-lm lacks a private name its routing uses (:mod:`mlx_fun.mlx_lm_compat`)."""
     cls = REGISTRY.get(config.get("model_type"))
     if cls is None and config.get("model_type") in UNSUPPORTED:
         mt = config["model_type"]
@@ -116,6 +118,8 @@ def adapter_class(config: dict) -> type[MoEAdapter]:
             f"model_type '{config.get('model_type')}' is not supported; supported types: "
             f"{', '.join(supported_model_types())}."
         )
+    mt = config["model_type"]
+    mlx_lm_compat.require(mlx_lm_compat.routing_feature(ALIASES.get(mt, mt)))
     return cls
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import mlx_lm_compat
 from .base import MoEAdapter, model_function, topk_desc, topk_tail
 from .steer import steered, steered_correction, steered_selection
 
@@ -200,7 +201,7 @@ class LagunaAdapter(MoEAdapter):
         gates = steered(logits, steer)
         if gate.softcap > 0.0:
             gates = mx.tanh(gates / gate.softcap) * gate.softcap
-        scores = gate._routing_scores(gates)
+        scores = mlx_lm_compat.member(gate, "_routing_scores")(gates)
         inds = mx.stop_gradient(topk_desc(steered_selection(scores + gate.e_score_correction_bias, steer), gate.top_k))
         weights = mx.take_along_axis(scores, inds, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)

@@ -9,12 +9,12 @@ the block's ``__call__`` in mlx-lm.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import mlx_lm_compat
 from ..errors import UserError
 
 
@@ -238,12 +238,10 @@ class MoEAdapter:
 
 def model_function(module, name: str):
     """The function ``name`` of the mlx-lm model file that defines ``module``'s class — its own compiled selection
-    function, say — walking the MRO, since a hooked module's class is a subclass defined in ``mlx_fun``."""
-    for cls in type(module).__mro__:
-        fn = getattr(sys.modules.get(cls.__module__), name, None)
-        if fn is not None:
-            return fn
-    raise AttributeError(f"no {name} in the model file of {type(module).__name__}")
+    function, say — walking the MRO, since a hooked module's class is a subclass defined in ``mlx_fun``. Every
+    such name is listed in :data:`mlx_fun.mlx_lm_compat.TABLE`; one that this mlx-lm lacks is a one-line
+    ``UserError`` naming it and the tested mlx-lm range."""
+    return mlx_lm_compat.model_function(module, name)
 
 
 #: expert computations with a plain-MLX oracle in ``tests/oracles.py``

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import mlx_lm_compat
 from ..errors import UserError
 from .base import MoEAdapter, topk_tail
 from .steer import steered
@@ -55,7 +56,7 @@ class Gemma4Adapter(MoEAdapter):
     def route(self, block, x, steer=None):
         router = block.router
         k = router.config.top_k_experts
-        x = mx.fast.rms_norm(x, router.scale * router._root_size, router.eps)
+        x = mx.fast.rms_norm(x, router.scale * mlx_lm_compat.member(router, "_root_size"), router.eps)
         logits = router.proj(x)
         scores = steered(logits, steer)
         inds = mx.stop_gradient(topk_tail(scores, k))

@@ -21,9 +21,10 @@ class SmokeTestResult:
 
 def check_generatable(model_path) -> dict:
     """Fail fast (before loading weights) on a missing model or a ``model_type`` mlx-lm cannot build."""
-    from mlx_lm.utils import _get_classes
-
+    from .. import mlx_lm_compat
     from ..io import read_config
+
+    _get_classes = mlx_lm_compat.get("smoke-test", "mlx_lm.utils", "_get_classes")
 
     config = read_config(model_path)
     if "model_type" not in config:
