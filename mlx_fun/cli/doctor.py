@@ -7,8 +7,10 @@ import click
 
 @click.command("doctor", short_help="MLX backend, device, BLAS in use, versions, matmul speed, model types served.")
 def command():
-    """Show the MLX backend, device, BLAS and versions, measure a float32 matmul, and count the model types served
-    (naming any MoE type of the installed mlx-lm that has no adapter yet).
+    """Show the MLX backend, device, BLAS and versions (mlx and mlx-lm against the tested ranges, and whether this
+    mlx-lm has every private mlx-lm name used here), measure a float32 matmul, and count the model types served
+    (naming any MoE type of the installed mlx-lm that has no adapter yet). Exits 1 when MLX cannot be imported or
+    mlx-lm lacks a name a feature needs.
 
     \b
     Example:
@@ -18,7 +20,7 @@ def command():
 
     facts = doctor.run()
     show(facts)
-    if facts["mlx"].startswith("cannot import"):
+    if facts["mlx"].startswith("cannot import") or facts.get("mlx-lm compat", "").startswith("MISSING"):
         raise SystemExit(1)
 
 

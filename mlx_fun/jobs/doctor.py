@@ -1,20 +1,12 @@
-"""The ``doctor`` job: the MLX backend, device, BLAS and versions in use, a measured matmul speed, and the model
-types mlx-fun serves (with any MoE type of the installed mlx-lm it does not know)."""
+"""The ``doctor`` job: the MLX backend, device, BLAS and versions in use (mlx / mlx-lm against the ranges mlx-fun
+is tested with, and whether the installed mlx-lm has every private name mlx-fun uses), a measured matmul speed, and
+the model types mlx-fun serves (with any MoE type of the installed mlx-lm it does not know)."""
 
 from __future__ import annotations
 
 import platform
 import sys
 import time
-
-
-def _dist_version(name: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def backend(mx) -> str:
@@ -46,8 +38,9 @@ def matmul_gflops(n: int = 512, budget_s: float = 0.3) -> float:
 
 
 def run() -> dict[str, str]:
-    """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured)."""
-    from .. import __version__
+    """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured);
+    ``mlx-lm compat`` starts with ``MISSING`` when the installed mlx-lm lacks a private name a feature needs."""
+    from .. import __version__, mlx_lm_compat
     from ..blas import blas_status
 
     facts = {"mlx-fun": __version__, "python": f"{platform.python_version()} ({sys.executable})",
@@ -56,10 +49,11 @@ def run() -> dict[str, str]:
         import mlx.core as mx
     except Exception as exc:  # noqa: BLE001 - report, don't crash
         facts["mlx"] = f"cannot import ({exc})"
+        facts["mlx-lm"] = mlx_lm_compat.version_line("mlx-lm", mlx_lm_compat.MLX_LM_RANGE, tested=True)
         facts["blas"] = blas_status()
         return facts
-    facts.update({"mlx": getattr(mx, "__version__", _dist_version("mlx")), "mlx-lm": _dist_version("mlx-lm"),
-                  "default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
+    facts.update(mlx_lm_compat.report())
+    facts.update({"default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
                   "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "model types": model_types()})
     return facts
 
