@@ -17,7 +17,8 @@ def read_config(model_path: str | os.PathLike) -> dict:
 
     path = Path(model_path)
     if not path.exists():
-        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory to {param('model')}.")
+        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory or a Hugging Face repo "
+                        f"id (org/name) to {param('model')}.")
     cfg = path / "config.json"
     if not cfg.is_file():
         raise UserError(f"{path} has no config.json; {param('model')} must be an mlx-lm model directory.")
@@ -144,7 +145,9 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
     at a time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied but its
     ``README.md``; ``metadata`` maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written
-    beside them (a ``str`` is written as it is). The model card ``README.md`` is written by
+    beside them (a ``str`` is written as it is; a JSON object gets ``base_model``, the repo id, revision and commit
+    of :func:`mlx_fun.hub.source`, when ``source`` came from a Hugging Face repo).
+    The model card ``README.md`` is written by
     :func:`mlx_fun.model_card.card` from that metadata (base model, method, settings, measured numbers, the
     source card's license), unless ``metadata`` holds a ``README.md`` of its own. A failing write (a full disk:
     MLX raises ``RuntimeError: [write] Unable to write``) becomes a one-line ``UserError``.
@@ -153,6 +156,7 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
 
     from mlx_lm.utils import save_config
 
+    from .hub import source as hub_source
     from .streaming import DEFAULT_SHARD_BYTES, write_weights
 
     dest, src = Path(res.tmp), Path(source)
@@ -164,7 +168,10 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
             if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
                 shutil.copyfile(f, dest / f.name)  # new files get the user's umask, not the source's mode
         files = {"README.md": _model_card(res, source, metadata), **(metadata or {})}
+        origin = hub_source(src)  # a model resolved from a Hugging Face repo id: its repo id, revision, commit
         for name, obj in files.items():
+            if origin is not None and isinstance(obj, dict):
+                obj = {**obj, "base_model": origin}
             text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
             (dest / name).write_text(text, encoding="utf-8")
     except OSError as e:

@@ -108,12 +108,16 @@ class FiniteFloat(click.ParamType):
 
 
 def model_option(fn):
-    return click.option(
-        "--model",
-        required=True,
-        type=click.Path(),
-        help="Local mlx-lm model directory (config.json + safetensors + tokenizer). Never downloaded.",
+    """--model (a local directory or a Hugging Face repo id) and --revision (of that repo)."""
+    fn = click.option(
+        "--revision", default=None, metavar="REV",
+        help="With a repo id in --model: its branch, tag or commit hash  [default: main].",
     )(fn)
+    return click.option("--model", required=True, type=click.Path(),
+                        help="An mlx-lm model: a local directory (config.json + safetensors + tokenizer), or a Hugging "
+                             "Face repo id (org/name) fetched into the Hugging Face cache as mlx-lm does (only the "
+                             "files mlx-lm needs; HF_HUB_OFFLINE=1: from the cache alone). A local directory of that "
+                             "name wins over the repo.")(fn)
 
 
 def metric_option(default: str = "reap"):

@@ -12,8 +12,9 @@ from .common import dispatch_option, echo_err, friendly_errors, model_option, to
 @click.command("eval", short_help="Perplexity per dataset; with --reference, next-token KL and top-1 agreement.")
 @model_option
 @click.option("--reference", type=click.Path(), default=None,
-              help="Reference model directory (e.g. the original before pruning); adds ref ppl, KL and "
-                   "top-1 agreement.")
+              help="Reference model (e.g. the original before pruning): a local directory or a Hugging Face repo "
+                   "id, as --model (a local directory of that name wins; the repo at its default branch, since "
+                   "--revision is --model's); adds ref ppl, KL and top-1 agreement.")
 @click.option("--dataset", required=True, multiple=True, type=str,
               help="JSONL file or directory of text files (repeat for several; NAME=PATH names one). "
                    "Reported under the file stem or directory name.")

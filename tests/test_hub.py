@@ -1,0 +1,256 @@
+"""Hugging Face repo ids for --model / --reference (issue 30): resolved as mlx-lm resolves them, recorded in what is
+written, refused in one line. Against a real Hugging Face cache laid out on disk as huggingface_hub lays it out
+(``models--org--name/{blobs,refs,snapshots}``), offline; the Hub's own refusals come from a stand-in of its API on
+loopback. No test touches the network.
+
+huggingface_hub reads ``HF_HUB_CACHE`` / ``HF_HUB_OFFLINE`` / ``HF_ENDPOINT`` once, at its import: the subprocess
+runs of the installed ``mlx-fun`` get them from the environment, as a user sets them; in-process runs also set
+the module constants the environment would have set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mlx_fun import hub, jobs
+
+from .cli_helpers import expect_error, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "data" / "calibration_sample.jsonl"
+MLX_FUN = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
+REPO = "org/tiny-moe"
+MAIN = "0123456789abcdef0123456789abcdef01234567"
+TAGGED = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], commit: str = MAIN,
+               refs: tuple[str, ...] = ("main",)) -> Path:
+    """Lay ``files`` out as huggingface_hub caches a snapshot: content-addressed blobs (an LFS file's sha256, a
+    git blob id otherwise), the snapshot's relative symlinks to them, ``refs/<name>`` holding the commit."""
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir(exist_ok=True)
+    (storage / "refs").mkdir(exist_ok=True)
+    for name, data in files.items():
+        if name.endswith(".safetensors"):
+            blob = hashlib.sha256(data).hexdigest()
+        else:
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (storage / "blobs" / blob).write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(storage / "blobs" / blob, snapshot))
+    for ref in refs:
+        (storage / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def model_files(path: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()}
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` (links as their targets, files as their sha256): what "nothing written" compares."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        out[key] = ("-> " + os.readlink(p) if p.is_symlink() else
+                    hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+    return out
+
+
+@pytest.fixture
+def hf(tmp_path, monkeypatch):
+    """An empty Hugging Face cache, offline, the Hub's address a closed loopback port."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    for name, env, value in (("HF_HUB_CACHE", "HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "HF_HUB_OFFLINE", True),
+                             ("ENDPOINT", "HF_ENDPOINT", "http://127.0.0.1:9")):
+        monkeypatch.setenv(env, "1" if value is True else value)
+        monkeypatch.setattr(constants, name, value)
+    return cache
+
+
+@pytest.fixture
+def cached(hf, qwen_model):
+    """``org/tiny-moe`` in the cache: ``main`` at one commit, tag ``v1`` at another (the same tiny qwen3_moe)."""
+    cache_repo(hf, REPO, model_files(qwen_model), MAIN, ("main",))
+    cache_repo(hf, REPO, model_files(qwen_model), TAGGED, ("v1",))
+    return hf
+
+
+def test_the_cache_is_laid_out_as_huggingface_hub_lays_it_out(cached):
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(cached)
+    assert not info.warnings
+    (repo,) = info.repos
+    assert repo.repo_id == REPO and {r.commit_hash for r in repo.revisions} == {MAIN, TAGGED}
+    assert {ref for r in repo.revisions for ref in r.refs} == {"main", "v1"}
+
+
+def test_collect_prune_smoke_test_by_repo_id_through_the_installed_cli(cached, tmp_path):
+    """The user's path: the environment alone (HF_HUB_CACHE, HF_HUB_OFFLINE=1) makes the id resolve from the
+    cache; the pruned model's metadata says which repo and commit it came from; the cache is only read."""
+    before = tree(cached)
+
+    def mlx_fun(*args):
+        proc = subprocess.run([MLX_FUN, *map(str, args)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "Error" not in proc.stderr, proc.stderr[-3000:]
+        return proc
+
+    collect = mlx_fun("collect", "--model", REPO, "--dataset", SAMPLE, "--output", "s.npz", "--max-samples", 4,
+                      "--max-tokens", 64)
+    assert f"--model {REPO} (main): snapshot {MAIN[:12]} in {cached}" in collect.stderr
+    mlx_fun("prune", "--model", REPO, "--saliency", "s.npz", "--n-prune", 2, "--output", "pruned")
+    meta = json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())
+    assert meta["base_model"] == {"repo_id": REPO, "revision": "main", "commit": MAIN}
+    assert json.loads((tmp_path / "pruned" / "config.json").read_text())["num_experts"] == 6
+    smoke = mlx_fun("smoke-test", "--model", REPO, "--prompt", "def f(x):", "--max-tokens", 4)
+    assert "tok/s" in smoke.stdout + smoke.stderr
+    assert tree(cached) == before
+
+
+def test_revisions_the_reference_and_the_python_api(cached, tmp_path):
+    """A tag and a commit hash each resolve to their snapshot and are recorded as asked; eval's --reference takes
+    an id; the job API takes ``revision=`` beside ``model=``."""
+    path, origin = hub.resolve(REPO, revision="v1")
+    assert path == str(cached / f"models--org--tiny-moe/snapshots/{TAGGED}")
+    assert origin == {"repo_id": REPO, "revision": "v1", "commit": TAGGED}
+    got = jobs.collect.run(model=REPO, revision="v1", dataset=SAMPLE, output=tmp_path / "s.npz", max_samples=4,
+                           max_tokens=64)
+    assert got.tokens > 0
+    result = run("prune", "--model", REPO, "--revision", TAGGED, "--saliency", tmp_path / "s.npz", "--n-prune", 2,
+                 "--output", tmp_path / "pruned")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())
+    assert meta["base_model"] == {"repo_id": REPO, "revision": TAGGED, "commit": TAGGED}
+    result = run("eval", "--model", tmp_path / "pruned", "--reference", REPO, "--dataset", SAMPLE, "--max-samples", 2,
+                 "--max-tokens", 32)
+    assert result.exit_code == 0 and "ref ppl" in result.output, result.output
+    assert hub.source(cached / f"models--org--tiny-moe/snapshots/{MAIN}") == {"repo_id": REPO, "commit": MAIN}
+    assert hub.source(tmp_path / "pruned") is None
+
+
+def test_a_local_directory_wins_over_a_repo_id_of_the_same_name(cached, qwen_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(qwen_model, tmp_path / REPO)
+    jobs.collect.run(model=REPO, dataset=SAMPLE, output="s.npz", max_samples=4, max_tokens=64)
+    result = run("prune", "--model", REPO, "--saliency", "s.npz", "--n-prune", 2, "--output", "pruned")
+    assert result.exit_code == 0, result.output
+    assert "base_model" not in json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())
+    expect_error(run("prune", "--model", REPO, "--revision", "v1", "--saliency", "s.npz", "--n-prune", 2,
+                     "--output", "pruned-v1"),
+                 f"--revision v1 applies to a Hugging Face repo id, but --model {REPO} is a local directory")
+    assert not (tmp_path / "pruned-v1").exists()
+    assert "A local directory of that name wins" in " ".join(run("collect", "--help").output.split())
+
+
+def _dense(qwen_model) -> dict[str, bytes]:
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "rms_norm_eps": 1e-6, "vocab_size": 512}
+    files = {k: v for k, v in model_files(qwen_model).items() if k.startswith("tokenizer")}
+    return {"config.json": json.dumps(config).encode(), **files}
+
+
+#: (row, what the cache holds: repo id → files of a function of the tiny model, --model, --revision, the error line)
+ROWS = [
+    ("not-cached offline", {}, "org/absent", None,
+     ["--model org/absent is not a local directory, nor in the Hugging Face cache", "HF_HUB_OFFLINE is set"]),
+    ("revision not in the cache", {REPO: model_files}, REPO, "v9",
+     ["--revision v9 of --model org/tiny-moe is not in the Hugging Face cache", "cached: main, 0123456789ab"]),
+    ("no config.json", {REPO: lambda m: {k: v for k, v in model_files(m).items() if k != "config.json"}}, REPO, None,
+     [f"--model {REPO} (commit {MAIN[:12]}) has no config.json: it is not an mlx-lm model"]),
+    ("a dense model", {REPO: _dense}, REPO, None,
+     [f"--model {REPO} (commit {MAIN[:12]}) is a dense llama model", "not a Mixture-of-Experts model", "Supported architectures"]),
+    ("no weights", {REPO: lambda m: {k: v for k, v in model_files(m).items() if ".safetensors" not in k}}, REPO, None,
+     ["has no model*.safetensors weights"]),
+    ("neither a path nor an id", {}, "./org/absent", None, ["does not exist", "or a Hugging Face repo id (org/name)"]),
+]
+
+
+@pytest.mark.parametrize("holds, model, revision, needles", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_what_cannot_be_resolved_is_one_line_and_nothing_is_written(hf, qwen_model, tmp_path, monkeypatch, holds,
+                                                                    model, revision, needles):
+    monkeypatch.chdir(tmp_path)
+    for repo_id, files in holds.items():
+        cache_repo(hf, repo_id, files(qwen_model))
+    before = tree(tmp_path)
+    args = ["--revision", revision] if revision else []
+    expect_error(run("collect", "--model", model, *args, "--dataset", SAMPLE, "--output", "out.npz"), *needles)
+    assert tree(tmp_path) == before  # neither the output nor anything in the cache
+
+
+class _Hub(BaseHTTPRequestHandler):
+    """The Hub's answers to ``GET /api/models/<org>/<name>/revision/<rev>`` for a missing, a gated repo and a
+    missing revision (status and ``X-Error-Code`` as the Hub sends them); anything else 404."""
+
+    ANSWERS = {"org/missing": (401, "RepoNotFound"), "org/gated": (403, "GatedRepo"), REPO: (404, "RevisionNotFound")}
+
+    def do_GET(self):
+        m = re.match(r"/api/models/([^/]+/[^/]+)/revision/", self.path)
+        status, code = self.ANSWERS.get(m.group(1), (404, "")) if m else (404, "")
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def online(hf, monkeypatch):
+    """Online mode against the stand-in Hub on loopback; yields a closed loopback port's URL too."""
+    from huggingface_hub import constants
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    yield closed
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("model, revision, needles", [
+    ("org/missing", None, ["--model org/missing is neither a local directory nor a Hugging Face repo", "HF_TOKEN"]),
+    ("org/gated", None, ["--model org/gated is a gated Hugging Face repo", "accept its terms", "HF_TOKEN"]),
+    (REPO, "nope", ["--revision nope does not exist in the Hugging Face repo org/tiny-moe"]),
+    ("unreachable", None, ["--model org/tiny-moe is not a local directory, nor in the Hugging Face cache",
+                           "the Hugging Face Hub could not be reached", "check the network"]),
+], ids=["no such repo", "gated", "no such revision", "no network"])
+def test_the_hubs_refusals_are_one_line_and_nothing_is_written(online, hf, tmp_path, monkeypatch, model, revision,
+                                                               needles):
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    if model == "unreachable":
+        monkeypatch.setattr(constants, "ENDPOINT", online)
+        model = REPO
+    args = ["--revision", revision] if revision else []
+    before = tree(tmp_path)
+    expect_error(run("prune", "--model", model, *args, "--saliency", "s.npz", "--n-prune", 2, "--output", "out"),
+                 *needles)
+    assert tree(tmp_path) == before
