@@ -33,9 +33,12 @@ NOT_RUN = {
 def blocks() -> list[tuple[str, str]]:
     """``("bash", text)`` for every ```bash block, ``("python", text)`` for every ```python block (run as it is)
     and ``("file:NAME", text)`` for a block under ``<!-- file: NAME -->`` (a file the README asks to save), in
-    README order."""
+    README order; a block under ``<!-- not run: WHY -->`` (it needs the network) is left out."""
     out = []
-    for m in re.finditer(r"(<!-- file: (?P<file>[^ ]+) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", README, re.S):
+    for m in re.finditer(r"(<!-- file: (?P<file>[^ ]+) -->\n|(?P<skip><!-- not run: [^\n]*-->\n))?"
+                         r"```(?P<lang>\w*)\n(?P<body>.*?)```", README, re.S):
+        if m.group("skip"):
+            continue
         if m.group("file"):
             out.append((f"file:{m.group('file')}", m.group("body")))
         elif m.group("lang") in ("bash", "python"):
