@@ -85,7 +85,8 @@ class Steering:
 
 def _layer_key(key, where: str, moe_layer_indices: list[int]) -> int:
     text = str(key).strip()
-    if not text.lstrip("-").isdigit():
+    digits = text.lstrip("-")
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 9):  # int() refuses "²" and 5000 digits
         raise SteeringError(where, f"{where}: layer key {key!r} is not an integer decoder-layer index.")
     layer = int(text)
     if layer not in moe_layer_indices:
@@ -231,6 +232,10 @@ def _check(s: Steering, moe_layer_indices: list[int], num_experts: int, top_k: i
             raise SteeringError(f"deactivate.{layer}", f"layer {layer}: deactivating {len(off)} of {num_experts} "
                                                        f"experts leaves fewer than the {top_k} each token is routed "
                                                        "to; deactivate fewer.")
+        if on and len(on) == num_experts - len(off):
+            raise SteeringError(f"activate.{layer}", f"layer {layer}: activating all {len(on)} experts that are "
+                                                     "not deactivated changes nothing (each token is routed among "
+                                                     "them anyway); activate fewer, or none.")
         if len(on) > top_k and s.scheme == "rank":
             raise SteeringError(f"activate.{layer}", f"layer {layer}: {len(on)} experts are activated but the rank "
                                                      f"scheme puts them all at the top, so at most top_k = {top_k} "

@@ -112,3 +112,24 @@ def test_steering_checks_name_the_field(tmp_path):
     assert e.value.field == "domain_mode"
     s = from_reports(**kw, activate={"2": [0, 1, 2]}, boost_value=50)
     assert s.warnings and s.activate == {2: [0, 1, 2]} and s.boost_value == 50 and s.scheme == "additive"
+
+
+def test_steering_that_changes_nothing_is_refused(tmp_path):
+    """Issue 29 row 18c: activating every expert of a layer (or every one not deactivated) moves no token to
+    another expert; it was accepted (additive) and did nothing. Now a SteeringError naming activate.<layer> (a
+    400 over REST, see test_serve.py), and through the same check one line, exit 2, from `mlx-fun steer`."""
+    from .cli_helpers import expect_error
+    from .cli_helpers import run as cli
+
+    kw = dict(moe_layer_indices=[1, 2, 3], num_experts=8, top_k=2)
+    for activate, deactivate in (({"2": list(range(8))}, None), ({"3": [0, 1, 2, 3, 4, 5]}, {"3": [6, 7]})):
+        with pytest.raises(SteeringError) as e:
+            from_reports(**kw, activate=activate, deactivate=deactivate)
+        assert e.value.field == f"activate.{next(iter(activate))}" and "changes nothing" in str(e.value)
+    assert from_reports(**kw, activate={"2": list(range(7))}).activate == {2: list(range(7))}  # 7 of 8: a choice
+    # the CLI: boost a layer's 4 HRCG experts and suppress its 28 general ones (32 experts, top_k 4)
+    (tmp_path / "safety.json").write_text('{"hrcg": {"1": [0, 1, 2, 3]}}')
+    (tmp_path / "domain.json").write_text('{"general_experts": {"1": %s}}' % list(range(4, 32)))
+    expect_error(cli("steer", "--model", MODEL, "--prompt", "x", "--safety-map", tmp_path / "safety.json",
+                     "--mode", "safe", "--domain-map", tmp_path / "domain.json", "--domain-mode", "suppress"),
+                 "layer 1", "changes nothing")
