@@ -251,6 +251,43 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("POST", "/v1/completions", {"prompt": "x", "stream": True, "stream_options": {}}, 400, "stream_options"),
+    # numbers as the CLI checks them (issue 29, rows 5 and 7): NaN, inf, out of range, past --max-tokens-limit
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": float("inf")}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": float("nan")}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("POST", "/v1/completions", {"prompt": "x", "min_p": float("nan")}, 400, "min_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": float("-inf")}, 400, "presence_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 10**400}, 400, "frequency_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "repetition_context_size": 2**63}, 400, "repetition_context_size"),
+    ("POST", "/v1/completions", {"prompt": "x", "xtc_probability": 1.5}, 400, "xtc_probability"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1e30}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2**63}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_completion_tokens": 4097}, 400, "max_completion_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": float("nan")}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
+                                      {"url": "http://127.0.0.1:9/x.png"}}]}]}, 400, "messages[0].content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "chat_template_kwargs": {"return_dict": True}}, 400,
+     "chat_template_kwargs.return_dict"),
+    # paths the filesystem cannot hold (row 6), force that is not a flag (row 2)
+    ("POST", "/v1/reap/save", {"path": "a" * 300 + ".npz"}, 400, "path"),
+    ("POST", "/v1/reap/save", {"path": "d/" + "b" * 300 + "/s.npz"}, 400, "path"),
+    ("POST", "/v1/reap/save", {"path": "s.npz", "force": "yes"}, 400, "force"),
+    ("POST", "/v1/reap/steer", {"safety_map": "c" * 300 + ".json", "mode": "safe"}, 400, "safety_map"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"\u00b2": [1]}}, 400, "deactivate"),
+    # steering that would do nothing (row 18c): every expert of a layer, or every one not deactivated
+    ("POST", "/v1/reap/steer", {"activate": {"1": list(range(32))}}, 400, "activate.1"),
+    ("POST", "/v1/reap/steer", {"activate": {"2": list(range(2, 32))}, "deactivate": {"2": [0, 1]}}, 400,
+     "activate.2"),
 ]
 
 
@@ -295,3 +332,136 @@ def test_concurrent_load_is_exact(server):
     st = stats(server)
     np.testing.assert_array_equal(np.sum(st["freq"], axis=1), TOP_K * st["token_count"])
     assert result.line().endswith("counts_exact=true")
+
+
+# ---------------------------------------------------------------------------------------------- issue 29
+def test_values_mlx_lm_would_die_on_keep_the_server_alive(server):
+    """A top_k at or past the vocabulary keeps every token, as the CLI's --top-k does (mlx-lm raised on its
+    generation thread: every later request got a 5xx); the server answers both paths afterwards."""
+    for path, body in (("/v1/completions", {"prompt": "x", "temperature": 0.5, "top_k": 5000}),
+                       ("/v1/completions", {"prompt": "x", "temperature": 0.5, "top_k": 2048, "seed": 1})):
+        status, out = call(server, "POST", path, {**body, "max_tokens": 3})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 3, out
+    assert call(server, "GET", "/health") == (200, {"status": "ok"}) and chat(server, "alive?", max_tokens=2)
+
+
+def test_deep_bodies_and_long_names_are_400_without_a_traceback(server, data_dir, caplog):
+    """Issue 29 row 6: a body nested 30k deep (RecursionError) and a 300-character file name (ENAMETOOLONG)
+    were 500s with a traceback in the log; now 400s naming the field, nothing logged, nothing written."""
+    before = sorted(os.listdir(data_dir))
+    deep = b'{"deactivate": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # under MAX_BODY, past the parser's stack
+    cases = [("/v1/reap/steer", deep, "deactivate"),
+             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": '
+              + b"[" * 50 + b"]" * 50 + b"}", "tools"),
+             ("/v1/reap/save", json.dumps({"path": "x" * 300 + ".npz"}).encode(), "path")]
+    with caplog.at_level("ERROR"):
+        for path, raw, field in cases:
+            got, out = call(server, "POST", path, raw=raw)
+            assert got == 400 and out["error"]["param"] == field, out
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert sorted(os.listdir(data_dir)) == before
+
+
+def test_save_never_replaces_without_force(server, data_dir):
+    """Issue 29 row 2: POST /v1/reap/save over an existing file is a 400 naming "force": true (the file byte for
+    byte as it was); with "force": true it is replaced."""
+    import hashlib
+
+    target = data_dir / "kept.npz"
+    target.write_bytes(b"statistics of another run")
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    got, out = call(server, "POST", "/v1/reap/save", {"path": "kept.npz"})
+    assert got == 400 and out["error"]["param"] == "path", out
+    assert "already exists" in out["error"]["message"] and '"force": true' in out["error"]["message"]
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == digest
+    got, out = call(server, "POST", "/v1/reap/save", {"path": "kept.npz", "force": True})
+    assert got == 200 and int(np.load(target)["total_tokens"]) == out["token_count"]
+    assert not [p for p in os.listdir(data_dir) if "tmp" in p or p.endswith(".lock")]
+
+
+def test_two_concurrent_saves_to_one_path(server, data_dir):
+    """Issue 29 row 8: of two saves to one path at once, one writes and the other is told that another request
+    of this server is saving there (not "another mlx-fun run (pid <the server>)")."""
+    import threading
+
+    outcomes = []
+    for attempt in range(40):  # both wait for the same flush, then race for the lock; retry if one was too quick
+        barrier, results = threading.Barrier(2), []
+
+        def save(name=f"race{attempt}.npz"):
+            barrier.wait()
+            results.append(call(server, "POST", "/v1/reap/save", {"path": name, "force": True}))
+
+        threads = [threading.Thread(target=save) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        outcomes = sorted(results, key=lambda r: r[0])
+        if [r[0] for r in outcomes] == [200, 400]:
+            break
+    assert [r[0] for r in outcomes] == [200, 400], outcomes
+    message = outcomes[1][1]["error"]["message"]
+    assert "another request of this server" in message and "pid" not in message, message
+    assert outcomes[1][1]["error"]["param"] == "path"
+    assert not [p for p in os.listdir(data_dir) if "tmp" in p or p.endswith(".lock")]
+
+
+def test_info_and_stats_agree_with_every_returned_usage(server):
+    """Issue 29 row 9: right after each response (batched, seeded single-sequence, streamed), /v1/reap/info and
+    /v1/reap/stats both count exactly the tokens the responses' usage reported (info lagged by the last forward)."""
+    call(server, "POST", "/v1/reap/reset", {})
+    expected = 0
+    for i in range(6):
+        body = {"prompt": f"def f{i}(x):" + " return x" * i, "max_tokens": 4 + i}
+        if i % 3 == 1:
+            body["seed"] = i
+        if i % 3 == 2:
+            body.update(stream=True, stream_options={"include_usage": True})
+        status, out = call(server, "POST", "/v1/completions", body)
+        assert status == 200
+        if body.get("stream"):
+            chunks = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: {")]
+            usage = chunks[-1]["usage"]
+        else:
+            usage = out["usage"]
+        expected += processed(usage)
+        info = call(server, "GET", "/v1/reap/info")[1]
+        assert (info["token_count"], info["request_count"]) == (expected, i + 1), (i, info["token_count"], expected)
+        assert stats(server)["token_count"] == expected
+
+
+def _counts_after_disconnect(server, body: dict) -> list[int]:
+    """Send ``body`` on a raw socket, wait until it generates, close the socket; token counts at +1 s and +2.5 s."""
+    import socket
+    import time
+
+    def tokens():
+        return call(server, "GET", "/v1/reap/info")[1]["token_count"]
+
+    start = tokens()
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    deadline = time.monotonic() + 60
+    while tokens() < start + 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close()
+    closed = time.monotonic()
+    time.sleep(1.0)
+    first = tokens()
+    time.sleep(max(0.0, closed + 2.5 - time.monotonic()))
+    return [start, first, tokens()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generation_stops_when_the_client_goes(server, stream):
+    """Issue 29 row 5: a client that disconnects stops its generation within 1 s (the token count stops rising);
+    a non-streaming request went on to max_tokens (here 4000, about 10 s on this model) before."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": stream,
+            "logit_bias": {"2": -100}}  # no end-of-sequence token: it would generate all 4000
+    start, first, last = _counts_after_disconnect(server, body)
+    assert first == last, (start, first, last)
+    assert last - start < 4000
+    assert chat(server, "still serving?", max_tokens=2)

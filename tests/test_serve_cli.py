@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from mlx_fun import jobs
+from mlx_fun.errors import UserError
 from mlx_fun.io import bundled_model_dir
 
 from .cli_helpers import expect_error
@@ -120,5 +121,100 @@ def test_warns_when_exposed_without_a_key(tmp_path):
         conn.request("GET", "/health", headers={"Host": "my-box.lan:8080"})  # no loopback Host check off loopback
         assert conn.getresponse().status == 200
         conn.close()
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------------------- issue 29
+def _refused(tmp_path, *extra, env=None):
+    """`mlx-fun serve ... EXTRA` expected to stop at start-up: the real command in a child process (a server that
+    wrongly starts is killed after 60 s instead of hanging the test); ``.exit_code`` / ``.output`` as CliRunner."""
+    from types import SimpleNamespace
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "mlx_fun", "serve", "--model", str(MODEL), "--port", "0",
+                               "--data-dir", str(tmp_path), *map(str, extra)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"serve {extra} started instead of refusing: {e.stderr!r}") from None
+    return SimpleNamespace(exit_code=done.returncode, output=done.stdout + done.stderr)
+
+
+def test_auto_save_refuses_an_existing_file_at_start_up(tmp_path):
+    """Row 2: --auto-save over a file that holds statistics fails at start-up (exit 2, one line naming --force),
+    the file byte for byte as it was; with --force the server runs and replaces it on SIGTERM."""
+    import hashlib
+
+    old = tmp_path / "code.npz"
+    old.write_bytes(b"another run's statistics")
+    digest = hashlib.sha256(old.read_bytes()).hexdigest()
+    r = _refused(tmp_path, "--auto-save", old)
+    expect_error(r, "--auto-save", "already exists", "--force")
+    assert "Serving" not in r.output  # refused before the model loaded and the port opened
+    assert hashlib.sha256(old.read_bytes()).hexdigest() == digest and sorted(os.listdir(tmp_path)) == ["code.npz"]
+    with pytest.raises(UserError, match="auto_save=.*force="):  # (a server that wrongly starts is stopped at once)
+        jobs.serve.run(model=MODEL, port=0, data_dir=tmp_path, auto_save=old,
+                       on_ready=lambda server: signal.raise_signal(signal.SIGINT))
+    assert hashlib.sha256(old.read_bytes()).hexdigest() == digest
+    proc, _ = _start_cli(tmp_path, "--auto-save", "code.npz", "--force")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert int(np.load(old)["total_tokens"]) == 0 and sorted(os.listdir(tmp_path)) == ["code.npz"]
+
+
+def test_one_sigterm_saves_even_with_a_closed_stderr(tmp_path):
+    """Row 3: `serve --auto-save bp.npz 2>&1 | head -1`: the reader goes after the first line; one SIGTERM
+    then stops the server (exit 0) and writes bp.npz (the "Stopping" line used to raise BrokenPipeError, which
+    skipped the stop and the save and left the generation thread serving)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_fun", "serve", "--model", str(MODEL), "--port", "0",
+                             "--data-dir", str(tmp_path), "--auto-save", "bp.npz"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        while "on http://" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server did not start"
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)", line).group(1))
+        proc.stdout.close()  # `head -1` exits: every later write to stdout and stderr fails (EPIPE)
+        status, out = _post(port, "/v1/completions", {"prompt": "import sys\n", "max_tokens": 5})
+        assert status == 200
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code == 0
+    saved = np.load(tmp_path / "bp.npz")
+    assert int(saved["total_tokens"]) == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    assert sorted(os.listdir(tmp_path)) == ["bp.npz"]
+
+
+def test_an_empty_api_key_is_refused(tmp_path):
+    """Row 4: --api-key '' (or MLX_FUN_API_KEY='') silently turned authentication off; now one line, exit 2."""
+    expect_error(_refused(tmp_path, "--api-key", ""), "--api-key", "empty")
+    expect_error(_refused(tmp_path, "--api-key", "  "), "--api-key", "empty")
+    expect_error(_refused(tmp_path, env={"MLX_FUN_API_KEY": ""}), "MLX_FUN_API_KEY", "empty")
+    with pytest.raises(UserError, match="api_key="):
+        jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path, api_key="").stop()
+
+
+def test_max_tokens_limit(tmp_path):
+    """Row 5: --max-tokens-limit caps a request's max_tokens (400 naming the field above it); a default
+    --max-tokens above the limit is refused at start-up."""
+    expect_error(cli("serve", "--model", MODEL, "--port", 0, "--data-dir", tmp_path, "--max-tokens", 100,
+                     "--max-tokens-limit", 50), "--max-tokens 100", "--max-tokens-limit 50")
+    server = jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path, max_tokens_limit=8)
+    try:
+        status, out = _post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 9})
+        assert status == 400 and out["error"]["param"] == "max_tokens" and "limit of 8" in out["error"]["message"]
+        status, out = _post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 8,
+                                                             "logit_bias": {"2": -100}})
+        assert status == 200 and out["usage"]["completion_tokens"] == 8
+        status, out = _post(server.port, "/v1/completions", {"prompt": "x", "logit_bias": {"2": -100}})
+        assert status == 200 and out["usage"]["completion_tokens"] == 8  # the default is the limit when lower
+        assert server.app.info()["max_tokens_limit"] == 8
     finally:
         server.stop()

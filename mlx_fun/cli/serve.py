@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from .common import dispatch_option, echo_err, friendly_errors, model_option
@@ -27,9 +30,15 @@ def _size(text: str) -> int:
 @click.option("--mode", type=click.Choice(["lightweight", "full"]), default="lightweight", show_default=True,
               help="lightweight: freq + weighted_freq; full: also expert output norms (reap, ean), a little slower.")
 @click.option("--auto-save", type=click.Path(dir_okay=False), default=None,
-              help="Write the statistics (.npz) here when the server stops (Ctrl+C, SIGTERM, SIGHUP), atomically.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Default max tokens per completion (a request's max_tokens wins).")
+              help="Write the statistics (.npz) here when the server stops (Ctrl+C, SIGTERM, SIGHUP), atomically. "
+                   "An existing file is refused at start-up unless --force.")
+@click.option("--force", is_flag=True, default=False, help="Let --auto-save replace an existing file.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Default max tokens per completion (a request's max_tokens wins)  [default: 512, or "
+                   "--max-tokens-limit when lower]")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
+              help="Most tokens a request may ask for (larger: 400)  [default: the model's context length "
+                   "(max_position_embeddings)]")
 @click.option("--chat-template", default=None, help="Chat template override: a Jinja string or a file holding one.")
 @click.option("--safety-map", type=click.Path(dir_okay=False), default=None,
               help="safety_report.json to steer with from the start (with --steering-mode).")
@@ -83,9 +92,22 @@ def command(allowed_origins, **kwargs):
     from ..jobs import serve
 
     origins = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
-    show(serve.run(**kwargs, allowed_origins=origins, log=echo_err))
+    show(serve.run(**kwargs, allowed_origins=origins, log=lambda line: _echo(line, err=True)))
+
+
+def _echo(line: str, *, err: bool = False) -> None:
+    """``click.echo``, except that a reader gone away (``serve ... 2>&1 | head -1``) drops this and every later
+    line of that stream: the stream is pointed at /dev/null, so neither the shutdown nor Python's exit (which
+    flushes it) fails on it."""
+    try:
+        (echo_err if err else click.echo)(line)
+    except BrokenPipeError:
+        stream = sys.stderr if err else sys.stdout
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def show(result) -> None:
     saved = f"; statistics saved to {result.saved}" if result.saved is not None else ""
-    click.echo(f"Served {result.requests:,} requests, {result.tokens:,} tokens in {result.seconds:.0f} s{saved}")
+    _echo(f"Served {result.requests:,} requests, {result.tokens:,} tokens in {result.seconds:.0f} s{saved}")

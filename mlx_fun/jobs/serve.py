@@ -31,18 +31,49 @@ class ServeResult:
     warnings: list[str] = field(default_factory=list)
 
 
+#: the --max-tokens-limit of a model whose config names no context length
+FALLBACK_CONTEXT = 32768
+
+
+def _api_key(api_key: str | None) -> str | None:
+    """The key from ``api_key`` or ``MLX_FUN_API_KEY``; an empty or blank one is refused (it would turn
+    authentication off, or lock every client out)."""
+    key, where = (api_key, param("api_key")) if api_key is not None else (os.environ.get(API_KEY_ENV), API_KEY_ENV)
+    if key is not None and (not key.strip() or key != key.strip()):
+        raise UserError(f"{where} is {'empty' if not key.strip() else 'padded with spaces'}; give the key itself "
+                        f"(clients send 'Authorization: Bearer <key>'), or leave it unset to serve without one.")
+    return key
+
+
+def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | None) -> tuple[int, int, int]:
+    """(max_tokens, max_tokens_limit, context): a request's default, its most, the model's context length."""
+    from ..io import context_length
+
+    context = context_length(config) or FALLBACK_CONTEXT
+    limit = context if max_tokens_limit is None else max_tokens_limit
+    default = min(512, limit) if max_tokens is None else max_tokens
+    for name, value in (("max_tokens", default), ("max_tokens_limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{param(name)} must be a positive integer, got {value!r}.")
+    if default > limit:
+        raise UserError(f"{param('max_tokens')} {default} is above {param('max_tokens_limit')} {limit}; lower it "
+                        f"or raise the limit.")
+    return default, limit, context
+
+
 def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safety_map, steering_mode, domain_map,
-             domain_steering_mode, auto_save, max_body_bytes, port, dequant_cache=0, **_) -> dict:
+             domain_steering_mode, auto_save, max_body_bytes, port, dequant_cache=0, max_tokens_limit=None,
+             **_) -> dict:
     """Check everything that can be checked before loading; returns the normalised values."""
-    check_supported(model)
+    config = check_supported(model)
     if mode not in MODES:
         raise UserError(f"{param('mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
     data = Path(data_dir).expanduser()
     if not data.is_dir():
         raise UserError(f"{param('data_dir')} {data_dir} is not a directory; create it or pass another one.")
-    for name, value in (("max_tokens", max_tokens), ("max_body_bytes", max_body_bytes)):
-        if not isinstance(value, int) or value < 1:
-            raise UserError(f"{param(name)} must be a positive integer, got {value!r}.")
+    max_tokens, max_tokens_limit, context = _token_limits(config, max_tokens, max_tokens_limit)
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise UserError(f"{param('max_body_bytes')} must be a positive integer, got {max_body_bytes!r}.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UserError(f"{param('port')} must be 0..65535 (0 picks a free port), got {port!r}.")
     require_path("safety_map", safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
@@ -62,9 +93,35 @@ def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safet
         dequant = parse_bytes(dequant_cache)
     except ValueError as e:
         raise UserError(f"{param('dequant_cache')}: {e}") from None
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return {"data_dir": data.resolve(), "chat_template": template, "api_key": key, "dequant_cache": dequant,
-            "auto_save": None if auto_save is None else Path(auto_save)}
+    return {"data_dir": data.resolve(), "chat_template": template, "api_key": _api_key(api_key),
+            "dequant_cache": dequant, "auto_save": None if auto_save is None else Path(auto_save),
+            "max_tokens": max_tokens, "max_tokens_limit": max_tokens_limit, "context": context}
+
+
+def _never_fails(log: Log) -> Log:
+    """``log`` that cannot stop the server: a status line to a closed stderr (``serve ... 2>&1 | head -1``) is
+    dropped, so shutdown still stops serving and writes the auto-save file."""
+
+    def safe(line: str) -> None:
+        try:
+            log(line)
+        except OSError:
+            pass
+
+    return safe
+
+
+def _reserve(auto_save, *, model, force: bool):
+    """The auto-save reservation (refused now, before the model loads, if the file exists and not ``force``), or
+    a context that yields None."""
+    import contextlib
+
+    from .. import writer
+
+    if auto_save is None:
+        return contextlib.nullcontext()
+    return writer.output(auto_save, kind="file", suffix=".npz", inputs={param("model"): model},
+                         flag=param("auto_save"), keep=True, force=force, force_flag=param("force"))
 
 
 def _params(scope: dict) -> dict:
@@ -98,7 +155,8 @@ def start(
     port: int = 8080,
     mode: str = "lightweight",
     auto_save: str | Path | None = None,
-    max_tokens: int = 512,
+    max_tokens: int | None = None,
+    max_tokens_limit: int | None = None,
     chat_template: str | None = None,
     safety_map: str | Path | None = None,
     steering_mode: str | None = None,
@@ -129,7 +187,8 @@ def start(
             f"model and the REST routes; set {param('api_key')} or {API_KEY_ENV}.")
     return start_server(
         model=str(model), host=host, port=port, mode=mode, data_dir=ok["data_dir"], api_key=ok["api_key"],
-        max_tokens=max_tokens, chat_template=ok["chat_template"], decode_concurrency=decode_concurrency,
+        max_tokens=ok["max_tokens"], max_tokens_limit=ok["max_tokens_limit"], context=ok["context"],
+        chat_template=ok["chat_template"], decode_concurrency=decode_concurrency,
         prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
         allowed_origins=list(allowed_origins), max_body_bytes=max_body_bytes, dispatch=dispatch,
@@ -145,7 +204,9 @@ def run(
     port: int = 8080,
     mode: str = "lightweight",
     auto_save: str | Path | None = None,
-    max_tokens: int = 512,
+    force: bool = False,
+    max_tokens: int | None = None,
+    max_tokens_limit: int | None = None,
     chat_template: str | None = None,
     safety_map: str | Path | None = None,
     steering_mode: str | None = None,
@@ -169,21 +230,23 @@ def run(
     on_ready=None,
 ) -> ServeResult:
     """Serve ``model`` until Ctrl+C, SIGTERM or SIGHUP; with ``auto_save`` the statistics are written there
-    atomically on the way out (the output is reserved, checked writable, before the model loads).
+    atomically on the way out (the output is reserved, checked writable, before the model loads; an existing
+    file is refused unless ``force``).
+
+    ``max_tokens`` is a request's default (512, or ``max_tokens_limit`` when lower), ``max_tokens_limit`` the
+    most a request may ask for (default: the model's context length).
 
     ``mode``: ``lightweight`` counts freq and weighted_freq; ``full`` adds output norms (reap / ean). Paths a
     request names stay inside ``data_dir``; ``api_key`` (or ``MLX_FUN_API_KEY``) requires a Bearer token.
     ``log_level`` (DEBUG / INFO / WARNING / ERROR) sets up Python logging for the server's and mlx-lm's messages
     (INFO logs every request); None leaves logging as it is. ``on_ready(server)`` is called once serving.
     """
-    import contextlib
     import logging
 
     if log_level is not None:
         logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
 
-    from .. import writer
-
+    log = _never_fails(log)
     kw = _params(locals())
     _checked(**kw)
     stop = threading.Event()
@@ -197,9 +260,7 @@ def run(
         threading.main_thread() else {}
     begin = time.perf_counter()
     try:
-        reserve = writer.output(auto_save, kind="file", suffix=".npz", inputs={param("model"): model},
-                                flag=param("auto_save")) if auto_save is not None else contextlib.nullcontext()
-        with reserve as res:
+        with _reserve(auto_save, model=model, force=force) as res:
             server = start(**kw)
             try:
                 log(f"Serving {server.app.model_id} ({mode} counting) on {server.url}; Ctrl+C stops"

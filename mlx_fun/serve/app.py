@@ -48,6 +48,8 @@ class ServeApp:
     allowed_hosts: set[str] | None
     provider: ServedModelProvider
     generator: CountingResponseGenerator
+    max_tokens_limit: int
+    context: int  # the model's context length (what a *_context_size may name at most)
     auto_save: Path | None = None
     aliases: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
@@ -83,13 +85,15 @@ class ServeApp:
     def info(self) -> dict:
         counter = self.counter_or_503()
         adapter = counter.adapter
+        synced = counter.sync(self.generation_alive)  # every completed response's forwards, as /stats
         _, totals = counter.snapshot()
         steering = self.generator.steering
         return {
             "model": str(self.model_path), "model_id": self.model_id, "model_type": adapter.model_type,
             "num_layers": len(adapter.moe_layers()), "moe_layer_indices": adapter.moe_layers(),
             "num_experts": adapter.num_experts, "top_k": adapter.top_k, "mode": self.mode,
-            "dispatch": self.provider.dispatch_mode, **totals, "counting": COUNTING,
+            "dispatch": self.provider.dispatch_mode, **totals, "synced": synced, "counting": COUNTING,
+            "max_tokens_limit": self.max_tokens_limit,
             "steering": None if steering is None else steering.to_json(),
             "data_dir": str(self.data_dir), "auto_save": None if self.auto_save is None else str(self.auto_save),
             "api_key_required": bool(self.api_key), "uptime_s": round(time.time() - self.started, 1),
@@ -196,7 +200,8 @@ def _app_generator(args) -> CountingResponseGenerator:
 
 
 def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_key: str | None,
-          max_tokens: int, chat_template: str | None, decode_concurrency: int, prompt_concurrency: int,
+          max_tokens: int, max_tokens_limit: int, context: int, chat_template: str | None,
+          decode_concurrency: int, prompt_concurrency: int,
           prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
           allowed_origins: list[str], max_body_bytes: int, dispatch: str, dispatch_table, dequant_cache: int,
           auto_save: Path | None, steering=None, log=lambda line: None) -> Server:
@@ -218,7 +223,7 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
     generator = CountingResponseGenerator(provider, LRUPromptCache(prompt_cache_size))
     port = httpd.server_address[1]
     app = ServeApp(Path(model), mode, data_dir, api_key, max_body_bytes, _allowed_hosts(host, port), provider,
-                   generator, auto_save, model_aliases(model))
+                   generator, max_tokens_limit, context, auto_save, model_aliases(model))
     httpd.app = app
     server = Server(httpd, app, probe)
     try:

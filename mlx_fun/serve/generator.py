@@ -97,10 +97,12 @@ class CountingResponseGenerator(ResponseGenerator):
             self._steering_next = (steering, steers)
 
     def generate(self, request, generation_args, progress_callback=None):
-        """mlx-lm's ``generate`` (called once per completion that passed mlx-lm's checks), counted."""
+        """mlx-lm's ``generate`` (called once per completion that passed mlx-lm's checks), counted once the loop
+        took the request (a prompt its template or tokenizer refuses raises here, uncounted, as nothing ran)."""
+        out = super().generate(request, generation_args, progress_callback)
         if self.counter is not None:
             self.counter.count_request()
-        return super().generate(request, generation_args, progress_callback)
+        return out
 
     def _between_passes(self) -> None:
         counter = self.counter

@@ -3,10 +3,12 @@
 Every request passes :meth:`ReapHandler._guard` first: the Host header must name this server when it is bound to
 a loopback address (DNS-rebinding protection), and with an API key the ``Authorization: Bearer <key>`` header
 must match (401; ``/health`` and CORS preflights excepted). Bodies are read here, never past ``max_body_bytes``
-(413), parsed as JSON objects (400) and checked before anything else sees them; completions are then handed to
-mlx-lm's own ``do_POST`` unchanged except that the model name is normalised to the one served model. Every error
-is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with one line of text, never a traceback;
-an unexpected failure in a route is a 500 of the same shape and the server keeps serving.
+(413), parsed as JSON objects nested at most :data:`MAX_DEPTH` deep (400) and checked before anything else sees
+them; completions are then handed to mlx-lm's own ``do_POST`` unchanged except that the model name is normalised
+to the one served model, through a :class:`WatchedGenerator` that stops a request whose client has gone and
+answers in this shape what mlx-lm's loop refuses. Every error is ``{"error": {"message", "type", "param",
+"code"}}`` (OpenAI's shape) with one line of text, never a traceback; an unexpected failure in a route is a 500
+of the same shape and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -15,12 +17,48 @@ import hmac
 import io
 import json
 import logging
+import re
+import socket
 
 from mlx_lm.server import APIHandler
 
 from . import routes
 
 JSON_TYPES = ("application/json",)
+
+
+#: deepest nesting of a request body (a steering or completion body needs a handful; deeper ones would reach the
+#: interpreter's recursion limit in the parser, the checks or mlx-lm)
+MAX_DEPTH = 32
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def too_deep(body, raw: bytes):
+    """``False`` when ``body`` (parsed, or None when the parser gave up) nests at most :data:`MAX_DEPTH` levels;
+    else the top-level key whose value nests deeper (None when there is none to name)."""
+    if body is not None:
+        todo = [(v, 2, k) for k, v in body.items()] if isinstance(body, dict) else [(body, 1, None)]
+        while todo:
+            value, depth, key = todo.pop()
+            if isinstance(value, (dict, list)):
+                if depth > MAX_DEPTH:
+                    return key
+                todo.extend((v, depth + 1, key) for v in (value.values() if isinstance(value, dict) else value))
+        return False
+    depth, key, last = 0, None, None  # the parser gave up: find the key in the raw text
+    for m in _JSON_TOKENS.finditer(raw):
+        tok = m.group()
+        if tok in (b"{", b"["):
+            depth += 1
+            if depth == 2:
+                key = last
+            if depth > MAX_DEPTH:
+                return key
+        elif tok in (b"}", b"]"):
+            depth -= 1
+        elif depth == 1:
+            last = tok[1:-1].decode("utf-8", "replace")
+    return None
 
 
 class HTTPError(Exception):
@@ -32,6 +70,72 @@ class HTTPError(Exception):
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error", 503: "unavailable", 500: "server_error"}
+
+
+def client_gone(sock) -> bool:
+    """Has the client closed its end of ``sock``? (Readable with nothing to read; a pipelined next request is data,
+    so a live client.) Never blocks."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset, or the socket is gone
+        return True
+
+
+class Answered(BaseException):
+    """The response has been sent: unwinds past mlx-lm's handler, whose ``except Exception`` would answer again."""
+
+
+class WatchedGenerator:
+    """The shared response generator as one request's handler sees it: once the client has closed the connection,
+    the next token (or prompt-progress report) stops the request — ``GenerationContext.stop()``, which mlx-lm's
+    loop checks after every token and then drops the request — and raises ``ConnectionResetError`` in the handler.
+    mlx-lm itself notices only a failed write, which a non-streaming request makes once, at the end."""
+
+    def __init__(self, shared, handler):
+        self._shared, self._handler, self._sock = shared, handler, handler.connection
+
+    def __getattr__(self, name):
+        return getattr(self._shared, name)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        ctx = None
+
+        def progress(done: int, total: int) -> None:
+            self._alive_or_stop(ctx)
+            if progress_callback is not None:
+                progress_callback(done, total)
+
+        try:
+            ctx, tokens = self._shared.generate(request, generation_args, progress)
+        except Exception as e:  # noqa: BLE001 - mlx-lm would answer 404 {"error": ...} to all of these
+            raise self._refused(request, e) from None
+        return ctx, self._watched(ctx, tokens)
+
+    def _refused(self, request, e: Exception) -> "Answered":
+        """Answer a request mlx-lm's loop refused (its template or tokenizer failed on it: 400) or could not take
+        (the generation thread has stopped: 503) in this server's JSON shape, past mlx-lm's own handler."""
+        if not self._shared.generation_available():
+            error = HTTPError(503, "the generation thread has stopped; restart the server.")
+        else:
+            field = "messages" if request.request_type == "chat" else "prompt"
+            detail = " ".join(str(e).split())[:200] or type(e).__name__
+            error = HTTPError(400, f"the model's template or tokenizer failed on this request's {field} "
+                                   f"({detail}); fix the request.", field)
+        self._handler.send_error_json(error)
+        return Answered()
+
+    def _watched(self, ctx, tokens):
+        for response in tokens:
+            self._alive_or_stop(ctx)
+            yield response
+
+    def _alive_or_stop(self, ctx) -> None:
+        if client_gone(self._sock):
+            if ctx is not None:
+                ctx.stop()
+            raise ConnectionResetError("the client closed the connection")
 
 
 class ReapHandler(APIHandler):
@@ -66,6 +170,8 @@ class ReapHandler(APIHandler):
             fn()
         except HTTPError as e:
             self._safe_error(e)
+        except Answered:
+            pass
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away
         except Exception as e:  # noqa: BLE001 - never a traceback to a client, never a dead server
@@ -122,6 +228,12 @@ class ReapHandler(APIHandler):
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise HTTPError(400, f"the request body is not valid JSON ({e}).") from None
+        except RecursionError:  # nested past the parser's stack
+            body = None
+        field = too_deep(body, raw)
+        if field is not False:
+            raise HTTPError(400, f"{field or 'the request body'} is nested more than {MAX_DEPTH} levels deep; "
+                                 "send a flatter body.", field)
         if not isinstance(body, dict):
             raise HTTPError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
         return body
@@ -149,7 +261,10 @@ class ReapHandler(APIHandler):
                 return routes.get(self, path)
             if path.startswith("/v1/models"):
                 return self.send_json(200, {"object": "list", "data": [self.app.model_card(self.created)]})
-            return APIHandler.do_GET(self)
+            if path == "/health":
+                self.path = path
+                return APIHandler.do_GET(self)
+            raise HTTPError(404, f"no route GET {path}; see GET /v1/reap/info for this server's routes.")
 
         self._run(go)
 
@@ -167,9 +282,19 @@ class ReapHandler(APIHandler):
             self.rfile = io.BytesIO(data)
             del self.headers["Content-Length"]
             self.headers["Content-Length"] = str(len(data))
+            self.path = path  # mlx-lm looks the route up by the whole path, query included
             APIHandler.do_POST(self)
 
         self._run(go)
+
+    def handle_completion(self, request, stop_words):
+        """mlx-lm's, through a :class:`WatchedGenerator`: a request whose client has gone stops generating."""
+        shared = self.response_generator
+        self.response_generator = WatchedGenerator(shared, self)
+        try:
+            super().handle_completion(request, stop_words)
+        finally:
+            self.response_generator = shared
 
     def _not_allowed(self):
         def go():

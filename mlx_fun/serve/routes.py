@@ -7,10 +7,13 @@ server's ``--data-dir``, else 403.
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 from ..errors import UserError
 from ..saliency import ARRAY_KEYS, METRICS
+from .params import check_numbers
 
 STEER_KEYS = ("safety_map", "domain_map", "mode", "safety_mode", "domain_mode", "deactivate", "activate",
               "mask_value", "boost_value", "scheme")
@@ -36,12 +39,8 @@ def check_completion(handler, path: str, body: dict) -> dict:
                               "remove it.", key)
     body["model"] = app.model_id
     if path.endswith("chat/completions"):
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise _error(400, "messages must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _error(400, f"messages[{i}] must be an object with a string \"role\".", f"messages[{i}]")
+        _check_messages(body.get("messages"))
+        _check_template_kwargs(body.get("chat_template_kwargs"))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -53,16 +52,44 @@ def check_completion(handler, path: str, body: dict) -> dict:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _error(400, "stop must be a string or a list of strings.", "stop")
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise _error(400, "logit_bias must be an object mapping token ids to numbers.", "logit_bias")
-        for k, v in bias.items():
-            if not str(k).isdigit() or int(k) >= app.vocab_size or isinstance(v, bool) or \
-                    not isinstance(v, (int, float)):
-                raise _error(400, f"logit_bias entry {k!r}: keys are token ids 0..{app.vocab_size - 1}, values "
-                                  "numbers.", "logit_bias")
+    check_numbers(body, max_tokens_limit=app.max_tokens_limit, context=app.context, vocab_size=app.vocab_size)
     return body
+
+
+def _check_messages(msgs) -> None:
+    """A non-empty list of ``{"role": str, "content": str | null | [{"type": "text", "text": str}, ...]}``: the
+    text mlx-lm serves (image parts would have its handler fetch URLs; it serves no images here)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise _error(400, "messages must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _error(400, f"messages[{i}] must be an object with a string \"role\".", f"messages[{i}]")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _error(400, f"messages[{i}].content must be a string or a list of "
+                              "{\"type\": \"text\", \"text\": ...} parts (this server serves text only).",
+                         f"messages[{i}].content")
+
+
+#: apply_chat_template's own arguments, which mlx-lm sets (a request's chat_template_kwargs may not)
+TEMPLATE_ARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                 "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _check_template_kwargs(kwargs) -> None:
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise _error(400, "chat_template_kwargs must be an object of template variables, e.g. "
+                          "{\"enable_thinking\": false}.", "chat_template_kwargs")
+    taken = sorted(set(kwargs) & set(TEMPLATE_ARGS))
+    if taken:
+        raise _error(400, f"chat_template_kwargs may not set {taken[0]!r} (the server sets it); send template "
+                          "variables only.", f"chat_template_kwargs.{taken[0]}")
 
 
 # ------------------------------------------------------------------------------------------ GET
@@ -120,24 +147,44 @@ def delete_steer(handler) -> None:
 
 
 def confined(app, value, field: str) -> Path:
-    """``value`` as a path inside the data directory (relative paths are relative to it), else 403."""
+    """``value`` as a path inside the data directory (relative paths are relative to it), else 403; a name
+    this filesystem cannot hold (a component over its NAME_MAX, the whole over PATH_MAX) is a 400."""
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
         raise _error(400, f"{field} must be a non-empty path string.", field)
     root = app.data_dir
-    p = Path(value).expanduser()
+    try:
+        p = Path(value).expanduser()
+    except RuntimeError:  # ~user of an unknown user
+        raise _error(403, f"{field} {value!r} names a home directory; name a path inside the server's data "
+                          f"directory {root} (--data-dir).", field) from None
     resolved = (p if p.is_absolute() else root / p).resolve()
     if not resolved.is_relative_to(root):
         raise _error(403, f"{field} {value!r} resolves outside the server's data directory {root} (--data-dir); "
                           "name a path inside it.", field)
+    name_max, path_max = os.pathconf(root, "PC_NAME_MAX"), os.pathconf(root, "PC_PATH_MAX")
+    longest = max(len(os.fsencode(part)) for part in resolved.relative_to(root).parts or ("",))
+    if longest > name_max or len(os.fsencode(resolved)) >= path_max:
+        raise _error(400, f"{field} is too long for this filesystem (names of at most {name_max} bytes, paths of "
+                          f"less than {path_max}); choose a shorter name.", field)
     return resolved
 
 
+#: what a save answers 400 to (the request's path, not the server, is at fault)
+PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EEXIST, errno.EINVAL)
+
+
 def save(app, body: dict) -> dict:
-    unknown = sorted(set(body) - {"path"})
+    from .. import writer
+
+    unknown = sorted(set(body) - {"path", "force"})
     if unknown:
-        raise _error(400, f"unknown field {unknown[0]!r}; save takes {{\"path\": \"<file>.npz\"}}.", unknown[0])
+        raise _error(400, f"unknown field {unknown[0]!r}; save takes {{\"path\": \"<file>.npz\", \"force\": "
+                          "false}.", unknown[0])
     if "path" not in body:
         raise _error(400, "path is required: {\"path\": \"<file>.npz\"} (inside --data-dir).", "path")
+    force = body.get("force", False)
+    if not isinstance(force, bool):
+        raise _error(400, "force must be true (replace an existing file) or false.", "force")
     path = confined(app, body["path"], "path")
     if path.suffix != ".npz":
         raise _error(400, f"path {body['path']!r} must end in .npz (the format prune --saliency reads).", "path")
@@ -145,9 +192,15 @@ def save(app, body: dict) -> dict:
     synced = counter.sync(app.generation_alive)
     acc, totals = counter.snapshot()
     try:
-        acc.save(path, inputs={"--model": app.model_path})
+        with writer.output(path, kind="file", suffix=".npz", inputs={"--model": app.model_path}, flag="path",
+                           keep=True, force=force, force_flag='"force": true') as res:
+            acc.write_npz(res.tmp)
     except UserError as e:
         raise _error(400, str(e), "path") from None
+    except OSError as e:
+        if e.errno not in PATH_ERRNOS:
+            raise
+        raise _error(400, f"path {body['path']!r}: {e.strerror}; choose another path.", "path") from None
     return {"path": str(path), "synced": synced, **totals}
 
 
