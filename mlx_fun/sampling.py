@@ -291,15 +291,17 @@ class GenerationResult:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     finish_reason: str | None = None  # "length" or "stop" (ended on an EOS token, which is the last of ``tokens``)
+    draft_tokens: int | None = None  # with a draft model: how many of ``tokens`` it proposed and the model accepted
 
     @property
     def generation_tokens(self) -> int:
         return len(self.tokens)
 
     def stats_line(self) -> str:
+        draft = "" if self.draft_tokens is None else f" ({self.draft_tokens} accepted from the draft model)"
         return (
             f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:,.1f} tok/s | "
-            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:,.1f} tok/s"
+            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:,.1f} tok/s{draft}"
         )
 
 
@@ -329,13 +331,19 @@ def run_generation(
     top_p: float = 1.0,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    options=None,
+    draft_model=None,
 ) -> GenerationResult:
     """Generate with ``mlx_lm.generate.stream_generate`` (its KV cache, prefill and detokenizer) and our sampler.
 
-    ``prompt`` is text (see :func:`encode_prompt`; ``chat`` applies to text only) or token ids. ``on_text`` receives each decoded segment as it
-    is produced. Stops after ``max_tokens`` tokens or on an EOS token (which is then the last of ``tokens``).
+    ``prompt`` is text (see :func:`encode_prompt`; ``chat`` applies to text only) or token ids. ``on_text`` receives
+    each decoded segment as it is produced. Stops after ``max_tokens`` tokens or on an EOS token (which is then the
+    last of ``tokens``). ``options`` (:class:`mlx_fun.genopts.GenOptions`) and ``draft_model``: mlx-lm's KV cache
+    and speculative decoding options.
     """
     from mlx_lm.generate import stream_generate
+
+    from .genopts import GenOptions
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -346,8 +354,14 @@ def run_generation(
     result = GenerationResult(prompt_tokens=len(ids))
     pieces: list[str] = []
     response = None
-    for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler):
+    kwargs = (options or GenOptions()).stream_kwargs(draft_model)
+    if draft_model is not None:
+        result.draft_tokens = 0
+    for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
+                                    **kwargs):
         result.tokens.append(int(response.token))
+        if draft_model is not None:
+            result.draft_tokens += bool(response.from_draft)
         if response.text:
             pieces.append(response.text)
             if on_text is not None:

@@ -120,6 +120,31 @@ def model_option(fn):
                              "name wins over the repo.")(fn)
 
 
+def generation_options(fn):
+    """mlx-lm's KV-cache and speculative-decoding options (mlx_fun.genopts), as mlx_lm.generate names them."""
+    from ..genopts import KV_BITS, KV_GROUP_SIZES
+
+    for option in reversed((
+        click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default=None,
+                     callback=lambda _c, _p, v: None if v is None else int(v),
+                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache)  [default: float]."),
+        click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default="64",
+                     show_default=True, callback=lambda _c, _p, v: int(v), help="Group size of the quantized KV cache."),
+        click.option("--quantized-kv-start", type=click.IntRange(min=0), default=5000, show_default=True,
+                     help="With --kv-bits: quantize the cache once it holds this many tokens (0: from the start)."),
+        click.option("--max-kv-size", type=click.IntRange(min=1), default=None,
+                     help="Keep at most this many tokens in the KV cache (mlx-lm's rotating cache; not with "
+                          "--kv-bits or --draft-model)."),
+        click.option("--draft-model", type=click.Path(), default=None,
+                     help="A smaller model with the same tokenizer for speculative decoding (mlx-lm's; a directory "
+                          "or a repo id). Greedy output is unchanged; --temp > 0 samples as mlx-lm does then."),
+        click.option("--num-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Tokens the draft model proposes per step."),
+    )):
+        fn = option(fn)
+    return fn
+
+
 def metric_option(default: str = "reap"):
     return click.option(
         "--metric",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..jobs.smoke_test import DEFAULT_PROMPT
-from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option
+from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
@@ -27,6 +27,7 @@ from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, mod
 @click.option("--chat", is_flag=True, default=False,
               help="Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
 @dispatch_option
+@generation_options
 @friendly_errors
 def command(**kwargs):
     """Load MODEL and generate up to --max-tokens tokens after --prompt, using mlx-lm's KV cache

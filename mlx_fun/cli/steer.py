@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option
+from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option
 
 
 @click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
@@ -34,6 +34,7 @@ from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, mod
 @click.option("--compare", is_flag=True, default=False,
               help="First print the unsteered reply (same sampler), then stream the steered one.")
 @dispatch_option
+@generation_options
 @friendly_errors
 def command(**kwargs):
     """Generate after --prompt with chosen experts steered before every MoE layer's own selection

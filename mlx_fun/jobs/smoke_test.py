@@ -53,15 +53,25 @@ def run(
     dispatch: str = "auto",
     dispatch_table: str | Path | None = None,
     dequant_cache: int | str = 0,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: int | None = None,
+    draft_model: str | Path | None = None,
+    num_draft_tokens: int = 2,
     on_text: Callable[[str], None] | None = None,
     log: Log = quiet,
 ) -> SmokeTestResult:
     """Generate up to ``max_tokens`` after ``prompt`` (raw, or in the chat template with ``chat``): greedy at
     ``temp=0`` (token for token what ``mlx_lm.generate`` gives), else seeded Gumbel-max sampling. ``on_text``
-    receives the text as it is generated."""
+    receives the text as it is generated. ``kv_bits`` … ``num_draft_tokens``: mlx-lm's KV-cache and speculative
+    decoding options (:mod:`mlx_fun.genopts`)."""
+    from ..genopts import GenOptions, load_draft
     from ..io import context_length, load_model
     from ..sampling import encode_prompt, make_sampler, run_generation
 
+    options = GenOptions(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, num_draft_tokens).check(
+        draft=draft_model)
     config = check_generatable(model)
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")
@@ -72,6 +82,9 @@ def run(
     log(f"Loading {model} ...")
     mdl, tokenizer, _config = load_model(model)
     apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
+    if draft_model is not None:
+        log(f"Loading the draft model {draft_model} ...")
+    draft = load_draft(draft_model, tokenizer)
     log(f"Sampler: {sampler!r}")
     ids = encode_prompt(tokenizer, prompt, chat)
     limit, warnings = context_length(config), []
@@ -81,5 +94,5 @@ def run(
                         f"unreliable. Shorten the prompt or lower {param('max_tokens')}.")
         log(f"Warning: {warnings[-1]}")
     result = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k,
-                            top_p=top_p, chat=chat, on_text=on_text)
+                            top_p=top_p, chat=chat, on_text=on_text, options=options, draft_model=draft)
     return SmokeTestResult(result, repr(sampler), warnings)

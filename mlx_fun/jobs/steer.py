@@ -37,6 +37,12 @@ def run(
     dispatch: str = "auto",
     dispatch_table: str | Path | None = None,
     dequant_cache: int | str = 0,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: int | None = None,
+    draft_model: str | Path | None = None,
+    num_draft_tokens: int = 2,
     on_text: Callable[[str], None] | None = None,
     on_baseline: Callable[[object], None] | None = None,
     log: Log = quiet,
@@ -45,11 +51,15 @@ def run(
     HRCG experts, at most top_k per layer; ``unsafe``: mask its safety-critical experts) and/or a domain report
     (``domain_mode`` ``boost`` / ``suppress``), through the hooked MoE call of every family. ``compare`` first
     generates without steering (same sampler, same seed) and hands that generation to ``on_baseline`` before the
-    steered one starts (whose text goes to ``on_text`` as it is produced)."""
+    steered one starts (whose text goes to ``on_text`` as it is produced). ``kv_bits`` … ``num_draft_tokens``:
+    mlx-lm's KV-cache and speculative decoding options (:mod:`mlx_fun.genopts`); a draft model is never steered."""
     from .. import moe_hook
+    from ..genopts import GenOptions, load_draft
     from ..sampling import encode_prompt, make_sampler, run_generation
     from ..steering import for_adapter
 
+    options = GenOptions(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, num_draft_tokens).check(
+        draft=draft_model)
     check_supported(model)
     if safety_map is None and domain_map is None:
         raise UserError(f"nothing to steer: pass {param('safety_map')} with {param('mode')} and/or "
@@ -72,13 +82,14 @@ def run(
     for w in steering.warnings:
         log(f"Warning: {w}")
     apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
+    draft = load_draft(draft_model, tokenizer)
+    gen = dict(max_tokens=max_tokens, temp=temp, seed=seed, options=options, draft_model=draft)
     ids = encode_prompt(tokenizer, prompt, chat)
     baseline = None
     if compare:
-        baseline = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed)
+        baseline = run_generation(mdl, tokenizer, ids, **gen)
         if on_baseline is not None:
             on_baseline(baseline)
     with moe_hook.hooked(adapter, [], steering.route_steers(adapter)):
-        generation = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
-                                    on_text=on_text)
+        generation = run_generation(mdl, tokenizer, ids, **gen, on_text=on_text)
     return SteerResult(steering, generation, baseline, list(steering.warnings))
