@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, model_option
+from .common import dispatch_option, echo_err, friendly_errors, generation_options, model_option
 
 
 def _size(text: str) -> int:
@@ -72,6 +72,7 @@ def _size(text: str) -> int:
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
               show_default=True, help="INFO logs every request.")
 @dispatch_option
+@generation_options
 @friendly_errors
 def command(allowed_origins, **kwargs):
     """Serve MODEL with mlx-lm's OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
@@ -88,6 +89,11 @@ def command(allowed_origins, **kwargs):
 
     Ctrl+C (or SIGTERM) stops the server; with --auto-save the statistics are written atomically first, ready
     for `mlx-fun prune --saliency online.npz`.
+
+    mlx-lm's generation options pass through as in smoke-test: --kv-bits / --kv-group-size / --quantized-kv-start,
+    --max-kv-size (which mlx_lm.server lacks), --draft-model / --num-draft-tokens; with any of --kv-bits,
+    --max-kv-size or --draft-model requests are served one at a time. Only the served model is counted: not the
+    draft model, nor the drafted tokens it rejects. A model given as a repo id is served under that id.
     """
     from ..jobs import serve
 

@@ -63,8 +63,14 @@ def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | 
 
 def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safety_map, steering_mode, domain_map,
              domain_steering_mode, auto_save, max_body_bytes, port, dequant_cache=0, max_tokens_limit=None,
-             **_) -> dict:
-    """Check everything that can be checked before loading; returns the normalised values."""
+             kv_bits, kv_group_size, quantized_kv_start, max_kv_size, draft_model, num_draft_tokens, **_) -> dict:
+    """Check everything that can be checked before binding or loading; returns the normalised values."""
+    from .. import mlx_lm_compat
+    from ..genopts import GenOptions
+
+    mlx_lm_compat.require("serve")
+    options = GenOptions(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, num_draft_tokens).check(
+        draft=draft_model)
     config = check_supported(model)
     if mode not in MODES:
         raise UserError(f"{param('mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
@@ -95,7 +101,7 @@ def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safet
         raise UserError(f"{param('dequant_cache')}: {e}") from None
     return {"data_dir": data.resolve(), "chat_template": template, "api_key": _api_key(api_key),
             "dequant_cache": dequant, "auto_save": None if auto_save is None else Path(auto_save),
-            "max_tokens": max_tokens, "max_tokens_limit": max_tokens_limit, "context": context}
+            "max_tokens": max_tokens, "max_tokens_limit": max_tokens_limit, "context": context, "options": options}
 
 
 def _never_fails(log: Log) -> Log:
@@ -175,6 +181,12 @@ def start(
     prefill_step_size: int = 2048,
     max_body_bytes: int = 8 << 20,
     allowed_origins: tuple[str, ...] = (),
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: int | None = None,
+    draft_model: str | Path | None = None,
+    num_draft_tokens: int = 2,
     log: Log = quiet,
 ):
     """Start serving ``model`` on ``host:port`` in the background; returns the running server (``.url``,
@@ -194,7 +206,17 @@ def start(
         allowed_origins=list(allowed_origins), max_body_bytes=max_body_bytes, dispatch=dispatch,
         dispatch_table=dispatch_table, dequant_cache=ok["dequant_cache"], auto_save=ok["auto_save"],
         steering=_startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode, steering_scheme),
-        log=log)
+        options=ok["options"], draft_model=None if draft_model is None else str(draft_model),
+        name=_repo_id(model), log=log)
+
+
+def _repo_id(model) -> str | None:
+    """The Hugging Face repo id ``model`` was resolved from by this job (served under it, as mlx_lm.server serves
+    an id); None for a local directory."""
+    from ..hub import source
+
+    origin = source(model)
+    return origin["repo_id"] if origin is not None and "revision" in origin else None
 
 
 def run(
@@ -225,6 +247,12 @@ def run(
     prefill_step_size: int = 2048,
     max_body_bytes: int = 8 << 20,
     allowed_origins: tuple[str, ...] = (),
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: int | None = None,
+    draft_model: str | Path | None = None,
+    num_draft_tokens: int = 2,
     log: Log = quiet,
     log_level: str | None = None,
     on_ready=None,
@@ -240,6 +268,12 @@ def run(
     request names stay inside ``data_dir``; ``api_key`` (or ``MLX_FUN_API_KEY``) requires a Bearer token.
     ``log_level`` (DEBUG / INFO / WARNING / ERROR) sets up Python logging for the server's and mlx-lm's messages
     (INFO logs every request); None leaves logging as it is. ``on_ready(server)`` is called once serving.
+
+    ``kv_bits`` … ``num_draft_tokens``: mlx-lm's KV-cache and speculative-decoding options (:mod:`mlx_fun.genopts`,
+    checked as smoke-test checks them), passed where mlx-lm's server takes them; ``max_kv_size`` (which it lacks)
+    through the prompt cache. With a draft model, ``kv_bits`` or ``max_kv_size`` requests are served one at a time
+    (mlx-lm's non-batched path). The draft model's forwards are never counted. A model given as a repo id is served
+    under that id.
     """
     import logging
 

@@ -8,6 +8,7 @@ used: in mlx-lm 0.32.2 it ignores its ``handler_class``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -18,12 +19,11 @@ from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import get_system_fingerprint
 
 from ..errors import UserError
-from .counting import install_padding_probe, padding_probe_supported, remove_padding_probe
-from .generator import CountingResponseGenerator, ServedModelProvider, model_aliases, server_args
+from .counting import DRAFT_PROBE, PADDING_PROBE, padding_probe_supported
+from .generator import CountingResponseGenerator, ServedModelProvider, ServedPromptCache, model_aliases, server_args
 from .handler import HTTPError, ReapHandler
 
 MAX_BODY_BYTES = 8 << 20
@@ -33,7 +33,8 @@ ROUTES = [("GET", "/v1/reap/stats"), ("GET", "/v1/reap/info"), ("POST", "/v1/rea
           ("GET", "/v1/models"), ("GET", "/health")]
 COUNTING = ("token_count = tokens the model processed through its MoE layers: prompt tokens not served from the "
             "prompt cache plus every generated token fed back (padding of batched prompts excluded); each adds "
-            "top_k to every MoE layer's freq row.")
+            "top_k to every MoE layer's freq row. With a draft model: the served model's forwards only (the draft "
+            "model's are not counted), the drafted tokens it rejects excluded.")
 
 
 @dataclass
@@ -53,10 +54,13 @@ class ServeApp:
     auto_save: Path | None = None
     aliases: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    name: str | None = None  # the Hugging Face repo id the model was fetched as (None: a local directory)
+    generation: dict = field(default_factory=dict)  # mlx-lm's generation options, as /v1/reap/info shows them
 
     @property
     def model_id(self) -> str:
-        return self.model_path.resolve().name
+        """The name the model is served under: its repo id (as mlx_lm.server), else its directory's name."""
+        return self.name or self.model_path.resolve().name
 
     @property
     def counter(self):
@@ -93,7 +97,7 @@ class ServeApp:
             "num_layers": len(adapter.moe_layers()), "moe_layer_indices": adapter.moe_layers(),
             "num_experts": adapter.num_experts, "top_k": adapter.top_k, "mode": self.mode,
             "dispatch": self.provider.dispatch_mode, **totals, "synced": synced, "counting": COUNTING,
-            "max_tokens_limit": self.max_tokens_limit,
+            "max_tokens_limit": self.max_tokens_limit, "generation": self.generation,
             "steering": None if steering is None else steering.to_json(),
             "data_dir": str(self.data_dir), "auto_save": None if self.auto_save is None else str(self.auto_save),
             "api_key_required": bool(self.api_key), "uptime_s": round(time.time() - self.started, 1),
@@ -109,8 +113,8 @@ class _HTTPServer(ThreadingHTTPServer):
 class Server:
     """A started server: ``url``, ``app``, ``counter``; ``stop()`` ends it (idempotent)."""
 
-    def __init__(self, httpd: _HTTPServer, app: ServeApp, probe: bool):
-        self.httpd, self.app, self._probe = httpd, app, probe
+    def __init__(self, httpd: _HTTPServer, app: ServeApp, probes: list):
+        self.httpd, self.app, self._probes = httpd, app, probes
         self.host, self.port = httpd.server_address[:2]
         self._thread = threading.Thread(target=httpd.serve_forever, name="mlx-fun-http", daemon=True)
         self._stopped = False
@@ -143,8 +147,8 @@ class Server:
                 break  # a second Ctrl+C: stop waiting for the current request
         else:
             _wait_gone(gen._generation_thread)
-        if self._probe:
-            remove_padding_probe()
+        for probe in self._probes:
+            probe.remove()
         import mlx.core as mx
 
         # Without this, a process that ran mlx-lm's generation thread aborts at exit ("terminate called without an
@@ -204,32 +208,47 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
           decode_concurrency: int, prompt_concurrency: int,
           prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
           allowed_origins: list[str], max_body_bytes: int, dispatch: str, dispatch_table, dequant_cache: int,
-          auto_save: Path | None, steering=None, log=lambda line: None) -> Server:
-    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``steering(counter) -> Steering | None``."""
+          auto_save: Path | None, steering=None, options=None, draft_model: str | None = None,
+          name: str | None = None, log=lambda line: None) -> Server:
+    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``steering(counter) -> Steering | None``;
+    ``options``: mlx-lm's generation options (:class:`mlx_fun.genopts.GenOptions`, checked), ``draft_model`` its
+    speculative decoding; ``name``: the repo id the model is served under (None: its directory's name)."""
+    from ..genopts import GenOptions
+
+    options = options or GenOptions()
     httpd = _bind(host, port)
-    probe = padding_probe_supported()
-    if probe:
-        install_padding_probe()
-    elif prompt_concurrency > 1:
+    probes = [PADDING_PROBE] if padding_probe_supported() else []
+    if not probes and prompt_concurrency > 1:
         log("Warning: this mlx-lm pads batched prompts in a way mlx-fun cannot see; prompts are processed one at "
             "a time (--prompt-concurrency 1) so the counts stay exact.")
         prompt_concurrency = 1
+    if draft_model is not None:
+        probes.append(DRAFT_PROBE)
+    for probe in probes:
+        probe.install()
     args = server_args(model=model, max_tokens=max_tokens, chat_template=chat_template,
                        decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
                        prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
-                       prompt_cache_bytes=prompt_cache_bytes, allowed_origins=allowed_origins)
-    provider = ServedModelProvider(args, aliases=model_aliases(model), norms=mode == "full", dispatch=dispatch,
-                                   dispatch_table=dispatch_table, dequant_cache=dequant_cache)
-    generator = CountingResponseGenerator(provider, LRUPromptCache(prompt_cache_size))
+                       prompt_cache_bytes=prompt_cache_bytes, allowed_origins=allowed_origins, options=options,
+                       draft_model=draft_model)
+    aliases = model_aliases(model, name)
+    provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", dispatch=dispatch,
+                                   dispatch_table=dispatch_table, dequant_cache=dequant_cache,
+                                   max_kv_size=options.max_kv_size)
+    fresh = provider.fresh_cache if options.max_kv_size is not None else None
+    generator = CountingResponseGenerator(provider, ServedPromptCache(prompt_cache_size, fresh))
     port = httpd.server_address[1]
+    generation = {**dataclasses.asdict(options), "draft_model": draft_model}
     app = ServeApp(Path(model), mode, data_dir, api_key, max_body_bytes, _allowed_hosts(host, port), provider,
-                   generator, max_tokens_limit, context, auto_save, model_aliases(model))
+                   generator, max_tokens_limit, context, auto_save, aliases, name=name, generation=generation)
     httpd.app = app
-    server = Server(httpd, app, probe)
+    server = Server(httpd, app, probes)
     try:
         while not provider.ready.wait(0.2):
             if not generator.generation_available():
                 break
+        if isinstance(provider.load_error, UserError):  # one line of mlx-fun's loader (the draft model's, say)
+            raise provider.load_error
         if provider.load_error is not None or provider.counter is None:
             err = provider.load_error
             raise UserError(f"could not load --model {model}: {err if err is not None else 'generation thread died'}")

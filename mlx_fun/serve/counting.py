@@ -21,6 +21,14 @@ function to remember the true lengths (thread-local, on the generation thread); 
 consume them chunk by chunk. Forwards without a record are all real tokens (equal-length prompts, one-token
 generation steps, single-sequence ``stream_generate``).
 
+**Speculative decoding.** Only the served model is hooked, so a draft model's forwards (an MoE's too) are never
+counted. The served model verifies the drafted tokens in one forward and mlx-lm then trims the ones it rejected
+from its KV cache with ``generate.trim_prompt_cache``; :data:`DRAFT_PROBE` wraps that function, and a trim of the
+cache the served model's newest forward used drops that forward's last positions from the count
+(``draft_rejected``). So with a draft model the counts are those of the tokens the model keeps — its prompt and
+its output, as without one — except a response's last token when the model produced it itself (the draft's
+tokens are fed back to verify them, the model's own last one never is).
+
 **Snapshots.** The float64 accumulator, the token count and the request count change together under one lock, so
 a reader (the HTTP threads) never sees a torn state; :meth:`TrafficCounter.sync` first asks the generation thread
 to flush, so a snapshot includes every forward started before it.
@@ -41,8 +49,8 @@ from ..saliency import SaliencyAccumulator
 _TAG = "serve"
 _STATE = "_mlxfun_serve"
 _PADDING = threading.local()
-_PROBE = {"users": 0, "original": None}
 _PROBE_LOCK = threading.Lock()
+_PAD_NAME = "_right_pad_prompts"  # mlx_lm.generate's (mlx_lm_compat: serve works around its absence)
 #: records kept back during generation before an early flush (bounds memory of long single-sequence requests)
 FLUSH_EVERY = 32
 
@@ -54,6 +62,7 @@ class _Forward:
     weights: mx.array
     norms: mx.array | None
     valid: np.ndarray | None  # (N,) bool, None: all positions real
+    rejected: int = 0  # last positions the model dropped from its KV cache (drafted tokens it rejected)
 
 
 class TrafficCounter:
@@ -66,6 +75,7 @@ class TrafficCounter:
         self.lock = threading.Lock()
         self.request_count = 0
         self.padding_skipped = 0
+        self.draft_rejected = 0
         self._epoch = 0
         self._layers: list | None = None  # the current forward's per-layer (inds, weights, norms)
         self._valid: np.ndarray | None = None
@@ -83,11 +93,19 @@ class TrafficCounter:
         n = mx.linalg.norm(y.astype(mx.float32), axis=-1).reshape(-1, k) if self.norms else None
         self._layers.append((inds.reshape(-1, k), weights.astype(mx.float32).reshape(-1, k), n))
 
-    def begin_forward(self, inputs) -> None:
+    def begin_forward(self, inputs, cache=None) -> None:
         if len(self._pending) > FLUSH_EVERY:  # all but the newest: those are computed already
             self.flush(keep_last=True)
         self._layers = []
         self._valid = _valid_positions(inputs)
+        _PADDING.served = (self, id(cache))  # for the draft probe: a trim of this cache drops this forward's positions
+
+    def reject_last(self, n: int) -> None:
+        """The model's KV cache dropped the last ``n`` positions of its newest forward: the drafted tokens it
+        rejected in speculative decoding (mlx-lm trims them right after that forward), not counted."""
+        if n > 0 and self._pending:
+            f = self._pending[-1]
+            f.rejected = min(f.rejected + n, f.inds.shape[1])
 
     def end_forward(self) -> None:
         layers, self._layers = self._layers, None
@@ -108,7 +126,7 @@ class TrafficCounter:
         self._pending = self._pending[-1:] if keep_last else []
         mx.eval(*[a for f in todo for a in (f.inds, f.weights, f.norms) if a is not None])
         delta = SaliencyAccumulator.for_adapter(self.adapter)
-        tokens = skipped = 0
+        tokens = skipped = rejected = 0
         with self.lock:
             epoch = self._epoch
         for f in todo:
@@ -116,10 +134,12 @@ class TrafficCounter:
                 continue
             inds, w = np.array(f.inds), np.array(f.weights)
             n = None if f.norms is None else np.array(f.norms)
-            if f.valid is not None:
-                skipped += int((~f.valid).sum())
-                inds, w = inds[:, f.valid], w[:, f.valid]
-                n = None if n is None else n[:, f.valid]
+            keep = _kept(f)
+            skipped += 0 if f.valid is None else int((~f.valid).sum())
+            rejected += f.rejected
+            if keep is not None:
+                inds, w = inds[:, keep], w[:, keep]
+                n = None if n is None else n[:, keep]
             delta.update_layers(inds, w, n)
             tokens += inds.shape[1]
         with self.lock:
@@ -127,6 +147,7 @@ class TrafficCounter:
                 delta.total_tokens = tokens
                 self.acc.add(delta)
                 self.padding_skipped += skipped
+                self.draft_rejected += rejected
         return tokens
 
     def serve_sync(self) -> None:
@@ -163,7 +184,7 @@ class TrafficCounter:
             acc = SaliencyAccumulator.for_adapter(self.adapter)
             acc.add(self.acc)
             totals = {"request_count": self.request_count, "token_count": self.acc.total_tokens,
-                      "padding_skipped": self.padding_skipped}
+                      "padding_skipped": self.padding_skipped, "draft_rejected": self.draft_rejected}
         return acc, totals
 
     def reset(self) -> dict:
@@ -172,8 +193,18 @@ class TrafficCounter:
             self.acc.reset()
             self.request_count = 0
             self.padding_skipped = 0
+            self.draft_rejected = 0
             self._epoch += 1
         return before
+
+
+def _kept(f: _Forward) -> np.ndarray | None:
+    """The positions of a recorded forward that count: real (not padding), not rejected; None: all of them."""
+    if not f.rejected:
+        return f.valid
+    keep = np.ones(f.inds.shape[1], bool) if f.valid is None else f.valid.copy()
+    keep[keep.size - f.rejected:] = False
+    return keep
 
 
 def _valid_positions(inputs) -> np.ndarray | None:
@@ -193,40 +224,73 @@ def _valid_positions(inputs) -> np.ndarray | None:
     return valid.reshape(-1)
 
 
+class _Probe:
+    """The function ``name`` of ``mlx_lm.generate`` (found by ``original()``) replaced by ``wrap(it)`` while any
+    server needs it (reference-counted, restored after the last user)."""
+
+    def __init__(self, name: str, original, wrap):
+        self.name, self.original, self.wrap, self.users, self.saved = name, original, wrap, 0, None
+
+    def install(self) -> None:
+        with _PROBE_LOCK:
+            if self.users == 0:
+                self.saved = self.original()
+                setattr(_generate_module(), self.name, self.wrap(self.saved))
+            self.users += 1
+
+    def remove(self) -> None:
+        with _PROBE_LOCK:
+            self.users -= 1
+            if self.users == 0:
+                setattr(_generate_module(), self.name, self.saved)
+
+
+def _pad_function():
+    """mlx-lm's ``generate._right_pad_prompts`` through the compat table (None where this mlx-lm lacks it)."""
+    from .. import mlx_lm_compat
+
+    return mlx_lm_compat.lookup("mlx_lm.generate", "_right_pad_prompts")
+
+
+def _probed_padding(original):
+    def probed(prompts, max_length=None):
+        out = original(prompts, max_length)
+        _PADDING.record = ([len(p) for p in prompts], out.shape[1], 0)
+        return out
+
+    return probed
+
+
+def _probed_trim(original):
+    def probed(cache, num_tokens):
+        served = getattr(_PADDING, "served", None)  # (counter, id of its cache) of this thread's newest forward
+        if served is not None and served[1] == id(cache):
+            served[0].reject_last(num_tokens)
+        return original(cache, num_tokens)
+
+    return probed
+
+
+#: mlx-lm right-pads batched prompts of unequal length here (the padding is not counted)
+PADDING_PROBE = _Probe(_PAD_NAME, _pad_function, _probed_padding)
+#: speculative decoding trims the drafted tokens the model rejected from its KV cache here (they are not counted)
+DRAFT_PROBE = _Probe("trim_prompt_cache", lambda: _generate_module().trim_prompt_cache, _probed_trim)
+
+
 def install_padding_probe() -> None:
     """Wrap ``mlx_lm.generate._right_pad_prompts`` so the generation thread knows which positions are padding."""
-    gen = _generate_module()
-
-    with _PROBE_LOCK:
-        if _PROBE["users"] == 0:
-            original = gen._right_pad_prompts
-
-            def probed(prompts, max_length=None):
-                out = original(prompts, max_length)
-                _PADDING.record = ([len(p) for p in prompts], out.shape[1], 0)
-                return out
-
-            _PROBE["original"] = original
-            gen._right_pad_prompts = probed
-        _PROBE["users"] += 1
+    PADDING_PROBE.install()
 
 
 def remove_padding_probe() -> None:
-    gen = _generate_module()
-
-    with _PROBE_LOCK:
-        _PROBE["users"] -= 1
-        if _PROBE["users"] == 0:
-            gen._right_pad_prompts = _PROBE["original"]
+    PADDING_PROBE.remove()
 
 
 def padding_probe_supported() -> bool:
-    """True when this mlx-lm pads batched prompts the way the probe expects (``_right_pad_prompts``)."""
-    gen = _generate_module()
-
-    prompt = getattr(getattr(gen, "PromptProcessingBatch", None), "prompt", None)
-    return hasattr(gen, "_right_pad_prompts") and prompt is not None and \
-        "_right_pad_prompts" in prompt.__code__.co_names
+    """True when this mlx-lm pads batched prompts the way the probe expects (``_right_pad_prompts``, called by
+    ``PromptProcessingBatch.prompt``); otherwise serve prefills one prompt at a time."""
+    prompt = getattr(getattr(_generate_module(), "PromptProcessingBatch", None), "prompt", None)
+    return _pad_function() is not None and prompt is not None and _PAD_NAME in prompt.__code__.co_names
 
 
 def _generate_module():
@@ -239,7 +303,7 @@ def _generate_module():
 # ---------------------------------------------------------------------------------------- the model hook
 def _served_call(self, inputs, *args, **kwargs):
     counter: TrafficCounter = classswap.get_state(self, _STATE)
-    counter.begin_forward(inputs)
+    counter.begin_forward(inputs, kwargs.get("cache", args[0] if args else None))
     try:
         return classswap.original_class(self, _TAG).__call__(self, inputs, *args, **kwargs)
     finally:

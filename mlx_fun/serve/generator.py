@@ -7,33 +7,48 @@
   ``_next_request`` call, on the generation thread, between forward passes) it flushes the counts, applies a
   steering change atomically (one bias swap for all layers) and empties the prompt cache when the routing
   changed, so no KV state computed under other steering is reused.
+
+mlx-lm's generation options (:mod:`mlx_fun.genopts`, checked by the job before anything binds or loads) go where
+mlx-lm's server takes them: ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` / ``num_draft_tokens`` in its
+``cli_args``; the draft model is loaded by :func:`mlx_fun.genopts.load_draft` (one line for another vocabulary,
+where mlx-lm only warns) and never hooked, so its forwards are not counted. ``max_kv_size``, which mlx-lm's server
+lacks, is :class:`ServedPromptCache`: a prompt the prompt cache has nothing for starts from the rotating cache
+``make_prompt_cache(model, max_kv_size)`` that ``mlx_lm.generate`` makes. A draft model, ``kv_bits`` or
+``max_kv_size`` serve one request at a time (mlx-lm's non-batched path).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import threading
 from pathlib import Path
 
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import ModelProvider, ResponseGenerator
 
 from .. import moe_hook
+from ..genopts import GenOptions, load_draft
 from .counting import TrafficCounter, attach
 
 
 def server_args(*, model: str, max_tokens: int, chat_template: str | None, decode_concurrency: int,
                 prompt_concurrency: int, prefill_step_size: int, prompt_cache_size: int,
-                prompt_cache_bytes: int | None, allowed_origins: list[str]) -> argparse.Namespace:
-    """The namespace mlx-lm's server classes read (``mlx_lm.server.main``'s options, with its defaults)."""
+                prompt_cache_bytes: int | None, allowed_origins: list[str], options: GenOptions | None = None,
+                draft_model: str | None = None) -> argparse.Namespace:
+    """The namespace mlx-lm's server classes read (``mlx_lm.server.main``'s options, with its defaults), with
+    mlx-lm's generation ``options`` (``max_kv_size`` aside: :class:`ServedPromptCache`) and ``draft_model``."""
+    options = options or GenOptions()
     return argparse.Namespace(
-        model=model, adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
-        chat_template=chat_template or "", use_default_chat_template=False, chat_template_args={},
-        temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
+        model=model, adapter_path=None, draft_model=draft_model, num_draft_tokens=options.num_draft_tokens,
+        trust_remote_code=False, chat_template=chat_template or "", use_default_chat_template=False,
+        chat_template_args={}, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
         decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
         prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
-        prompt_cache_bytes=prompt_cache_bytes, kv_bits=None, kv_group_size=64, quantized_kv_start=0,
-        pipeline=False, allowed_origins=allowed_origins, log_level="WARNING",
+        prompt_cache_bytes=prompt_cache_bytes, kv_bits=options.kv_bits, kv_group_size=options.kv_group_size,
+        quantized_kv_start=options.quantized_kv_start, pipeline=False, allowed_origins=allowed_origins,
+        log_level="WARNING",
     )
 
 
@@ -41,8 +56,9 @@ class ServedModelProvider(ModelProvider):
     """mlx-lm's ``ModelProvider`` for one model, which it hooks for counting right after loading it."""
 
     def __init__(self, cli_args: argparse.Namespace, *, aliases: list[str], norms: bool, dispatch: str,
-                 dispatch_table=None, dequant_cache: int = 0):
+                 dispatch_table=None, dequant_cache: int = 0, max_kv_size: int | None = None):
         super().__init__(cli_args)
+        self.max_kv_size = max_kv_size
         for name in aliases:  # every name a client may use → the one served model (no other path is ever loaded)
             self._model_map[name] = cli_args.model
             self._adapter_map[name] = None
@@ -55,9 +71,17 @@ class ServedModelProvider(ModelProvider):
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         try:
-            super()._load(model_path, adapter_path, draft_model_path)
+            super()._load(model_path, adapter_path, None)
+            if draft_model_path is not None:  # as mlx-lm's _load, through mlx-fun's loader and vocabulary check
+                self.draft_model = load_draft(draft_model_path, self.tokenizer)
+                self.model_key = (model_path, adapter_path, draft_model_path)
+            if self.draft_model is not None or self.max_kv_size is not None:
+                self.is_batchable = False  # mlx-lm's batched path: no draft model, caches of its own making
             self._hook()
-        except BaseException as e:  # shown by the main thread as one line
+        except Exception as e:  # the main thread stops the server with it as one line (mlx-lm's loop, were it
+            self.load_error = e  # raised, would log a traceback as it ended); serving never started, so it is idle
+            self.reset()
+        except BaseException as e:
             self.load_error = e
             raise
         finally:
@@ -76,11 +100,46 @@ class ServedModelProvider(ModelProvider):
         self.counter = TrafficCounter(adapter, norms=self.norms)
         attach(self.model, self.counter)
 
+    def fresh_cache(self) -> list:
+        """A new KV cache for the served model as ``mlx_lm.generate`` makes it (rotating with ``max_kv_size``)."""
+        return make_prompt_cache(self.model, self.max_kv_size)
+
+
+class ServedPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache; a prompt it has nothing for gets ``fresh()`` (where mlx-lm's server would make a
+    plain ``make_prompt_cache(model)``), which is how ``--max-kv-size`` reaches mlx-lm's non-batched path."""
+
+    def __init__(self, max_size: int, fresh=None):
+        super().__init__(max_size)
+        self.fresh = fresh
+
+    def fetch_nearest_cache(self, model, tokens):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is None and self.fresh is not None:
+            cache = self.fresh()
+        return cache, rest
+
+    def insert_cache(self, model, tokens, prompt_cache, **kw):
+        """Filed under the tokens every cache of ``prompt_cache`` holds (those past it trimmed off). mlx-lm's server
+        files a response's caches under all its tokens, but with a draft model the model never fed a last token it
+        produced itself (and the draft's cache may lag one more): a later prompt would reuse a cache a token short of
+        what it claims (one cached token too many) and generate over shifted positions."""
+        held = min((c.offset for c in prompt_cache if isinstance(getattr(c, "offset", None), int)),
+                   default=len(tokens))
+        if held < len(tokens) and all(c.is_trimmable() for c in prompt_cache):
+            if held == 0:
+                return
+            for c in prompt_cache:
+                c.trim(c.offset - held)
+            tokens = tokens[:held]
+        super().insert_cache(model, tokens, prompt_cache, **kw)
+
 
 class CountingResponseGenerator(ResponseGenerator):
     """mlx-lm's ``ResponseGenerator``; flushes counts and swaps steering between loop iterations."""
 
     def __init__(self, model_provider: ServedModelProvider, prompt_cache):
+        self._context = contextvars.copy_context()  # the job's (how errors name flags) for the generation thread
         self._steering_lock = threading.Lock()
         self._steering_next = None  # (Steering or None, its route steers) posted by an HTTP thread, applied by the loop
         self.steering = None
@@ -123,6 +182,9 @@ class CountingResponseGenerator(ResponseGenerator):
         return super()._next_request(timeout)
 
     def _run_generate(self):
+        self._context.run(self._run_counted)
+
+    def _run_counted(self):
         try:
             super()._run_generate()
         finally:  # the last forwards of a stopping server are still counted (on this thread, as all flushes)
@@ -134,7 +196,8 @@ class CountingResponseGenerator(ResponseGenerator):
                     logging.exception("could not count the last forwards")
 
 
-def model_aliases(model: str) -> list[str]:
-    """Names a request may give the served model: ``default_model``, the path as given, resolved, its name."""
+def model_aliases(model: str, name: str | None = None) -> list[str]:
+    """Names a request may give the served model: ``default_model``, the path as given, resolved, its name, and
+    ``name`` (the repo id it was fetched as)."""
     p = Path(model)
-    return sorted({"default_model", model, str(p.resolve()), p.resolve().name})
+    return sorted({"default_model", model, str(p.resolve()), p.resolve().name} | ({name} if name else set()))

@@ -8,7 +8,8 @@ past 2**64 - 1. Here every such value is a 400 naming the field (:func:`check_nu
 at or above the vocabulary size, which keeps every token as the CLI's ``--top-k`` does (sent on as 0).
 
 The sampling numbers the CLI also takes are checked by the CLI's own option types (``mlx-fun smoke-test``'s
-``--temp``, ``--top-p``, ``--top-k``, ``--seed``: one definition of each range); the rest by the same
+``--temp``, ``--top-p``, ``--top-k``, ``--seed``, ``--num-draft-tokens``: one definition of each range; mlx-lm
+takes a ``num_draft_tokens`` of 0, which drafts nothing, as mlx-fun's own option does not); the rest by the same
 :class:`~mlx_fun.cli.common.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
 ``max_completion_tokens``) may be at most the server's ``--max-tokens-limit``, a ``*_context_size`` at most the
 model's context length.
@@ -44,11 +45,10 @@ def _rules() -> dict[str, tuple[type, click.ParamType]]:
     cli = {p.name: p.type for p in command.params}  # the CLI's ranges, not a second copy of them
     return {
         "temperature": (float, cli["temp"]), "top_p": (float, cli["top_p"]), "top_k": (int, cli["top_k"]),
-        "seed": (int, cli["seed"]),
+        "seed": (int, cli["seed"]), "num_draft_tokens": (int, cli["num_draft_tokens"]),
         "min_p": (float, FiniteFloat(0.0, 1.0)), "repetition_penalty": (float, FiniteFloat(min=0.0)),
         "presence_penalty": (float, FiniteFloat()), "frequency_penalty": (float, FiniteFloat()),
         "xtc_probability": (float, FiniteFloat(0.0, 1.0)), "xtc_threshold": (float, FiniteFloat(0.0, 1.0)),
-        "num_draft_tokens": (int, click.IntRange(min=0)),
         "top_logprobs": (int, click.IntRange(-1, 11)),  # mlx-lm: 0..11, or -1 for none
     }
 
