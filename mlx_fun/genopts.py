@@ -52,6 +52,10 @@ class GenOptions:
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise UserError(f"{param('kv_bits')} and {param('max_kv_size')} do not go together: mlx-lm cannot "
                             f"quantize its rotating KV cache; pass one of them.")
+        if self.kv_bits is not None and (problem := kv_quantization_problem(self.kv_bits, self.kv_group_size)):
+            raise UserError(f"{param('kv_bits')} {self.kv_bits} cannot run on this backend: mlx-lm's quantized KV "
+                            f"attention fails here ({problem}); drop {param('kv_bits')} (or use {param('max_kv_size')} "
+                            f"to bound the cache).")
         if draft and self.max_kv_size is not None:
             raise UserError(f"{param('max_kv_size')} does not work with {param('draft_model')}: mlx-lm's speculative "
                             f"decoding keeps the whole KV cache; drop one of them.")
@@ -68,6 +72,29 @@ class GenOptions:
         if kw.get("max_kv_size") is None:
             kw.pop("max_kv_size", None)
         return kw
+
+
+def kv_quantization_problem(bits: int, group_size: int) -> str | None:
+    """Why mlx-lm's quantized KV attention cannot run on the default device (None when it can): its
+    ``quantized_scaled_dot_product_attention`` on a few grouped-query tokens. MLX 0.32's CUDA backend has no
+    quantized matmul for that layout (``[quantized_matmul] No implementation for problem shape``), so a generation
+    with ``kv_bits`` would die at its first token past ``quantized_kv_start``."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    # the layouts MLX 0.32.4's CUDA backend was seen to refuse (head dims 64 / 128, float32 / bfloat16, a few and
+    # many cached tokens); each is a few kilobytes
+    for dim, dtype, cached in ((64, mx.float32, 9), (128, mx.bfloat16, 1025), (128, mx.float16, 33)):
+        try:
+            q = mx.quantize(mx.ones((1, 2, cached, dim), dtype=dtype), group_size=group_size, bits=bits)
+            mx.eval(quantized_scaled_dot_product_attention(mx.ones((1, 4, 1, dim), dtype=dtype), q, q,
+                                                           scale=dim ** -0.5, mask=None, group_size=group_size,
+                                                           bits=bits))
+        except (RuntimeError, ValueError) as e:
+            if "divisible by the quantization group size" in str(e):
+                continue  # a head dim this group size cannot take: not a backend limit
+            return " ".join(str(e).split())[:160]
+    return None
 
 
 def load_draft(path: str | Path | None, tokenizer):

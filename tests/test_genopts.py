@@ -95,3 +95,19 @@ def test_cli_refusals(tmp_path, make_model):
                  f"--draft-model {other} has a vocabulary of", "speculative decoding needs the same tokenizer")
     bad = run("smoke-test", "--model", MODEL, "--kv-bits", 7)
     assert bad.exit_code == 2 and "'7' is not one of" in bad.output
+
+
+def test_a_backend_without_quantized_kv_attention_is_one_line(monkeypatch):
+    """MLX 0.32.4's CUDA backend has no quantized matmul for mlx-lm's quantized KV attention (measured on an H100:
+    docs/benchmarks/kv.md); --kv-bits there used to die mid-generation with an internal error. The check runs
+    mlx-lm's own function on the layouts seen to fail; here it is made to fail as CUDA's does."""
+    import mlx_lm.models.base as base
+
+    def refuse(*_a, **_k):
+        raise RuntimeError('[quantized_matmul] No implementation for problem shape: 1x9x64x4, transpose: true, '
+                           'activation: float32, bits: 4, group size: 64, mode: "affine".')
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", refuse)
+    expect_error(run("smoke-test", "--model", MODEL, "--kv-bits", 4),
+                 "--kv-bits 4 cannot run on this backend", "No implementation for problem shape", "drop --kv-bits")
+    assert run("smoke-test", "--model", MODEL, "--max-tokens", 4).exit_code == 0  # without it: fine
