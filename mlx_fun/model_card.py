@@ -50,10 +50,8 @@ def base_model(source: str | os.PathLike) -> tuple[str, dict | None]:
     """``(base_model, provenance)`` of a model read from ``source``: the Hugging Face repo id and its
     ``{"repo_id", "revision", "commit"}`` when :func:`mlx_fun.hub.source` knows where the directory came from (a
     repo id the job resolved, a snapshot of the Hugging Face cache), else the path as given and ``None``."""
-    try:
-        from .hub import source as hub_source
-    except ImportError:  # a tree without mlx_fun.hub: local paths only
-        return os.fspath(source), None
+    from .hub import source as hub_source
+
     found = hub_source(source)
     return (str(found["repo_id"]), found) if found and found.get("repo_id") else (os.fspath(source), None)
 

@@ -10,7 +10,8 @@ from .common import FiniteFloat, echo_err, friendly_errors
 
 @click.command("tune-dispatch", short_help="Measure sort/no-sort/blocked/dequant cut-offs of MoE experts here.")
 @click.option("--model", type=click.Path(), default=None,
-              help="Local mlx-lm model directory: tune each distinct expert shape/quantization it has.")
+              help="An mlx-lm model (a local directory, or a Hugging Face repo id as in --model of the other commands): "
+                   "tune each distinct expert shape/quantization it has.")
 @click.option("--shape", multiple=True, metavar="D,H,E,K",
               help="Instead of --model: a synthetic layer with these hidden, expert, expert-count and top-k sizes "
                    "(repeatable), e.g. 2048,768,128,8 (Qwen3-30B-A3B).")

@@ -33,7 +33,7 @@ def check_model_dir(path, name: str) -> dict:
     from ..io import read_config
 
     if not Path(path).exists():
-        raise UserError(f"{param(name)} {path} does not exist; pass a local mlx-lm model directory.")
+        raise UserError(f"{param(name)} {path} does not exist; pass a local mlx-lm model directory or a Hugging Face repo id (org/name).")
     config = read_config(path)
     if not isinstance(config, dict) or "model_type" not in config:
         raise UserError(f"{path}/config.json has no model_type; {param(name)} must be an mlx-lm model directory.")
