@@ -34,7 +34,6 @@ explicit ``table_path`` — later ones take precedence for the same key.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -71,6 +70,7 @@ from .dispatch_table import (  # noqa: F401 - re-exported: the table is part of 
     user_table_path,
     write_table,
 )
+from .sizes import format_bytes, parse_bytes  # noqa: F401 - re-exported: part of this module's API
 
 # mlx-lm's sorted path, private to it: a newer mlx-lm without them is one line at import (mlx_lm_compat)
 _gather_sort = mlx_lm_compat.get("dispatch", "mlx_lm.models.switch_layers", "_gather_sort")
@@ -317,30 +317,6 @@ class DispatchReport:
                          f"{self.quantized_layers} quantized layer(s) (budget {format_bytes(self.cache_budget)})"
                          + (f"; {self.cache_note}" if self.cache_note else ""))
         return "; ".join(parts)
-
-
-def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-_SIZE = re.compile(r"^([0-9]*\.?[0-9]+)([kmgt]?)(i?b)?$")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``0``, ``512MB``, ``4GiB``, ``1.5G``, ``1048576`` → bytes (K/M/G/T are powers of 1024)."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a byte size must be >= 0, got {text}")
-        return text
-    match = _SIZE.match(str(text).strip().lower().replace(" ", ""))
-    if match is None:
-        raise ValueError(f"not a byte size: {text!r} (e.g. 0, 512MB, 4GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def install(

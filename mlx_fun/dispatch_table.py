@@ -384,7 +384,7 @@ def user_table_path() -> Path:
     env = os.environ.get(TABLE_ENV)
     if env:
         return Path(env).expanduser()
-    from .io import cache_root
+    from .paths import cache_root
 
     return cache_root() / "dispatch_table.json"
 

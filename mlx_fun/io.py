@@ -213,12 +213,6 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
     return Path(output)
 
 
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/mlx-fun`` (``~/.cache/mlx-fun`` when unset): the user dispatch table, the prepared BLAS."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx-fun"
-
-
 BUNDLED_MODEL_NAME = "tiny-moe"
 
 

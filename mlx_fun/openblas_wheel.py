@@ -52,7 +52,7 @@ def wheel_library() -> Path | None:
 
 
 def cache_dir() -> Path:
-    from .io import cache_root
+    from .paths import cache_root
 
     return cache_root() / "blas"
 

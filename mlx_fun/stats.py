@@ -146,6 +146,13 @@ def diff(
     }
 
 
+def diff_files(file1, file2, metric: str = "reap") -> dict:
+    """The ``stats-diff`` report: :func:`diff` of two saliency files (each loaded by the one reader, errors naming
+    ``file1`` / ``file2``) with the file names first. The job and the dashboard's Diff tab both call it."""
+    a, b = SaliencyAccumulator.load(file1, name="file1"), SaliencyAccumulator.load(file2, name="file2")
+    return {"file1": str(file1), "file2": str(file2), **diff(a, b, metric, labels=(str(file1), str(file2)))}
+
+
 # ---------------------------------------------------------------------------------------------- merge
 def layer_ranks(scores: np.ndarray) -> np.ndarray:
     """Rank experts within each layer: 1 = highest score, num_experts = lowest; ties get their average rank."""

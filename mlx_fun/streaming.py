@@ -115,8 +115,8 @@ def _matches(src: SourceTensor, arr) -> bool:
 
 def shard_bytes(text: str | int) -> int:
     """``--max-shard-size`` (``5GB``, ``500MB``, ``64MiB``, a byte count; powers of 1024 like mlx-lm's GB) → bytes."""
-    from .dispatch import parse_bytes
     from .errors import param
+    from .sizes import parse_bytes
 
     try:
         value = parse_bytes(text)

@@ -59,7 +59,8 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
 
 def apply_dispatch(model, *, dispatch: str, dispatch_table, dequant_cache, log: Log = quiet):
     """Install mlx-fun's runtime expert dispatch (``auto``) or keep mlx-lm's (``mlx-lm``); returns the report."""
-    from ..dispatch import DispatchSettings, parse_bytes
+    from ..dispatch import DispatchSettings
+    from ..sizes import parse_bytes
 
     try:
         budget = parse_bytes(dequant_cache)

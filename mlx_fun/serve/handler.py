@@ -23,6 +23,7 @@ import socket
 from mlx_lm.server import APIHandler
 
 from . import routes
+from .errors import HTTPError
 
 JSON_TYPES = ("application/json",)
 
@@ -59,12 +60,6 @@ def too_deep(body, raw: bytes):
         elif depth == 1:
             last = tok[1:-1].decode("utf-8", "replace")
     return None
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -22,18 +22,14 @@ import json
 
 import click
 
+from .errors import HTTPError
+
 #: the largest seed ``mx.random.seed`` takes (a uint64)
 MAX_SEED = 2**64 - 1
 #: fields that may be null (mlx-lm reads null as "not given")
 NULLABLE = ("seed", "max_completion_tokens")
 #: JSON booleans mlx-lm reads
 FLAGS = ("stream", "logprobs")
-
-
-def _error(*args):
-    from .handler import HTTPError
-
-    return HTTPError(*args)
 
 
 @functools.cache
@@ -67,13 +63,13 @@ def _number(name: str, value, kind: type, rule: click.ParamType, field: str | No
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not (is_int or (kind is float and isinstance(value, float))):
         want = "an integer" if kind is int else "a number"
-        raise _error(400, f"{name} must be {want}, got {_short(value)}.", field or name)
+        raise HTTPError(400, f"{name} must be {want}, got {_short(value)}.", field or name)
     try:
         converted = rule.convert(value, None, None)
     except click.BadParameter as e:
-        raise _error(400, f"{name}: {e.message} Send a value in that range.", field or name) from None
+        raise HTTPError(400, f"{name}: {e.message} Send a value in that range.", field or name) from None
     except OverflowError:  # an integer too large for a float
-        raise _error(400, f"{name}: {_short(value)} is not a finite number.", field or name) from None
+        raise HTTPError(400, f"{name}: {_short(value)} is not a finite number.", field or name) from None
     return kind(converted)
 
 
@@ -82,7 +78,7 @@ def check_numbers(body: dict, *, max_tokens_limit: int, context: int, vocab_size
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > max_tokens_limit:
-            raise _error(400, f"{name} {value} is over this server's limit of {max_tokens_limit} "
+            raise HTTPError(400, f"{name} {value} is over this server's limit of {max_tokens_limit} "
                               "(--max-tokens-limit); ask for fewer.", name)
     positive = (int, click.IntRange(min=1))
     within_context = (int, click.IntRange(0, context))
@@ -92,12 +88,12 @@ def check_numbers(body: dict, *, max_tokens_limit: int, context: int, vocab_size
         if name in body and not (body[name] is None and name in NULLABLE):
             body[name] = _number(name, body[name], kind, rule)
     if body.get("seed") is not None and body["seed"] > MAX_SEED:
-        raise _error(400, f"seed {body['seed']} is above {MAX_SEED}, the largest seed MLX takes.", "seed")
+        raise HTTPError(400, f"seed {body['seed']} is above {MAX_SEED}, the largest seed MLX takes.", "seed")
     if body.get("top_k", 0) >= vocab_size:
         body["top_k"] = 0  # as the CLI: k >= the vocabulary keeps every token (mlx-lm would raise mid-generation)
     for name in FLAGS:
         if name in body and not isinstance(body[name], bool):
-            raise _error(400, f"{name} must be true or false, got {_short(body[name])}.", name)
+            raise HTTPError(400, f"{name} must be true or false, got {_short(body[name])}.", name)
     _check_logit_bias(body.get("logit_bias"), vocab_size)
 
 
@@ -105,10 +101,10 @@ def _check_logit_bias(bias, vocab_size: int) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):
-        raise _error(400, "logit_bias must be an object mapping token ids to numbers.", "logit_bias")
+        raise HTTPError(400, "logit_bias must be an object mapping token ids to numbers.", "logit_bias")
     for k, v in bias.items():
         if not (k.isascii() and k.isdigit() and len(k) <= 12 and int(k) < vocab_size):
-            raise _error(400, f"logit_bias key {_short(k)}: keys are token ids 0..{vocab_size - 1}.", "logit_bias")
+            raise HTTPError(400, f"logit_bias key {_short(k)}: keys are token ids 0..{vocab_size - 1}.", "logit_bias")
         _number(f"logit_bias[{k}]", v, float, _any_finite(), "logit_bias")
 
 

@@ -13,16 +13,11 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..saliency import ARRAY_KEYS, METRICS
+from .errors import HTTPError
 from .params import check_numbers
 
 STEER_KEYS = ("safety_map", "domain_map", "mode", "safety_mode", "domain_mode", "deactivate", "activate",
               "mask_value", "boost_value", "scheme")
-
-
-def _error(*args):
-    from .handler import HTTPError
-
-    return HTTPError(*args)
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -31,11 +26,11 @@ def check_completion(handler, path: str, body: dict) -> dict:
     app = handler.app
     model = body.get("model", "default_model")
     if not isinstance(model, str) or model not in app.aliases:
-        raise _error(404, f"model {model!r} is not served here; this server serves {app.model_id!r} "
+        raise HTTPError(404, f"model {model!r} is not served here; this server serves {app.model_id!r} "
                           "(GET /v1/models).", "model")
     for key in ("adapters", "draft_model"):
         if body.get(key) is not None:
-            raise _error(400, f"{key} is not supported by mlx-fun serve (a request may not load files); "
+            raise HTTPError(400, f"{key} is not supported by mlx-fun serve (a request may not load files); "
                               "remove it.", key)
     body["model"] = app.model_id
     if path.endswith("chat/completions"):
@@ -44,14 +39,14 @@ def check_completion(handler, path: str, body: dict) -> dict:
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
-            raise _error(400, "prompt must be a non-empty string.", "prompt")
+            raise HTTPError(400, "prompt must be a non-empty string.", "prompt")
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage"), bool)):
-        raise _error(400, "stream_options must be {\"include_usage\": true|false}.", "stream_options")
+        raise HTTPError(400, "stream_options must be {\"include_usage\": true|false}.", "stream_options")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _error(400, "stop must be a string or a list of strings.", "stop")
+        raise HTTPError(400, "stop must be a string or a list of strings.", "stop")
     check_numbers(body, max_tokens_limit=app.max_tokens_limit, context=app.context, vocab_size=app.vocab_size)
     return body
 
@@ -60,16 +55,16 @@ def _check_messages(msgs) -> None:
     """A non-empty list of ``{"role": str, "content": str | null | [{"type": "text", "text": str}, ...]}``: the
     text mlx-lm serves (image parts would have its handler fetch URLs; it serves no images here)."""
     if not isinstance(msgs, list) or not msgs:
-        raise _error(400, "messages must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+        raise HTTPError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _error(400, f"messages[{i}] must be an object with a string \"role\".", f"messages[{i}]")
+            raise HTTPError(400, f"messages[{i}] must be an object with a string \"role\".", f"messages[{i}]")
         content = m.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list) or not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise _error(400, f"messages[{i}].content must be a string or a list of "
+            raise HTTPError(400, f"messages[{i}].content must be a string or a list of "
                               "{\"type\": \"text\", \"text\": ...} parts (this server serves text only).",
                          f"messages[{i}].content")
 
@@ -84,11 +79,11 @@ def _check_template_kwargs(kwargs) -> None:
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):
-        raise _error(400, "chat_template_kwargs must be an object of template variables, e.g. "
+        raise HTTPError(400, "chat_template_kwargs must be an object of template variables, e.g. "
                           "{\"enable_thinking\": false}.", "chat_template_kwargs")
     taken = sorted(set(kwargs) & set(TEMPLATE_ARGS))
     if taken:
-        raise _error(400, f"chat_template_kwargs may not set {taken[0]!r} (the server sets it); send template "
+        raise HTTPError(400, f"chat_template_kwargs may not set {taken[0]!r} (the server sets it); send template "
                           "variables only.", f"chat_template_kwargs.{taken[0]}")
 
 
@@ -101,7 +96,7 @@ def get(handler, path: str) -> None:
         return handler.send_json(200, app.info())
     if path == "/v1/reap/steer":
         return handler.send_json(200, steer_state(app))
-    raise _error(404, f"no route GET {path}; REAP routes: /v1/reap/stats, /v1/reap/info, /v1/reap/steer.")
+    raise HTTPError(404, f"no route GET {path}; REAP routes: /v1/reap/stats, /v1/reap/info, /v1/reap/steer.")
 
 
 def stats(app) -> dict:
@@ -135,7 +130,7 @@ def post(handler, path: str, body: dict) -> None:
         return handler.send_json(200, {"reset": True, "before": before})
     if path == "/v1/reap/steer":
         return handler.send_json(200, post_steer(app, body))
-    raise _error(404, f"no route POST {path}; REAP routes: /v1/reap/save, /v1/reap/reset, /v1/reap/steer.")
+    raise HTTPError(404, f"no route POST {path}; REAP routes: /v1/reap/save, /v1/reap/reset, /v1/reap/steer.")
 
 
 def delete_steer(handler) -> None:
@@ -150,21 +145,21 @@ def confined(app, value, field: str) -> Path:
     """``value`` as a path inside the data directory (relative paths are relative to it), else 403; a name
     this filesystem cannot hold (a component over its NAME_MAX, the whole over PATH_MAX) is a 400."""
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
-        raise _error(400, f"{field} must be a non-empty path string.", field)
+        raise HTTPError(400, f"{field} must be a non-empty path string.", field)
     root = app.data_dir
     try:
         p = Path(value).expanduser()
     except RuntimeError:  # ~user of an unknown user
-        raise _error(403, f"{field} {value!r} names a home directory; name a path inside the server's data "
+        raise HTTPError(403, f"{field} {value!r} names a home directory; name a path inside the server's data "
                           f"directory {root} (--data-dir).", field) from None
     resolved = (p if p.is_absolute() else root / p).resolve()
     if not resolved.is_relative_to(root):
-        raise _error(403, f"{field} {value!r} resolves outside the server's data directory {root} (--data-dir); "
+        raise HTTPError(403, f"{field} {value!r} resolves outside the server's data directory {root} (--data-dir); "
                           "name a path inside it.", field)
     name_max, path_max = os.pathconf(root, "PC_NAME_MAX"), os.pathconf(root, "PC_PATH_MAX")
     longest = max(len(os.fsencode(part)) for part in resolved.relative_to(root).parts or ("",))
     if longest > name_max or len(os.fsencode(resolved)) >= path_max:
-        raise _error(400, f"{field} is too long for this filesystem (names of at most {name_max} bytes, paths of "
+        raise HTTPError(400, f"{field} is too long for this filesystem (names of at most {name_max} bytes, paths of "
                           f"less than {path_max}); choose a shorter name.", field)
     return resolved
 
@@ -178,16 +173,16 @@ def save(app, body: dict) -> dict:
 
     unknown = sorted(set(body) - {"path", "force"})
     if unknown:
-        raise _error(400, f"unknown field {unknown[0]!r}; save takes {{\"path\": \"<file>.npz\", \"force\": "
+        raise HTTPError(400, f"unknown field {unknown[0]!r}; save takes {{\"path\": \"<file>.npz\", \"force\": "
                           "false}.", unknown[0])
     if "path" not in body:
-        raise _error(400, "path is required: {\"path\": \"<file>.npz\"} (inside --data-dir).", "path")
+        raise HTTPError(400, "path is required: {\"path\": \"<file>.npz\"} (inside --data-dir).", "path")
     force = body.get("force", False)
     if not isinstance(force, bool):
-        raise _error(400, "force must be true (replace an existing file) or false.", "force")
+        raise HTTPError(400, "force must be true (replace an existing file) or false.", "force")
     path = confined(app, body["path"], "path")
     if path.suffix != ".npz":
-        raise _error(400, f"path {body['path']!r} must end in .npz (the format prune --saliency reads).", "path")
+        raise HTTPError(400, f"path {body['path']!r} must end in .npz (the format prune --saliency reads).", "path")
     counter = app.counter_or_503()
     synced = counter.sync(app.generation_alive)
     acc, totals = counter.snapshot()
@@ -196,11 +191,11 @@ def save(app, body: dict) -> dict:
                            keep=True, force=force, force_flag='"force": true') as res:
             acc.write_npz(res.tmp)
     except UserError as e:
-        raise _error(400, str(e), "path") from None
+        raise HTTPError(400, str(e), "path") from None
     except OSError as e:
         if e.errno not in PATH_ERRNOS:
             raise
-        raise _error(400, f"path {body['path']!r}: {e.strerror}; choose another path.", "path") from None
+        raise HTTPError(400, f"path {body['path']!r}: {e.strerror}; choose another path.", "path") from None
     return {"path": str(path), "synced": synced, **totals}
 
 
@@ -210,12 +205,12 @@ def post_steer(app, body: dict) -> dict:
     counter = app.counter_or_503()
     unknown = sorted(set(body) - set(STEER_KEYS))
     if unknown:
-        raise _error(400, f"unknown field {unknown[0]!r}; steering takes {', '.join(STEER_KEYS)}.", unknown[0])
+        raise HTTPError(400, f"unknown field {unknown[0]!r}; steering takes {', '.join(STEER_KEYS)}.", unknown[0])
     kw = {k: body[k] for k in ("deactivate", "activate", "mask_value", "boost_value", "scheme") if k in body}
     safety_mode, domain_mode = body.get("safety_mode"), body.get("domain_mode")
     if "mode" in body:
         if ("safety_map" in body) == ("domain_map" in body):
-            raise _error(400, "mode goes with exactly one of safety_map / domain_map; with both, use safety_mode "
+            raise HTTPError(400, "mode goes with exactly one of safety_map / domain_map; with both, use safety_mode "
                               "and domain_mode.", "mode")
         if "safety_map" in body:
             safety_mode = body["mode"]
@@ -225,15 +220,15 @@ def post_steer(app, body: dict) -> dict:
              "domain_mode": "mode" if "mode" in body and "domain_map" in body else "domain_mode"}
     paths = {k: confined(app, body[k], k) for k in ("safety_map", "domain_map") if k in body}
     if not paths and not kw.keys() & {"deactivate", "activate"}:
-        raise _error(400, "nothing to steer: give safety_map, domain_map, deactivate or activate "
+        raise HTTPError(400, "nothing to steer: give safety_map, domain_map, deactivate or activate "
                           "(DELETE /v1/reap/steer removes steering).")
     try:
         steering = for_adapter(counter.adapter, safety_map=paths.get("safety_map"), safety_mode=safety_mode,
                                domain_map=paths.get("domain_map"), domain_mode=domain_mode, field_names=names, **kw)
     except SteeringError as e:
-        raise _error(400, str(e), e.field) from None
+        raise HTTPError(400, str(e), e.field) from None
     except UserError as e:
-        raise _error(400, str(e)) from None
+        raise HTTPError(400, str(e)) from None
     app.generator.post_steering(steering)
     applied = counter.sync(app.generation_alive)
     return {"active": not steering.empty, "steering": steering.to_json(), "applied": applied}

@@ -5,7 +5,7 @@
   :func:`mlx_fun.selection.select_experts` (as ``prune``: per layer or model-wide), checked by
   :func:`~mlx_fun.selection.check_keep_counts`; :func:`export` writes the result with
   :func:`mlx_fun.expert_files.save_expert_list`, the format ``prune`` / ``merge --expert-list`` read.
-- :func:`diff` — the ``stats-diff`` job's report.
+- :func:`diff` — the ``stats-diff`` report (:func:`mlx_fun.stats.diff_files`, which the job calls too).
 
 File names are taken relative to the UI's data directory and must resolve inside it (:func:`inside`).
 """
@@ -140,13 +140,20 @@ def export(comparison: Comparison, *, root: Path, name: str) -> Path:
 
 def diff(*, root: Path, file1: str, file2: str, metric: str = "reap", output: str | None = None) -> dict:
     """The ``stats-diff`` job's report of ``file1`` − ``file2`` (both inside ``root``), also written as JSON to
-    ``output`` (inside ``root``) as ``stats-diff --output`` writes it."""
-    from ..jobs import stats_diff
+    ``output`` (inside ``root``) as ``stats-diff --output`` writes it (:func:`mlx_fun.stats.diff_files`, the job's
+    own report, through the one writer)."""
+    from .. import writer
+    from ..stats import diff_files
 
     p1, p2 = _existing(root, [file1, file2], "saliency file")
+    inputs = {"saliency file 1": p1, "saliency file 2": p2}
     out = None
     if output is not None:
         out = inside(root, output, "export file")
         if out.suffix.lower() != ".json":
             raise UserError(f"export file {output!r} must end in .json.")
-    return stats_diff.run(file1=p1, file2=p2, metric=metric, output=out)
+        writer.check_output_path(out, kind="file", inputs=inputs)
+    report = diff_files(p1, p2, metric)
+    if out is not None:
+        writer.write_json(out, report, inputs=inputs)
+    return report
