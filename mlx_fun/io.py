@@ -92,14 +92,20 @@ def check_tokenizer(model_path: str | os.PathLike) -> None:
                     f"files into the directory.")
 
 
-def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str = "--model"):
+def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str | None = None,
+               config: dict | None = None):
     """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
     cannot load (a missing or truncated shard, an unknown model type, no tokenizer) is a one-line ``UserError``
-    naming ``flag``."""
+    naming ``flag`` (default: the ``model`` parameter). ``config``: the directory's config, already read and
+    checked (with its tokenizer files) by the caller; None reads and checks it here."""
     from mlx_lm import load
 
-    config = read_config(model_path)
-    check_tokenizer(model_path)
+    from .errors import param
+
+    flag = flag or param("model")
+    if config is None:
+        config = read_config(model_path)
+        check_tokenizer(model_path)
     try:
         model, tokenizer = load(str(model_path), lazy=lazy)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from ..errors import param
 from ..saliency import ARRAY_KEYS, SaliencyAccumulator
-from .common import (Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path,
-                     warn_past_context)
+from .common import Log, apply_dispatch, check_moe, forward_budget, load_moe, quiet, require_path, warn_past_context
 
 
 @dataclass
@@ -64,7 +63,7 @@ def run(
     from ..data import load_samples, pad_id
     from ..distributed import globalize, my_share, reduce_saliency, shared_seed, world
 
-    check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
+    checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
     w = world()
     inputs = {param("model"): model, param("dataset"): dataset}
@@ -73,7 +72,7 @@ def run(
                else contextlib.nullcontext())
     say = log if w.writer else quiet  # one rank speaks
     with reserve as res:
-        mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, say)
+        mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, say, checked)
         report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
                                 log=say)
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
@@ -86,7 +85,7 @@ def run(
         warnings = warn_past_context(samples, config, say)
         if w.writer:
             res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
-        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
+        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode, top_k=adapter.top_k)
         start = time.perf_counter()
         acc = collect(mdl, adapter, mine, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
                       progress=progress and w.writer,
@@ -101,11 +100,11 @@ def run(
     return CollectResult(Path(output), acc, len(samples), seconds, report.mode, warnings, w.rank, w.size)
 
 
-def _load(model, w, pipeline: bool, log: Log):
+def _load(model, w, pipeline: bool, log: Log, checked: tuple[dict, type]):
     """``(model, tokenizer, config, adapter, split)``: the whole model, or with ``pipeline`` this rank's layers
-    and ``split = (the model's MoE layers, this rank's positions among them)``."""
+    and ``split = (the model's MoE layers, this rank's positions among them)``. ``checked``: ``check_moe``'s."""
     if not pipeline:
-        return (*load_moe(model, log=log), None)
+        return (*load_moe(model, log=log, checked=checked), None)
     from ..distributed import pipeline_load
 
     log(f"Loading {model} (this rank's layers) ...")

@@ -20,27 +20,41 @@ def require_path(name: str, path, what: str = "check the path") -> None:
         raise UserError(f"{param(name)} {path} does not exist; {what}.")
 
 
-def check_supported(model_path) -> dict:
+def check_moe(model_path) -> tuple[dict, type]:
     """Fail fast (before loading weights) on a missing model, a malformed config (``io.read_config`` checks it), an
-    unsupported ``model_type`` or a directory without tokenizer files; return the config."""
+    unsupported ``model_type`` or a directory without tokenizer files; return the config and the adapter class
+    (hand both to :func:`load_moe`, so nothing is read, checked or resolved twice)."""
     from ..adapters import adapter_class
     from ..io import check_tokenizer, read_config
 
     config = read_config(model_path)
-    adapter_class(config)
+    cls = adapter_class(config)
     check_tokenizer(model_path)
-    return config
+    return config, cls
 
 
-def load_moe(model_path, *, lazy: bool = False, log: Log = quiet):
-    """``(model, tokenizer, config, adapter)`` of a supported MoE model directory."""
+def check_supported(model_path) -> dict:
+    """:func:`check_moe`'s checks; return the config."""
+    return check_moe(model_path)[0]
+
+
+def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None):
+    """``(model, tokenizer, config, adapter)`` of a supported MoE model directory.
+
+    Every job checks its model first (:func:`check_supported` / :func:`check_moe`, before it reserves its output),
+    so nothing is checked again here: ``checked`` (what :func:`check_moe` returned) skips re-reading the config
+    and re-resolving the adapter class; without it the loader reads the config again and ``get_adapter`` still
+    refuses an unsupported ``model_type``."""
     from ..adapters import get_adapter
     from ..io import load_model
 
-    check_supported(model_path)
     log(f"Loading {model_path} ...")
-    model, tokenizer, config = load_model(model_path, lazy=lazy)
-    return model, tokenizer, config, get_adapter(model, config)
+    if checked is None:
+        model, tokenizer, config = load_model(model_path, lazy=lazy)
+        return model, tokenizer, config, get_adapter(model, config)
+    config, cls = checked
+    model, tokenizer, config = load_model(model_path, lazy=lazy, config=config)
+    return model, tokenizer, config, cls(model, config)
 
 
 def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:
@@ -70,15 +84,16 @@ def apply_dispatch(model, *, dispatch: str, dispatch_table, dequant_cache, log: 
         model, echo=log)
 
 
-def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str) -> int:
+def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str, top_k: int | None = None) -> int:
     """Tokens per forward for the engine: ``requested`` (default :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`),
     lowered under mlx-lm's own expert call where the backend caps a grouped matmul's rows (CUDA: 65,535 routed
-    rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch splits such calls itself."""
+    rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch splits such calls itself. ``top_k``: the loaded
+    adapter's (else read from ``config``)."""
     from .. import engine
     from ..adapters import adapter_class
 
     try:
-        top_k = adapter_class(config).config_top_k(config)
+        top_k = top_k or adapter_class(config).config_top_k(config)
     except (UserError, KeyError, TypeError, ValueError):  # a dense or unknown model: assume the widest usual top-k
         top_k = int(config.get("num_experts_per_tok") or 8)
     try:
@@ -104,15 +119,15 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     if not (isinstance(threshold_percentile, (int, float)) and math.isfinite(threshold_percentile)
             and 50 < threshold_percentile < 100):
         raise UserError(f"{param('threshold_percentile')} must be above 50 and below 100, got {threshold_percentile}.")
-    check_supported(model)
+    checked = check_moe(model)
     for name, path in (dataset_a, dataset_b):
         require_path(name, path, "pass a JSONL file or a directory of text files")
     inputs = {param("model"): model, param(dataset_a[0]): dataset_a[1], param(dataset_b[0]): dataset_b[1]}
     with writer.output(output, kind="file", inputs=inputs) as res:
-        mdl, tokenizer, config, adapter = load_moe(model, log=log)
+        mdl, tokenizer, config, adapter = load_moe(model, log=log, checked=checked)
         mode = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
                               log=log).mode
-        budget = forward_budget(token_budget, config=config, dispatch_mode=mode)
+        budget = forward_budget(token_budget, config=config, dispatch_mode=mode, top_k=adapter.top_k)
         taps, datasets = [], {}
         for name, path in (dataset_a, dataset_b):
             samples = load_samples(path, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
