@@ -1,8 +1,12 @@
 """The per-layer rewrite driver: calibration hidden states carried through the decoder layers one at a time.
 
-Rewrites that depend on what a layer sees (REAM merging now; abliteration, amplification and quantization
-later) must capture each layer's input *after* the layers before it were rewritten. :class:`LayerDriver` does
-that once for all of them:
+A rewrite that depends on what a layer sees must capture each layer's input *after* the layers before it were
+rewritten. Today that is REAM merging alone (:mod:`mlx_fun.rewrite.merge`, the only user of :class:`LayerDriver`);
+the other rewrites need no replay: prune slices experts chosen from saliency statistics collected beforehand,
+amplify scales selection biases from a scan report, quantize follows a recipe (and the saliency file's cold
+layers) — all three data-free; abliterate measures its directions with whole forwards of the model abliterated
+so far, then restores the original weights and removes every round's directions at once
+(:mod:`mlx_fun.jobs.abliterate`). :class:`LayerDriver` does the capture:
 
 1. it batches the calibration samples like the forward engine (length-bucketed, split by rows to the token
    budget) and records, per batch, the first decoder layer's input and the arguments the model's own forward
