@@ -2,12 +2,14 @@
 
 One forward per batch; the hooks hand each MoE layer's (inds, weights, y) to a ``SaliencyTap``, which keeps the
 per-expert output norms lazily; the batch's norms, indices and weights are evaluated together with the forward
-pass and fed to the float64 accumulator once per layer. The final norm and LM head are never evaluated (only
-the taps' arrays are), so collect does no work that routing statistics do not need.
+pass and fed to the float64 accumulator once per forward (:func:`accumulate`, one ``np.bincount`` per array for
+all layers; serve counts its queued forwards through the same function). The final norm and LM head are never
+evaluated (only the taps' arrays are), so collect does no work that routing statistics do not need.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
@@ -18,10 +20,46 @@ from .adapters.base import MoEAdapter
 from .saliency import SaliencyAccumulator
 
 
+@dataclass
+class Forward:
+    """One forward's routing: every MoE layer the tap saw, stacked; lazy until :func:`accumulate` evaluates it."""
+
+    layers: list[int]  # positions in ``moe_layers()``, in the order the rows below hold them
+    inds: mx.array  # (len(layers), N, k) over the forward's N flattened token positions
+    weights: mx.array  # float32 mixing weights
+    norms: mx.array | None  # float32 ‖expert output‖, None: frequency-only
+    valid: np.ndarray | None = None  # (N,) bool, the positions that count; None: all of them
+
+    @property
+    def positions(self) -> int:
+        return self.inds.shape[1]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.inds, self.weights, self.norms) if a is not None]
+
+
+def accumulate(acc: SaliencyAccumulator, forwards: Sequence[Forward], evaluate=mx.eval) -> int:
+    """Evaluate ``forwards`` together (one ``evaluate`` call) and add each one's valid positions to ``acc`` (one
+    :meth:`SaliencyAccumulator.update_layers` per forward); returns the positions counted."""
+    evaluate(*[a for f in forwards for a in f.arrays()])
+    counted = 0
+    for f in forwards:
+        inds, w = np.array(f.inds), np.array(f.weights)
+        n = None if f.norms is None else np.array(f.norms)
+        if f.valid is not None:
+            inds, w = inds[:, f.valid], w[:, f.valid]
+            n = None if n is None else n[:, f.valid]
+        acc.update_layers(inds, w, n, layers=f.layers)
+        counted += inds.shape[1]
+    return counted
+
+
 class SaliencyTap:
     """Keeps (layer, inds, weights, norms) of the current forward as lazy arrays.
 
-    ``norms=False`` records frequencies and router weights only (the server's lightweight mode).
+    ``norms=False`` records frequencies and router weights only (the server's lightweight mode). :meth:`flush`
+    counts the forward at once; :meth:`take` hands it over as one :class:`Forward` to count later with
+    :func:`accumulate` (serve queues them and counts many at once on its generation thread).
     """
 
     def __init__(self, norms: bool = True):
@@ -32,28 +70,28 @@ class SaliencyTap:
         n = mx.linalg.norm(y.astype(mx.float32), axis=-1) if self.norms else None
         self.pending.append((layer, inds, weights.astype(mx.float32), n))
 
+    def take(self, valid: np.ndarray | None = None) -> Forward | None:
+        """What the last forward recorded, as one (lazy) :class:`Forward` with the ``valid`` mask over its token
+        positions (any shape, flattened row-major); None when nothing was recorded. The tap starts afresh."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        k = pending[0][1].shape[-1]
+
+        def stack(j):
+            return mx.stack([item[j].reshape(-1, k) for item in pending])
+
+        return Forward([item[0] for item in pending], stack(1), stack(2), stack(3) if self.norms else None,
+                       None if valid is None else np.asarray(valid, bool).reshape(-1))
+
     def flush(self, acc: SaliencyAccumulator, valid: np.ndarray | None = None, evaluate=mx.eval) -> int:
         """Evaluate what the last forward recorded and add it to ``acc``.
 
         ``valid`` is a boolean mask over the batch's token positions (False for padding); returns the number
         of tokens counted. ``evaluate`` evaluates the arrays (the engine's ``chunk.eval`` adds the KV cache).
         """
-        pending, self.pending = self.pending, []
-        arrays = [a for item in pending for a in item[1:] if a is not None]
-        evaluate(*arrays)
-        counted = 0
-        for layer, inds, weights, norms in pending:
-            k = inds.shape[-1]
-            i = np.array(inds).reshape(-1, k)
-            w = np.array(weights).reshape(-1, k)
-            n = None if norms is None else np.array(norms).reshape(-1, k)
-            if valid is not None:
-                mask = valid.reshape(-1)
-                i, w = i[mask], w[mask]
-                n = None if n is None else n[mask]
-            acc.update(layer, i, w, n)
-            counted = len(i)
-        return counted
+        forward = self.take(valid)
+        return accumulate(acc, [] if forward is None else [forward], evaluate)
 
 
 def collect(

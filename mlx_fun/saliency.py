@@ -1,6 +1,7 @@
 """Per-layer × per-expert routing statistics, the saliency metrics computed from them, and ``.npz`` I/O.
 
-Accumulators are numpy float64, fed once per layer per batch with ``np.add.at`` scatter-adds:
+Accumulators are numpy float64, fed once per forward with one ``np.bincount`` per array over its layers
+(:meth:`~SaliencyAccumulator.update_layers`; :meth:`~SaliencyAccumulator.update`: one layer, ``np.add.at``):
 
 - ``freq``               number of routed (token, expert) pairs
 - ``weighted_freq_sum``  Σ router weight
@@ -93,12 +94,14 @@ class SaliencyAccumulator:
             np.add.at(self.reap_count[layer], inds, 1.0)
             np.maximum.at(self.max_activation_norm[layer], inds, n)
 
-    def update_layers(self, inds, weights, norms=None) -> None:
+    def update_layers(self, inds, weights, norms=None, layers=None) -> None:
         """Add one forward's routing decisions of *every* MoE layer at once: ``inds``/``weights``/``norms`` are
-        (num_layers, N, k). Same sums as :meth:`update` per layer, in one ``np.bincount`` per array."""
+        (num_layers, N, k), or (len(layers), N, k) for the layer positions ``layers``. Same sums as :meth:`update`
+        per layer, in one ``np.bincount`` per array."""
         inds = np.asarray(inds)
         L, E = self.num_layers, self.num_experts
-        flat = (inds.reshape(L, -1).astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[:, None]).reshape(-1)
+        rows = np.arange(L, dtype=np.int64) if layers is None else np.asarray(layers, dtype=np.int64)
+        flat = (inds.reshape(len(rows), -1).astype(np.int64) + (rows * E)[:, None]).reshape(-1)
         w = np.asarray(weights, dtype=np.float64).reshape(-1)
         counts = np.bincount(flat, minlength=L * E).reshape(L, E)
         self.freq += counts

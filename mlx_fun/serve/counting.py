@@ -7,10 +7,12 @@ length is not counted. Each processed token adds exactly ``top_k`` to every MoE 
 ``freq.sum() == top_k × token_count`` always holds.
 
 **How.** :func:`attach` hooks the served model twice: the MoE blocks through :mod:`mlx_fun.moe_hook` (the one
-hooked call; a tap records each layer's lazy ``inds``/weights/norms) and the model's own ``__call__`` (class swap,
-tag ``serve``), which brackets each forward: it takes the forward's valid-position mask, collects the layers' taps
-into one stacked record, and queues it. Records are turned into numbers later, on the generation thread, by
-:meth:`TrafficCounter.flush` — one ``mx.eval`` and one ``np.bincount`` per array for many forwards — never by
+hooked call; collect's :class:`~mlx_fun.collect.SaliencyTap` records each layer's lazy ``inds``/weights/norms) and
+the model's own ``__call__`` (class swap, tag ``serve``), which brackets each forward: it takes the forward's
+valid-position mask and the tap's stacked record of the forward (:meth:`SaliencyTap.take
+<mlx_fun.collect.SaliencyTap.take>`), and queues it. Records are turned into numbers later, on the generation
+thread, by :meth:`TrafficCounter.flush` through collect's own :func:`~mlx_fun.collect.accumulate` — one
+``mx.eval`` for many forwards and one ``np.bincount`` per array and forward — never by
 waiting for a forward still running (records older than the newest are flushed during generation and between
 the generation loop's iterations; all of them only when a reader waits), so counting does not stall mlx-lm's
 asynchronous pipeline.
@@ -36,14 +38,15 @@ to flush, so a snapshot includes every forward started before it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 
 from .. import classswap, moe_hook
 from ..adapters.base import MoEAdapter
+from ..collect import Forward, SaliencyTap, accumulate
 from ..saliency import SaliencyAccumulator
 
 _TAG = "serve"
@@ -56,12 +59,9 @@ FLUSH_EVERY = 32
 
 
 @dataclass
-class _Forward:
+class _Queued:
     epoch: int
-    inds: mx.array  # (num_layers, N, k)
-    weights: mx.array
-    norms: mx.array | None
-    valid: np.ndarray | None  # (N,) bool, None: all positions real
+    forward: Forward  # its valid: (N,) bool, the real (not padding) positions; None: all real
     rejected: int = 0  # last positions the model dropped from its KV cache (drafted tokens it rejected)
 
 
@@ -77,26 +77,18 @@ class TrafficCounter:
         self.padding_skipped = 0
         self.draft_rejected = 0
         self._epoch = 0
-        self._layers: list | None = None  # the current forward's per-layer (inds, weights, norms)
+        self.tap = SaliencyTap(norms=norms)  # the MoE hook's tap: the current forward's layers (lazy)
         self._valid: np.ndarray | None = None
-        self._pending: list[_Forward] = []
+        self._pending: list[_Queued] = []
         self._sync = threading.Condition()
         self._asked = 0
         self._served = 0
 
     # ------------------------------------------------------------------ generation thread
-    def tap(self, layer, inds, weights, logits, y) -> None:
-        """The MoE hook's tap: keep this layer's routing (lazy) for the current forward."""
-        if self._layers is None:  # a forward not bracketed by the model hook (never happens in serving)
-            return
-        k = inds.shape[-1]
-        n = mx.linalg.norm(y.astype(mx.float32), axis=-1).reshape(-1, k) if self.norms else None
-        self._layers.append((inds.reshape(-1, k), weights.astype(mx.float32).reshape(-1, k), n))
-
     def begin_forward(self, inputs, cache=None) -> None:
         if len(self._pending) > FLUSH_EVERY:  # all but the newest: those are computed already
             self.flush(keep_last=True)
-        self._layers = []
+        self.tap.pending = []  # MoE calls outside a bracketed forward are not counted (never happen in serving)
         self._valid = _valid_positions(inputs)
         _PADDING.served = (self, id(cache))  # for the draft probe: a trim of this cache drops this forward's positions
 
@@ -104,19 +96,16 @@ class TrafficCounter:
         """The model's KV cache dropped the last ``n`` positions of its newest forward: the drafted tokens it
         rejected in speculative decoding (mlx-lm trims them right after that forward), not counted."""
         if n > 0 and self._pending:
-            f = self._pending[-1]
-            f.rejected = min(f.rejected + n, f.inds.shape[1])
+            q = self._pending[-1]
+            q.rejected = min(q.rejected + n, q.forward.positions)
 
     def end_forward(self) -> None:
-        layers, self._layers = self._layers, None
-        if not layers:
+        forward = self.tap.take(self._valid)
+        if forward is None:
             return
-        if len(layers) != self.acc.num_layers:
-            raise RuntimeError(f"a served forward ran {len(layers)} MoE layers, expected {self.acc.num_layers}")
-        inds = mx.stack([a[0] for a in layers])
-        weights = mx.stack([a[1] for a in layers])
-        norms = mx.stack([a[2] for a in layers]) if self.norms else None
-        self._pending.append(_Forward(self._epoch, inds, weights, norms, self._valid))
+        if len(forward.layers) != self.acc.num_layers:
+            raise RuntimeError(f"a served forward ran {len(forward.layers)} MoE layers, expected {self.acc.num_layers}")
+        self._pending.append(_Queued(self._epoch, forward))
 
     def flush(self, keep_last: bool = False) -> int:
         """Evaluate queued forwards and add them to the statistics; returns the tokens added."""
@@ -124,24 +113,14 @@ class TrafficCounter:
         if not todo:
             return 0
         self._pending = self._pending[-1:] if keep_last else []
-        mx.eval(*[a for f in todo for a in (f.inds, f.weights, f.norms) if a is not None])
-        delta = SaliencyAccumulator.for_adapter(self.adapter)
-        tokens = skipped = rejected = 0
         with self.lock:
             epoch = self._epoch
-        for f in todo:
-            if f.epoch != epoch:  # recorded before a reset
-                continue
-            inds, w = np.array(f.inds), np.array(f.weights)
-            n = None if f.norms is None else np.array(f.norms)
-            keep = _kept(f)
-            skipped += 0 if f.valid is None else int((~f.valid).sum())
-            rejected += f.rejected
-            if keep is not None:
-                inds, w = inds[:, keep], w[:, keep]
-                n = None if n is None else n[:, keep]
-            delta.update_layers(inds, w, n)
-            tokens += inds.shape[1]
+        live = [q for q in todo if q.epoch == epoch]  # not those recorded before a reset
+        delta = SaliencyAccumulator.for_adapter(self.adapter)
+        forwards = [dataclasses.replace(q.forward, valid=_kept(q)) if q.rejected else q.forward for q in live]
+        tokens = accumulate(delta, forwards) if forwards else 0
+        skipped = sum(int((~q.forward.valid).sum()) for q in live if q.forward.valid is not None)
+        rejected = sum(q.rejected for q in live)
         with self.lock:
             if self._epoch == epoch:
                 delta.total_tokens = tokens
@@ -198,12 +177,13 @@ class TrafficCounter:
         return before
 
 
-def _kept(f: _Forward) -> np.ndarray | None:
+def _kept(q: _Queued) -> np.ndarray | None:
     """The positions of a recorded forward that count: real (not padding), not rejected; None: all of them."""
-    if not f.rejected:
-        return f.valid
-    keep = np.ones(f.inds.shape[1], bool) if f.valid is None else f.valid.copy()
-    keep[keep.size - f.rejected:] = False
+    valid = q.forward.valid
+    if not q.rejected:
+        return valid
+    keep = np.ones(q.forward.positions, bool) if valid is None else valid.copy()
+    keep[keep.size - q.rejected:] = False
     return keep
 
 
