@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, param
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
 DEFAULT_TEXT_KEY = "content"
@@ -152,13 +152,13 @@ def load_dataset(
 ) -> list[Sample]:
     """Like :func:`load_samples`, but each sample also carries its source (``file:line`` or file path)."""
     if max_samples is not None and max_samples < 1:
-        raise UserError(f"max samples must be at least 1, got {max_samples}; pass --max-samples 1 or more")
+        raise UserError(f"max samples must be at least 1, got {max_samples}; pass {param('max_samples')} 1 or more")
     if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"max tokens must be at least 1, got {max_tokens}; pass --max-tokens 1 or more")
+        raise UserError(f"max tokens must be at least 1, got {max_tokens}; pass {param('max_tokens')} 1 or more")
     p = Path(path)
     if not p.exists():
         raise UserError(
-            f"dataset {p} does not exist; pass --dataset a JSONL file or a directory of text files"
+            f"dataset {p} does not exist; pass {param('dataset')} a JSONL file or a directory of text files"
         )
     if p.is_dir():
         exts = _normalize_extensions(extensions)
@@ -214,7 +214,7 @@ def iter_batch_rows(
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """:func:`iter_batches` plus ``rows`` (B,) int64: the index in ``samples`` of each row."""
     if batch_size < 1:
-        raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
+        raise UserError(f"batch size must be at least 1, got {batch_size}; pass {param('batch_size')} 1 or more")
     arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples]
     order = sorted((i for i, a in enumerate(arrays) if a.size), key=lambda i: -arrays[i].size)
     for start in range(0, len(order), batch_size):
@@ -257,7 +257,7 @@ def _directory_items(root: Path, exts: tuple[str, ...]) -> list[_Item]:
     if not files:
         raise UserError(
             f"dataset directory {root} has no files ending in {', '.join(exts)} (searched recursively); "
-            f"add such files or pass --dataset a JSONL file"
+            f"add such files or pass {param('dataset')} a JSONL file"
         )
     files.sort(key=lambda pair: pair[0])
     return [_Item(source=str(f), kind="file", payload=f, where=str(f)) for _, f in files]
@@ -398,7 +398,7 @@ def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -
         if not isinstance(text, str):
             raise UserError(
                 f"{where}: '{text_key}' must be a string, got {json_type_name(text)}; fix the line or pass "
-                f"--text-key with the key that holds the text"
+                f"{param('text_key')} with the key that holds the text"
             )
         return _Item(source=source, kind="text", payload=text, where=where)
 
@@ -406,7 +406,7 @@ def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -
     shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
     raise UserError(
         f"{where}: no 'messages', 'prompt'+'completion' or '{text_key}' key (found: {shown or 'none'}); "
-        f"use one of these formats, or pass --text-key with the key that holds the text"
+        f"use one of these formats, or pass {param('text_key')} with the key that holds the text"
     )
 
 

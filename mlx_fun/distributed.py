@@ -119,30 +119,30 @@ def pipeline_load(model_path, w: World):
     from mlx_lm.utils import sharded_load
 
     from .adapters import get_adapter
-    from .errors import UserError
+    from .errors import UserError, param
     from .io import load_model
 
     if w.size < 2:
-        raise UserError("--pipeline splits the model's layers across the ranks of mlx.launch; start it with two or "
-                        "more ranks (mlx.launch --backend ring -n 2 -- mlx-fun collect ... --pipeline).")
+        raise UserError(f"{param('pipeline')} splits the model's layers across the ranks of mlx.launch; start it "
+                        "with two or more ranks (mlx.launch --backend ring -n 2 -- mlx-fun collect ... --pipeline).")
     full, tokenizer, config = load_model(model_path, lazy=True)  # no weights read: the layout, and the tokenizer
     global_layers = get_adapter(full, config).moe_layers()  # exactly as an unsharded collect loads it
     del full
     try:  # sharded_load synchronizes the ranks with a collective on the CPU stream, which NCCL cannot run
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=w.group))
     except RuntimeError:
-        raise UserError("--pipeline needs a backend whose collectives run on the CPU (ring, MPI, JACCL): mlx-lm's "
-                        "sharded_load synchronizes the ranks there and NCCL cannot; launch with --backend ring "
-                        "(its send/recv carries GPU arrays too), or collect data-parallel under NCCL without "
-                        "--pipeline.") from None
+        raise UserError(f"{param('pipeline')} needs a backend whose collectives run on the CPU (ring, MPI, JACCL): "
+                        "mlx-lm's sharded_load synchronizes the ranks there and NCCL cannot; launch with --backend "
+                        "ring (its send/recv carries GPU arrays too), or collect data-parallel under NCCL without "
+                        f"{param('pipeline')}.") from None
     try:
         model, _ = sharded_load(str(model_path), pipeline_group=w.group)
     except ValueError as e:
         if "does not support pipelining" not in str(e):
             raise
         raise UserError(f"model_type '{config.get('model_type')}' has no pipeline split in mlx-lm (its model class "
-                        f"has no pipeline()); collect it data-parallel (without --pipeline) on machines that each "
-                        f"hold it.") from None
+                        f"has no pipeline()); collect it data-parallel (without {param('pipeline')}) on machines "
+                        f"that each hold it.") from None
     adapter = get_adapter(model, config)
     index = {id(layer): i for i, layer in enumerate(model.model.layers) if layer is not None}
     local = [index[id(adapter.decoder_layers()[i])] for i in adapter.moe_layers()]

@@ -7,14 +7,12 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, param
 
 
 def read_config(model_path: str | os.PathLike) -> dict:
     """``config.json`` of a local model directory, with friendly errors, checked by :func:`check_config` (so
     every command that takes a model refuses a malformed config in one line, before anything loads)."""
-    from .errors import param
-
     path = Path(model_path)
     if not path.exists():
         raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory or a Hugging Face repo "
@@ -99,8 +97,6 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str |
     naming ``flag`` (default: the ``model`` parameter). ``config``: the directory's config, already read and
     checked (with its tokenizer files) by the caller; None reads and checks it here."""
     from mlx_lm import load
-
-    from .errors import param
 
     flag = flag or param("model")
     if config is None:
@@ -210,7 +206,6 @@ def save_model_dir(model, config: dict, output, *, source, metadata: dict | None
                    inputs: dict | None = None) -> Path:
     """Save ``model`` as an mlx-lm directory at ``output`` atomically, refusing to touch ``source`` (and
     ``inputs``, flag → path): the library form of what ``prune`` and ``merge`` write."""
-    from .errors import param
     from .writer import output as reserve
 
     with reserve(output, kind="dir", inputs={param("model"): source, **(inputs or {})}, force=force) as res:
@@ -238,5 +233,5 @@ def bundled_model_dir() -> Path:
     raise UserError(
         f"the bundled model data/{BUNDLED_MODEL_NAME} was not found (looked in "
         f"{', '.join(str(c) for c in candidates)}); run from a clone of mlx-fun, set MLX_FUN_DATA to its data/ "
-        f"folder, or pass --model."
+        f"folder, or pass {param('model')}."
     )

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, param
 
 #: smallest positive normal float32: the lower clip of ``u`` (``-log(tiny)`` ≈ 87.3, so ``g`` ≥ -4.47).
 U_MIN = float(np.finfo(np.float32).tiny)
@@ -313,7 +313,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
         add_special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the tokenizer has no chat template; drop --chat to use the raw prompt.")
+        raise UserError(f"the tokenizer has no chat template; drop {param('chat')} to use the raw prompt.")
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
@@ -349,7 +349,7 @@ def run_generation(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
-        raise UserError("the prompt encodes to no tokens; pass a non-empty --prompt.")
+        raise UserError(f"the prompt encodes to no tokens; pass a non-empty {param('prompt')}.")
     sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
     result = GenerationResult(prompt_tokens=len(ids))
     pieces: list[str] = []

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, param
 
 STRATEGIES = ("bottom", "strided")
 
@@ -101,12 +101,13 @@ def _is_int(x) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- range parsing
-def parse_expert_ranges(text: str, num_experts: int | None = None, option: str = "--ignore-experts") -> list[int]:
+def parse_expert_ranges(text: str, num_experts: int | None = None, option: str | None = None) -> list[int]:
     """Parse ``"1,2,250..255"`` (inclusive ``a..b`` ranges, whitespace allowed) into a sorted, unique list.
 
     Raises ``UserError`` naming the bad token for empty entries, non-integers, negative numbers, reversed
     ranges and (when ``num_experts`` is given) indices ``>= num_experts``.
     """
+    option = option or param("ignore_experts")
     if text is None or not str(text).strip():
         raise UserError(f"{option} is empty; give expert indices like 1,2,250..255.")
     out: set[int] = set()
@@ -180,7 +181,8 @@ def _check_row(scores_row, n_prune: int) -> np.ndarray:
     if row.ndim != 1:
         raise ValueError(f"scores_row must be 1-D, got shape {row.shape}")
     if not (_is_int(n_prune) and 0 <= n_prune < len(row)):
-        raise UserError(f"--n-prune {n_prune} must be between 0 and {len(row) - 1} (the layer has {len(row)} experts).")
+        raise UserError(f"{param('n_prune')} {n_prune} must be between 0 and {len(row) - 1} "
+                        f"(the layer has {len(row)} experts).")
     return row
 
 
@@ -273,32 +275,33 @@ def select_experts(
     if S.ndim != 2:
         raise UserError(f"saliency scores must be (num_layers, num_experts), got shape {S.shape}.")
     L, E = S.shape
+    n_flag, ignore_flag, wide_flag = param("n_prune"), param("ignore_experts"), param("model_wide")
     if strategy not in STRATEGIES:
-        raise UserError(f"unknown --strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}.")
+        raise UserError(f"unknown {param('strategy')} '{strategy}'; choose one of {', '.join(STRATEGIES)}.")
     if not _is_int(top_k) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     if not _is_int(n_prune):
-        raise UserError(f"--n-prune must be an integer, got {n_prune!r}.")
+        raise UserError(f"{n_flag} must be an integer, got {n_prune!r}.")
     n_prune = int(n_prune)
     if n_prune < 0 or n_prune >= E:
-        raise UserError(f"--n-prune {n_prune} is out of range: the model has {E} experts per layer; use 0..{E - top_k}.")
+        raise UserError(f"{n_flag} {n_prune} is out of range: the model has {E} experts per layer; use 0..{E - top_k}.")
     ignore = sorted(set(int(e) for e in ignore_experts)) if ignore_experts is not None else []
     if ignore and not model_wide:
-        raise UserError("--ignore-experts only works with --model-wide; add --model-wide or drop --ignore-experts.")
+        raise UserError(f"{ignore_flag} only works with {wide_flag}; add {wide_flag} or drop {ignore_flag}.")
     for e in ignore:
         if not 0 <= e < E:
-            raise UserError(f"--ignore-experts: expert {e} is out of range; the model has {E} experts (0..{E - 1}).")
+            raise UserError(f"{ignore_flag}: expert {e} is out of range; the model has {E} experts (0..{E - 1}).")
     if not _is_int(min_experts_per_layer) or min_experts_per_layer < 1:
-        raise UserError(f"--min-experts-per-layer must be at least 1, got {min_experts_per_layer}.")
+        raise UserError(f"{param('min_experts_per_layer')} must be at least 1, got {min_experts_per_layer}.")
 
     keep = E - n_prune
     if keep < top_k:
         raise UserError(
-            f"--n-prune {n_prune} would keep {keep} experts but top_k is {top_k}; prune at most {E - top_k}."
+            f"{n_flag} {n_prune} would keep {keep} experts but top_k is {top_k}; prune at most {E - top_k}."
         )
     if keep < min_experts_per_layer:
         raise UserError(
-            f"--n-prune {n_prune} would keep {keep} experts per layer but --min-experts-per-layer is "
+            f"{n_flag} {n_prune} would keep {keep} experts per layer but {param('min_experts_per_layer')} is "
             f"{min_experts_per_layer}; prune at most {E - min_experts_per_layer}."
         )
 
@@ -312,18 +315,19 @@ def select_experts(
         hint = f"valid values: {_fmt_multiples(valid)}" if valid else "no value but 0 is valid"
         if n_prune % n_group:
             raise UserError(
-                f"--n-prune {n_prune} is not a multiple of n_group={n_group}: group-limited routing needs the same "
+                f"{n_flag} {n_prune} is not a multiple of n_group={n_group}: group-limited routing needs the same "
                 f"number of experts removed from each of the {n_group} groups; {hint}."
             )
         per_group = n_prune // n_group
         if gs - per_group < 2:
             raise UserError(
-                f"--n-prune {n_prune} would leave {gs - per_group} expert(s) in each of the {n_group} groups, but each "
-                f"group needs at least 2 (groups are scored by their top-2 experts); prune at most {n_group * (gs - 2)}."
+                f"{n_flag} {n_prune} would leave {gs - per_group} expert(s) in each of the {n_group} groups, "
+                f"but each group needs at least 2 (groups are scored by their top-2 experts); prune at most "
+                f"{n_group * (gs - 2)}."
             )
         if topk_group and topk_group * (gs - per_group) < top_k:
             raise UserError(
-                f"--n-prune {n_prune} would leave {gs - per_group} experts per group, so the topk_group={topk_group} "
+                f"{n_flag} {n_prune} would leave {gs - per_group} experts per group, so the topk_group={topk_group} "
                 f"selected groups hold only {topk_group * (gs - per_group)} experts but top_k is {top_k}; {hint}."
             )
     else:
@@ -338,7 +342,7 @@ def select_experts(
         if ignore:
             prot[0, ignore] = True
         targ = targ.any(axis=0, keepdims=True)
-        names = ["all layers (--model-wide)"]
+        names = [f"all layers ({wide_flag})"]
     else:
         rows = S
         names = [_layer_name(p, moe_layer_indices) for p in range(L)]
@@ -353,7 +357,7 @@ def select_experts(
         raise UserError(
             f"protected experts leave only {least} removable expert(s) in {where}"
             + (f" (the same number must go from each of the {n_group} groups)" if n_group > 1 else "")
-            + f"; --n-prune {n_prune} is too many: prune at most {allowed}, or protect fewer experts."
+            + f"; {n_flag} {n_prune} is too many: prune at most {allowed}, or protect fewer experts."
         )
 
     removed_rows: list[set[int]] = []

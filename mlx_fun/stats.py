@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, param
 from .saliency import ARRAY_KEYS, METRICS, SaliencyAccumulator, check_same_model
 
 TOP_N = 10
@@ -178,7 +178,7 @@ def rank_merge(
     accs = list(accs)
     if len(accs) < 2:
         raise UserError(
-            f"rank merging needs at least 2 saliency files, got {len(accs)}; pass --files more than once."
+            f"rank merging needs at least 2 saliency files, got {len(accs)}; pass {param('files')} more than once."
         )
     labels = list(labels) if labels is not None else [f"file {i + 1}" for i in range(len(accs))]
     check_same_model(accs, labels)
@@ -230,14 +230,15 @@ def purge(
     (``{layer, moe_layer, expert, max_activation_norm}``, checked on the input) and ``layers_fully_purged``.
     """
     if min_freq is None and min_count is None and max_norm is None:
-        raise UserError("stats-purge needs at least one filter: --min-freq, --min-count or --max-norm.")
-    for name, value in (("--min-freq", min_freq), ("--min-count", min_count), ("--max-norm", max_norm)):
+        raise UserError(f"stats-purge needs at least one filter: {param('min_freq')}, {param('min_count')} or "
+                        f"{param('max_norm')}.")
+    for name, value in (("min_freq", min_freq), ("min_count", min_count), ("max_norm", max_norm)):
         if value is not None and (not np.isfinite(value) or value < 0):
-            raise UserError(f"{name} must be a non-negative number, got {value}.")
+            raise UserError(f"{param(name)} must be a non-negative number, got {value}.")
     if min_count is not None and min_count > 0 and not acc.has_norms:
         raise UserError(
-            "--min-count filters on reap_count, but this file has reap_count 0 everywhere (collected "
-            "frequency-only), so every expert would be purged; use --min-freq instead."
+            f"{param('min_count')} filters on reap_count, but this file has reap_count 0 everywhere (collected "
+            f"frequency-only), so every expert would be purged; use {param('min_freq')} instead."
         )
 
     L, E = acc.num_layers, acc.num_experts

@@ -195,7 +195,7 @@ def test_empty_directory_error(tmp_path, tok):
 
 def test_nonexistent_path(tmp_path, tok):
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(UserError, match=r"dataset .*nope\.jsonl does not exist; .*--dataset"):
+    with pytest.raises(UserError, match=r"dataset .*nope\.jsonl does not exist; .*dataset="):
         load_samples(missing, tok)
 
 
@@ -282,9 +282,9 @@ def test_max_tokens_truncation(tmp_path, tok):
         ('"just a string"', r"line 3: expected a JSON object, got a string"),
         (
             '{"body": "x", "title": "y"}',
-            r"line 3: no 'messages', 'prompt'\+'completion' or 'content' key \(found: 'body', 'title'\).*--text-key",
+            r"line 3: no 'messages', 'prompt'\+'completion' or 'content' key \(found: 'body', 'title'\).*text_key=",
         ),
-        ('{"content": 5}', r"line 3: 'content' must be a string, got a number.*--text-key"),
+        ('{"content": 5}', r"line 3: 'content' must be a string, got a number.*text_key="),
         ('{"messages": "hello"}', r"line 3: 'messages' must be a non-empty list .*got a string"),
         ('{"messages": []}', r"line 3: 'messages' must be a non-empty list .*got an empty list"),
         ('{"messages": ["hi"]}', r"line 3: 'messages'\[0\] must be an object with 'role' and 'content'"),
@@ -405,9 +405,9 @@ def test_directory_special_files_are_refused_not_skipped_or_read(tmp_path, tok):
 
 
 def test_bad_limits(many, tok):
-    with pytest.raises(UserError, match="--max-samples"):
+    with pytest.raises(UserError, match="max_samples="):
         load_samples(many, tok, max_samples=0)
-    with pytest.raises(UserError, match="--max-tokens"):
+    with pytest.raises(UserError, match="max_tokens="):
         load_samples(many, tok, max_tokens=0)
 
 
@@ -449,7 +449,7 @@ def test_iter_batches_edge_cases():
     # empty samples are skipped
     out = list(iter_batches([[], [1, 2], []], 2))
     assert len(out) == 1 and out[0][1].tolist() == [2]
-    with pytest.raises(UserError, match="--batch-size"):
+    with pytest.raises(UserError, match="batch_size="):
         list(iter_batches([[1]], 0))
     assert count_tokens([]) == 0
 

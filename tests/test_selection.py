@@ -48,7 +48,7 @@ def test_parse_expert_ranges():
 def test_parse_expert_ranges_errors(text, match):
     with pytest.raises(UserError, match=match) as ei:
         parse_expert_ranges(text, num_experts=64)
-    assert "--ignore-experts" in str(ei.value) and "\n" not in str(ei.value)
+    assert "ignore_experts=" in str(ei.value) and "\n" not in str(ei.value)
 
 
 # ------------------------------------------------------------------------------------------- strategies
@@ -100,7 +100,7 @@ def test_bottom_removes_exactly_the_lowest():
     # ties: the higher index is removed first (lower index counts as more important)
     assert select_bottom(np.zeros(4), 1) == [0, 1, 2]
     assert select_strided(np.zeros(4), 1) == [0, 1, 2]
-    with pytest.raises(UserError, match="--n-prune 6 must be between 0 and 5"):
+    with pytest.raises(UserError, match="n_prune= 6 must be between 0 and 5"):
         select_bottom(s, 6)
 
 
@@ -134,9 +134,9 @@ def test_model_wide_protect_and_target_any_layer():
 def test_min_experts_per_layer():
     S = np.zeros((2, 8))
     assert len(select_experts(S, 4, top_k=2, model_wide=True, min_experts_per_layer=4)[0]) == 4
-    with pytest.raises(UserError, match="would keep 3 experts per layer but --min-experts-per-layer is 4; prune at most 4"):
+    with pytest.raises(UserError, match="would keep 3 experts per layer but min_experts_per_layer= is 4; prune at most 4"):
         select_experts(S, 5, top_k=2, model_wide=True, min_experts_per_layer=4)
-    with pytest.raises(UserError, match="--min-experts-per-layer must be at least 1"):
+    with pytest.raises(UserError, match="min_experts_per_layer= must be at least 1"):
         select_experts(S, 1, top_k=2, model_wide=True, min_experts_per_layer=0)
 
 
@@ -162,7 +162,7 @@ def test_too_many_protected():
     msg = str(ei.value)
     assert "only 2 removable expert(s) in layer 7" not in msg  # no moe_layer_indices given
     assert "only 2 removable expert(s) in MoE layer #1" in msg and "prune at most 2" in msg
-    with pytest.raises(UserError, match="in layer 7; --n-prune 3 is too many: prune at most 2"):
+    with pytest.raises(UserError, match="in layer 7; n_prune= 3 is too many: prune at most 2"):
         select_experts(s, 3, top_k=2, protected={1: set(range(6))}, moe_layer_indices=[3, 7])
     with pytest.raises(UserError, match="out of range; the model has 8 experts"):
         select_experts(s, 1, top_k=2, protected={9})
@@ -172,9 +172,9 @@ def test_too_many_protected():
 
 # ------------------------------------------------------------------------------------------- errors / limits
 def test_ignore_without_model_wide():
-    with pytest.raises(UserError, match="--ignore-experts only works with --model-wide"):
+    with pytest.raises(UserError, match="ignore_experts= only works with model_wide="):
         select_experts(np.zeros((1, 8)), 1, top_k=2, ignore_experts=[1])
-    with pytest.raises(UserError, match="--ignore-experts: expert 9 is out of range"):
+    with pytest.raises(UserError, match="ignore_experts=: expert 9 is out of range"):
         select_experts(np.zeros((1, 8)), 1, top_k=2, model_wide=True, ignore_experts=[9])
 
 
@@ -182,11 +182,11 @@ def test_top_k_limits_and_warning():
     S = np.random.default_rng(1).random((3, 8))
     with pytest.raises(UserError, match="would keep 1 experts but top_k is 2; prune at most 6"):
         select_experts(S, 7, top_k=2)
-    with pytest.raises(UserError, match=r"--n-prune 8 is out of range.*8 experts"):
+    with pytest.raises(UserError, match=r"n_prune= 8 is out of range.*8 experts"):
         select_experts(S, 8, top_k=2)
-    with pytest.raises(UserError, match="--n-prune -1 is out of range"):
+    with pytest.raises(UserError, match="n_prune= -1 is out of range"):
         select_experts(S, -1, top_k=2)
-    with pytest.raises(UserError, match="unknown --strategy"):
+    with pytest.raises(UserError, match="unknown strategy="):
         select_experts(S, 1, top_k=2, strategy="random")
     assert select_experts(S, 0, top_k=2) == {p: list(range(8)) for p in range(3)}
     kept = select_experts(S, 6, top_k=2)  # exactly top_k: allowed, with a warning

@@ -140,7 +140,7 @@ def test_a_server_that_is_not_mlx_fun_is_named_so():
 def test_server_urls_are_checked():
     assert check_url(" http://127.0.0.1:8080/ ") == "http://127.0.0.1:8080"
     for bad in ("127.0.0.1:8080", "ftp://host", "http://", "http://host:99999"):
-        with pytest.raises(UserError, match="--server-url"):
+        with pytest.raises(UserError, match="server_url="):
             check_url(bad)
 
 

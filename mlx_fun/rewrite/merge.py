@@ -449,7 +449,7 @@ def merge_model(
         raise UserError(f"unknown alignment '{alignment}'; choose one of {', '.join(ALIGNMENTS)}.")
     check_max_group_size(max_group_size)
     if max_similarity_tokens < 1 or max_alignment_tokens < 1:
-        raise UserError("--max-similarity-tokens and --max-alignment-tokens must be at least 1.")
+        raise UserError(f"{param('max_similarity_tokens')} and {param('max_alignment_tokens')} must be at least 1.")
     moe_layers = adapter.moe_layers()
     L, E = len(moe_layers), adapter.num_experts
     scores = None

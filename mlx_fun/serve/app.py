@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mlx_lm.server import get_system_fingerprint
 
-from ..errors import UserError
+from ..errors import UserError, param
 from .counting import DRAFT_PROBE, PADDING_PROBE, padding_probe_supported
 from .generator import CountingResponseGenerator, ServedModelProvider, ServedPromptCache, model_aliases, server_args
 from .handler import HTTPError, ReapHandler
@@ -185,7 +185,7 @@ def _bind(host: str, port: int) -> _HTTPServer:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise UserError(f"--host {host!r} is not an address this machine can bind ({e.strerror}).") from None
+        raise UserError(f"{param('host')} {host!r} is not an address this machine can bind ({e.strerror}).") from None
     family, _, _, _, address = infos[0]
 
     class Bound(_HTTPServer):
@@ -195,8 +195,8 @@ def _bind(host: str, port: int) -> _HTTPServer:
         return Bound(address, lambda *a, **k: ReapHandler(_app_generator(a), *a, **k,
                                                           system_fingerprint=get_system_fingerprint()))
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port (0 picks a free one) "
-                        "or stop what is using it.") from None
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another {param('port')} (0 picks a "
+                        "free one) or stop what is using it.") from None
 
 
 def _app_generator(args) -> CountingResponseGenerator:
@@ -251,7 +251,8 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
             raise provider.load_error
         if provider.load_error is not None or provider.counter is None:
             err = provider.load_error
-            raise UserError(f"could not load --model {model}: {err if err is not None else 'generation thread died'}")
+            raise UserError(f"could not load {param('model')} {model}: "
+                            f"{err if err is not None else 'generation thread died'}")
         if steering is not None:
             s = steering(provider.counter)
             if s is not None:

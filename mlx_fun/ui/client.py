@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from ..errors import UserError
+from ..errors import UserError, param
 
 #: what a lost, refused or broken connection raises, while connecting or while reading
 NETWORK_ERRORS = (urllib.error.URLError, OSError, http.client.HTTPException)
@@ -38,11 +38,11 @@ def check_url(url: str) -> str:
     text = str(url).strip()
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UserError(f"--server-url {url!r} is not an http(s) URL; give one like http://127.0.0.1:8080.")
+        raise UserError(f"{param('server_url')} {url!r} is not an http(s) URL; give one like http://127.0.0.1:8080.")
     try:
         parts.port
     except ValueError:
-        raise UserError(f"--server-url {url!r} has a bad port; give one like http://127.0.0.1:8080.") from None
+        raise UserError(f"{param('server_url')} {url!r} has a bad port; give one like http://127.0.0.1:8080.") from None
     return text.rstrip("/")
 
 
