@@ -96,8 +96,8 @@ def _assert_valid_top_k(inds, ref, k, tol=1e-4):
         assert ref[t, chosen].min() >= ref[t, ~chosen].max() - tol, (t, sorted(inds[t]), np.argsort(-ref[t])[:k])
 
 
-def _blocks(make_model, family):
-    model, config, adapter = _load(make_model, family, None)
+def _blocks(make_model, family, **overrides):
+    model, config, adapter = _load(make_model, family, None, **overrides)
     records = _record_blocks(model, adapter, LARGE)
     return adapter, [(adapter.blocks()[pos], rec[0]) for pos, rec in enumerate(records[:2])]
 
@@ -180,16 +180,22 @@ def test_rank_scheme_boosts_at_most_top_k(tmp_path):
     assert e.value.field == "scheme"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"])
-def test_rank_selects_every_boosted_expert_up_to_top_k(make_model, family):
-    adapter, blocks = _blocks(make_model, family)
+@pytest.mark.parametrize("family, overrides", [("qwen3_moe", {}), ("deepseek_v3", {}),
+                                              ("deepseek_v3", {"topk_group": 1}), ("gpt_oss", {}), ("mixtral", {})],
+                         ids=["qwen3_moe", "deepseek_v3", "deepseek_v3-one-group", "gpt_oss", "mixtral"])
+def test_rank_selects_every_boosted_expert_up_to_top_k(make_model, family, overrides):
+    """Rank boosting k experts side by side: every token picks exactly them, on group-limited routers too (the k
+    experts fill ceil(k / group size) groups, never more than topk_group in a valid config; one-group included)."""
+    adapter, blocks = _blocks(make_model, family, **overrides)
     E, k = adapter.num_experts, adapter.top_k
+    on = list(range(E - k, E))
+    if adapter.groups:
+        n_group, topk_group = adapter.groups
+        assert len({e // (E // n_group) for e in on}) <= (topk_group or n_group)
     for block, x in blocks:
-        on = list(range(E - k, E))
         inds, _, _ = adapter.route(block, x, RouteSteer.build("rank", E, on, [], -1e9, 1e4))
         chosen = np.sort(np.array(inds).reshape(-1, k), axis=-1)
-        if not adapter.groups or len({e // (E // adapter.groups[0]) for e in on}) <= adapter.groups[1]:
-            assert (chosen == on).all()
+        assert (chosen == on).all()
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
