@@ -247,6 +247,13 @@ def _log_softmax(logits: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+def kl_divergence(ref_logprobs: mx.array, logprobs: mx.array) -> mx.array:
+    """Per row ``KL(R ‖ M) = Σ_v p_R(v) (log p_R(v) − log p_M(v))`` in nats from log-probability rows (the one KL of
+    ``evaluate`` and ``abliterate``); terms where ``p_R`` underflows to 0 count 0, rounding below 0 is clipped."""
+    p = mx.exp(ref_logprobs)
+    return mx.maximum(mx.sum(mx.where(p > 0, p * (ref_logprobs - logprobs), 0.0), axis=-1), 0.0)
+
+
 def _flat_logits(logits, inputs: np.ndarray, what: str) -> mx.array:
     if not isinstance(logits, mx.array) or logits.ndim != 3 or logits.shape[:2] != inputs.shape:
         shape = getattr(logits, "shape", type(logits).__name__)
@@ -430,9 +437,7 @@ def _score(flat: mx.array, batch: _Batch, chunk, ref_flat: mx.array | None, ref_
         outs = [_nll(lp, targets)]
         if with_ref:
             lq = ref_chunks[j] if ref_chunks is not None else _log_softmax(_gather(ref_flat, batch, start, stop))
-            p = mx.exp(lq)
-            kl = mx.sum(mx.where(p > 0, p * (lq - lp), 0.0), axis=-1)
-            outs += [mx.maximum(kl, 0.0), mx.argmax(lq, axis=-1) == mx.argmax(lp, axis=-1)]
+            outs += [kl_divergence(lq, lp), mx.argmax(lq, axis=-1) == mx.argmax(lp, axis=-1)]
             if ref_chunks is None:
                 outs.append(_nll(lq, targets))
         chunk.eval(*outs)

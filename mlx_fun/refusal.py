@@ -39,41 +39,67 @@ def _bar(total: int, progress: bool, desc: str):
 
 
 def greedy_replies(model, tokenizer, prompts: list[list[int]], max_tokens: int = 16, *, progress: bool = False,
-                   desc: str = "replies") -> list[str]:
+                   desc: str = "replies", first_logprobs: bool = False):
     """Greedy replies (up to ``max_tokens`` tokens, stopped at the end-of-sequence tokens) to prompt token lists,
     batched by mlx-lm's ``BatchGenerator``; one at a time (``stream_generate``) for the models whose caches it
-    cannot batch (llama4's chunked attention cache). ``progress``: a bar of finished replies."""
+    cannot batch (llama4's chunked attention cache). ``progress``: a bar of finished replies. ``first_logprobs``:
+    ``(replies, (N, vocab) log-probabilities of each reply's first token)`` — the distribution the generation
+    normalised anyway, so no second forward; ``None`` in its place where the model computes in lower than float32
+    (its normalisation would be rounded: ask :func:`first_token_logprobs`)."""
     if not prompts:
-        return []
+        return ([], None) if first_logprobs else []
+    firsts: dict[int, object] = {}
     with _bar(len(prompts), progress, desc) as bar:
         try:
-            return _batched(model, tokenizer, prompts, max_tokens, bar)
+            out = _batched(model, tokenizer, prompts, max_tokens, bar, firsts)
         except ValueError as e:
             if "support batching" not in str(e):
                 raise
-        from mlx_lm import stream_generate
-
-        bar.reset()
-        out = []
-        for p in prompts:
-            out.append("".join(r.text for r in stream_generate(model, tokenizer, list(p), max_tokens=max_tokens)))
-            bar.update(1)
+            out = _one_by_one(model, tokenizer, prompts, max_tokens, bar, firsts)
+    if not first_logprobs:
         return out
+    return out, _stack_first(firsts, len(prompts))
 
 
-def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar) -> list[str]:
+def _one_by_one(model, tokenizer, prompts, max_tokens: int, bar, firsts: dict) -> list[str]:
+    from mlx_lm import stream_generate
+
+    bar.reset()
+    out = []
+    for i, p in enumerate(prompts):
+        text = []
+        for r in stream_generate(model, tokenizer, list(p), max_tokens=max_tokens):
+            firsts.setdefault(i, r.logprobs)
+            text.append(r.text)
+        out.append("".join(text))
+        bar.update(1)
+    return out
+
+
+def _stack_first(firsts: dict, n: int):
+    import mlx.core as mx
+
+    rows = [firsts.get(i) for i in range(n)]
+    if any(r is None or r.dtype != mx.float32 for r in rows):
+        return None
+    return mx.stack([r.reshape(-1) for r in rows])
+
+
+def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar, firsts: dict) -> list[str]:
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64,
                          stop_tokens=[[t] for t in tokenizer.eos_token_ids])
     try:
         uids = gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))
+        index = {u: i for i, u in enumerate(uids)}
         out = {u: [] for u in uids}
         while True:
             responses = gen.next_generated()
             if not responses:
                 break
             for r in responses:
+                firsts.setdefault(index[r.uid], r.logprobs)
                 if r.finish_reason != "stop":
                     out[r.uid].append(r.token)
                 if r.finish_reason is not None:
@@ -83,25 +109,42 @@ def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar) -
     return [tokenizer.decode(out[u]) for u in uids]
 
 
-def first_token_logprobs(model, prompts: list[list[int]], *, progress: bool = False,
-                         desc: str = "first-token log-probs"):
-    """The model's float32 log-probabilities of the token after each prompt (one forward per prompt)."""
+def first_token_logprobs(model, prompts: list[list[int]], *, batch_size: int = 16, pad_id: int = 0,
+                         budget: int | None = None, progress: bool = False, desc: str = "first-token log-probs"):
+    """``(N, vocab)`` float32 log-probabilities of the token after each prompt: the forward engine's right-padded
+    batches within ``budget`` tokens per forward (:mod:`mlx_fun.engine`), each prompt's last real position."""
     import mlx.core as mx
+    import numpy as np
 
-    out = []
-    with _bar(len(prompts), progress, desc) as bar:
-        for p in prompts:
-            logits = model(mx.array(p)[None])[0, -1].astype(mx.float32)
-            out.append(logits - mx.logsumexp(logits))
-            mx.eval(out[-1])
-            bar.update(1)
-    return out
+    from . import engine
+    from .evaluate import _log_softmax
+
+    rows: list = [None] * len(prompts)
+
+    def on_chunk(chunk, logits):
+        last = chunk.lengths - 1 - chunk.start
+        hit = np.flatnonzero((last >= 0) & (last < chunk.tokens.shape[1]))
+        if len(hit) == 0:
+            chunk.eval()
+            return
+        lp = _log_softmax(logits[mx.array(hit), mx.array(last[hit])])
+        chunk.eval(lp)
+        for j, r in enumerate(hit):
+            rows[int(chunk.rows[r])] = lp[j]
+
+    engine.run(model, prompts, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=budget, progress=progress,
+               desc=desc)
+    return mx.stack(rows) if rows else mx.zeros((0, 0), mx.float32)
 
 
 def mean_kl(reference, other) -> float:
-    """Mean KL(reference ‖ other) in nats over paired log-probability vectors."""
+    """Mean KL(reference ‖ other) in nats over paired log-probability rows (``evaluate``'s KL, one definition)."""
     import mlx.core as mx
 
-    if not reference:
+    from .evaluate import kl_divergence
+
+    if reference is None or len(reference) == 0:
         return 0.0
-    return sum(mx.sum(mx.exp(r) * (r - q)).item() for r, q in zip(reference, other)) / len(reference)
+    ref = reference if isinstance(reference, mx.array) else mx.stack(list(reference))
+    oth = other if isinstance(other, mx.array) else mx.stack(list(other))
+    return float(kl_divergence(ref, oth).astype(mx.float32).sum().item()) / ref.shape[0]

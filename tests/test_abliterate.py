@@ -423,7 +423,6 @@ def test_every_phase_says_what_it_does(tmp_path):
     assert result.exit_code == 0, result.output
     text = result.output
     lines = [
-        "Measuring the original model's first-token log-probs on 4 evaluation benign prompts ...",
         "Round 1: the model's replies to 8 harmful and 8 benign capture prompts (16 tokens each) ...",
         "Measuring the original model on 4 harmful and 4 benign evaluation prompts ...",
         "Measuring the abliterated model on 4 harmful and 4 benign evaluation prompts ...",
@@ -431,6 +430,73 @@ def test_every_phase_says_what_it_does(tmp_path):
     ]
     at = [text.index(line) for line in lines]
     assert at == sorted(at), text
-    for bar in ("reference log-probs", "round 1 harmful replies", "round 1 benign replies", "evaluation harmful replies",
-                "capture benign log-probs", "round 1 benign"):
+    # the first-token log-probs come with the replies (no phase of their own since issue 31)
+    for bar in ("round 1 harmful replies", "round 1 benign replies", "evaluation harmful replies",
+                "evaluation benign replies", "round 1 benign"):
         assert f"{bar}:" in text, (bar, text[-3000:])
+
+
+def _chat_prompts(n):
+    from pathlib import Path
+
+    from mlx_fun.data import load_samples
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    model, tok = load_model(data / "tiny-moe-chat")[:2]
+    return model, tok, load_samples(data / "safety" / "benign_test.jsonl", tok, max_samples=n, seed=0,
+                                    generation_prompt=True)
+
+
+def test_first_token_logprobs_are_one_engine_pass_in_any_budget_and_the_replies_own():
+    """Batched, right-padded, each prompt's last real position: what one forward per prompt gives, also with a
+    budget that feeds every prompt in chunks through the KV cache; the greedy replies' own first-token log-probs
+    (float32 model) are the same distribution, and asking for them leaves the replies as they were."""
+    from mlx_fun.refusal import first_token_logprobs, greedy_replies
+
+    model, tok, prompts = _chat_prompts(6)
+    assert len({len(p) for p in prompts}) > 1  # padding is exercised
+    one = []
+    for p in prompts:
+        logits = model(mx.array(p)[None])[0, -1].astype(mx.float32)
+        one.append(np.array(logits - mx.logsumexp(logits)))
+    for kw in ({}, {"batch_size": 4, "budget": 7}):
+        got = first_token_logprobs(model, prompts, **kw)
+        assert got.shape == (len(prompts), len(one[0])) and got.dtype == mx.float32
+        np.testing.assert_allclose(np.array(got), np.stack(one), atol=2e-4)
+    replies, lp = greedy_replies(model, tok, prompts, 4, first_logprobs=True)
+    assert replies == greedy_replies(model, tok, prompts, 4)
+    np.testing.assert_allclose(np.array(lp), np.stack(one), atol=2e-4)
+
+
+def test_abliterate_and_eval_share_one_kl():
+    from mlx_fun.evaluate import kl_divergence
+    from mlx_fun.refusal import mean_kl
+
+    rng = np.random.default_rng(0)
+    a, b = (mx.array(rng.normal(size=(5, 11)).astype(np.float32)) for _ in range(2))
+    a, b = a - mx.logsumexp(a, axis=-1, keepdims=True), b - mx.logsumexp(b, axis=-1, keepdims=True)
+    p = np.exp(np.array(a, np.float64))
+    want = float(np.mean(np.sum(p * (np.array(a, np.float64) - np.array(b, np.float64)), axis=-1)))
+    assert mean_kl(a, b) == pytest.approx(want, rel=1e-5)
+    assert mean_kl(list(a), list(b)) == pytest.approx(float(kl_divergence(a, b).mean().item()), rel=1e-6)
+    assert mean_kl(a, a) == 0.0
+
+
+def test_dispatch_and_token_budget_like_every_model_command(make_model, tmp_path):
+    harmful, benign = _prompts(tmp_path)
+    path = make_model("qwen3_moe", bits=4)
+    base = ["abliterate", "--model", path, "--harmful-dataset", harmful, "--benign-dataset", benign,
+            "--no-refusal-filter", "--max-samples", "3", "--eval-samples", "2", "--rounds", "1", "--seed", "0"]
+    expect_error(cli(*base, "--output", tmp_path / "bad", "--token-budget", "0"), "--token-budget")
+    expect_error(cli(*base, "--output", tmp_path / "bad", "--dispatch-table", tmp_path / "none.json"),
+                 "none.json")
+    assert not (tmp_path / "bad").exists()
+    norms = {}
+    for name, extra in (("mlx-lm", ["--dispatch", "mlx-lm"]), ("auto", ["--token-budget", "5", "--dequant-cache",
+                                                                        "64MiB"])):
+        r = cli(*base, "--output", tmp_path / name, *extra)
+        assert r.exit_code == 0, r.output
+        meta = json.loads((tmp_path / name / "abliteration_metadata.json").read_text())
+        norms[name] = meta["direction_norms"]
+    for k, v in norms["mlx-lm"].items():  # the same directions whichever way the experts run, in any budget
+        assert norms["auto"][k] == pytest.approx(v, rel=1e-3, abs=1e-5)

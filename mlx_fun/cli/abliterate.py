@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, echo_err, friendly_errors, model_option, text_table
+from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option, text_table,
+                     token_budget_option)
 
 
 @click.command("abliterate", short_help="Remove the refusal direction from residual writers (MoE-aware), measured.")
@@ -58,11 +59,13 @@ from .common import FiniteFloat, echo_err, friendly_errors, model_option, text_t
 @click.option("--max-kl", type=FiniteFloat(0.0, min_open=True), default=0.5, show_default=True,
               help="Largest benign first-token KL (nats) --search accepts and a later round may reach.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Prompts per forward pass while capturing.")
+              help="Prompts per forward pass while capturing (first-token log-probs: at least 16).")
 @click.option("--refusal-filter/--no-refusal-filter", default=True, show_default=True,
               help="Take the directions from the harmful prompts the model refuses and the benign ones it answers "
                    "(Arditi et al.); a model that refuses none of them (or all benign ones) is refused with the "
                    "measured rates. --no-refusal-filter: from every prompt, whatever the model replies.")
+@dispatch_option
+@token_budget_option
 @click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
 @friendly_errors
 def command(**kwargs):

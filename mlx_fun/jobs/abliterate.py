@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError, param
-from .common import Log, check_supported, load_moe, quiet, require_path
+from .common import Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path
 
 
 DIRECTIONS = ("single", "per-layer")
@@ -84,7 +84,7 @@ class AbliterateResult:
 
 
 def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples, direction,
-           direction_layer, rounds, phrasings) -> None:
+           direction_layer, rounds, phrasings, dispatch="auto", token_budget=None) -> None:
     from ..residual import POSITIONS, parse_layers
     from ..rewrite.abliterate import TARGETS
 
@@ -111,6 +111,11 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
         raise UserError(f"{param('max_kl')} must be a positive number, got {max_kl!r}.")
     parse_layers(layers, where=param("layers"))
+    if dispatch not in ("auto", "mlx-lm"):
+        raise UserError(f"{param('dispatch')} must be auto or mlx-lm, got {dispatch!r}.")
+    if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
+                                     or token_budget < 1):
+        raise UserError(f"{param('token_budget')} must be a whole number >= 1, got {token_budget!r}.")
 
 
 def _check_distinct(harmful, benign) -> None:
@@ -188,18 +193,18 @@ class _Abliteration:
     """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
 
     def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, phrasings, max_kl, warnings, refusal_filter=True, progress=False, log=quiet):
+                 target, safety, phrasings, max_kl, warnings, refusal_filter=True, budget=None, redispatch=None,
+                 progress=False, log=quiet):
         from ..data import pad_id
-        from ..refusal import first_token_logprobs
 
         self.model, self.tok, self.adapter = model, tok, adapter
+        self.budget, self.redispatch = budget, redispatch
         self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
         self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
         self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
         self.warnings, self.refusal_filter, self.progress, self.log = warnings, refusal_filter, progress, log
-        log(f"Measuring the original model's first-token log-probs on {len(eval_b)} evaluation benign prompts ...")
-        self.reference = first_token_logprobs(model, eval_b, progress=progress, desc="reference log-probs")
-        self._capture_reference = None  # capture benign first-token log-probs of the original (later rounds)
+        self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
+        self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
 
     def statistics(self, r: int) -> _Stats | None:
@@ -215,8 +220,10 @@ class _Abliteration:
                  f"capture prompts ({self.reply_tokens} tokens each) ...")
         replies = self._replies(self.harmful, f"round {r} harmful replies")
         hs = [(s, phrasing(t) if self.phrasings > 1 else "all") for s, t in zip(self.harmful, replies) if is_refusal(t)]
-        bs = [s for s, t in zip(self.benign, self._replies(self.benign, f"round {r} benign replies"))
-              if not is_refusal(t)]
+        benign_replies = self._replies(self.benign, f"round {r} benign replies", logprobs=r == 1)
+        if r == 1:  # the original model: the reference of a later round's KL
+            benign_replies, self._capture_reference = benign_replies
+        bs = [s for s, t in zip(self.benign, benign_replies) if not is_refusal(t)]
         refused, answered = len(hs), len(bs)
         if r > 1 and (refused < MIN_REFUSED or not bs):
             return None
@@ -235,16 +242,29 @@ class _Abliteration:
                         key=lambda x: -x[1]) or [("all", len(hs), mh - mb)]
         return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms, groups)
 
-    def _replies(self, samples, desc: str) -> list[str]:
+    def _replies(self, samples, desc: str, logprobs: bool = False):
+        """Greedy replies; with ``logprobs`` also the first-token log-probabilities, ``(replies, (N, vocab))``:
+        the generation's own where it computes in float32, else one engine pass."""
         from ..refusal import greedy_replies
 
-        return greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc)
+        out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
+                             first_logprobs=logprobs)
+        if not logprobs:
+            return out
+        replies, lp = out
+        return replies, lp if lp is not None else self._logprobs(samples, desc.replace("replies", "log-probs"))
+
+    def _logprobs(self, samples, desc: str):
+        from ..refusal import first_token_logprobs
+
+        return first_token_logprobs(self.model, samples, batch_size=max(self.batch_size, 16), pad_id=self.pad,
+                                    budget=self.budget, progress=self.progress, desc=desc)
 
     def _capture(self, samples, desc):
         from ..residual import capture
 
         return capture(self.model, self.adapter, samples, position=self.position, batch_size=self.batch_size,
-                       pad_id=self.pad, progress=self.progress, desc=desc)
+                       pad_id=self.pad, budget=self.budget, progress=self.progress, desc=desc)
 
     def _directions(self, stats: _Stats, done: list[Round], source) -> tuple[object, dict[str, int]]:
         """Up to ``phrasings`` unit directions (k, L, H) from the round's phrasings, each orthogonal to the earlier
@@ -281,14 +301,11 @@ class _Abliteration:
         direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
         ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
         so far)`` after each."""
-        from ..refusal import first_token_logprobs, mean_kl
+        from ..refusal import mean_kl
         from ..rewrite.abliterate import restore
 
         done, touched, undo = [], {}, []
         self.over_kl = None
-        if rounds > 1 and self._capture_reference is None:  # the original model, before round 1 changes it
-            self._capture_reference = first_token_logprobs(self.model, self.benign, progress=self.progress,
-                                                           desc="capture benign log-probs")
         for r in range(1, rounds + 1):
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
@@ -299,8 +316,7 @@ class _Abliteration:
             restore(undo)
             touched, undo = self.apply(done, layers, weight, source)
             if r > 1:
-                kl = mean_kl(self._capture_reference, first_token_logprobs(
-                    self.model, self.benign, progress=self.progress, desc=f"round {r} benign KL"))
+                kl = mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
                 if kl > self.max_kl:
                     self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
@@ -319,19 +335,24 @@ class _Abliteration:
         from ..rewrite.abliterate import apply
 
         stack = np.concatenate([r.dirs for r in done])
-        return apply(self.adapter, stack, layers, target=self.target, weight=weight, safety=self.safety,
-                     embed=None if source is None else stack[:, source])
+        out = apply(self.adapter, stack, layers, target=self.target, weight=weight, safety=self.safety,
+                    embed=None if source is None else stack[:, source])
+        if self.redispatch is not None:  # dequantized experts kept by the dispatch hold the old weights
+            self.redispatch()
+        return out
 
     def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
-        from ..refusal import first_token_logprobs, mean_kl, refusal_rate
+        from ..refusal import mean_kl, refusal_rate
 
         which = "the original model" if original else "the abliterated model"
         self.log(f"Measuring {which} on {len(self.eval_h)} harmful and {len(self.eval_b)} benign evaluation "
                  "prompts ...")
-        kl = 0.0 if original else mean_kl(self.reference, first_token_logprobs(
-            self.model, self.eval_b, progress=self.progress, desc="evaluation benign KL"))
-        return Trial(layers, weight, refusal_rate(self._replies(self.eval_h, "evaluation harmful replies")),
-                     refusal_rate(self._replies(self.eval_b, "evaluation benign replies")), kl, rounds, source)
+        harmful = refusal_rate(self._replies(self.eval_h, "evaluation harmful replies"))
+        benign, lp = self._replies(self.eval_b, "evaluation benign replies", logprobs=True)
+        if original:
+            self.reference = lp
+        kl = 0.0 if original else mean_kl(self.reference, lp)
+        return Trial(layers, weight, harmful, refusal_rate(benign), kl, rounds, source)
 
     def search(self, first: _Stats, candidates, rounds: int, progress: bool):
         """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
@@ -390,6 +411,10 @@ def run(
     max_kl: float = 0.5,
     batch_size: int = 4,
     refusal_filter: bool = True,
+    dispatch: str = "auto",
+    dispatch_table: str | Path | None = None,
+    dequant_cache: int | str = 0,
+    token_budget: int | None = None,
     force: bool = False,
     progress: bool = False,
     log: Log = quiet,
@@ -402,7 +427,7 @@ def run(
 
     _check(layers=layers, target=target, safety_map=safety_map, weight=weight, direction=direction,
            direction_layer=direction_layer, rounds=rounds, phrasings=phrasings, extraction_position=extraction_position, search=search,
-           max_kl=max_kl, eval_samples=eval_samples)
+           max_kl=max_kl, eval_samples=eval_samples, dispatch=dispatch, token_budget=token_budget)
     check_supported(model)
     for name, path in (("harmful_dataset", harmful_dataset), ("benign_dataset", benign_dataset),
                        ("eval_harmful_dataset", eval_harmful_dataset), ("eval_benign_dataset", eval_benign_dataset)):
@@ -413,6 +438,9 @@ def run(
               param("benign_dataset"): benign_dataset}
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, tok, config, adapter = load_moe(model, log=log)
+        settings = dict(dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache)
+        report = apply_dispatch(mdl, **settings, log=log)
+        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
         n_layers = len(adapter.decoder_layers())
         choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # the range checks, before any work
         if direction_layer is not None and direction_layer >= n_layers:
@@ -429,7 +457,8 @@ def run(
                             max_samples=eval_samples, **kw),
             position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
             safety=_safety(adapter, target, safety_map), phrasings=phrasings, max_kl=float(max_kl), warnings=warnings,
-            refusal_filter=refusal_filter, progress=progress, log=log)
+            refusal_filter=refusal_filter, budget=budget, progress=progress, log=log,
+            redispatch=(lambda: _redispatch(mdl, settings)) if report.cached_layers else None)
         if eval_harmful_dataset is None or eval_benign_dataset is None:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
@@ -495,3 +524,11 @@ def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
     moe = adapter.moe_layers()
     sets = load_report_experts(safety_map, "safety", moe, adapter.num_experts)
     return {moe[p]: sorted(e) for p, e in sets.items() if e}
+
+
+def _redispatch(model, settings: dict) -> None:
+    """Install the dispatch afresh (its dequantized experts from the weights as they are now)."""
+    from ..dispatch import remove
+
+    remove(model)
+    apply_dispatch(model, **settings)
