@@ -3,6 +3,11 @@
 
     python scripts/bench_abliterate.py [--model data/tiny-moe-chat] [--data data/safety] [--search 12]
                                        [--output docs/benchmarks/abliterate.md]
+    python scripts/bench_abliterate.py --quick [--baseline REV] [--repeat N]
+
+``--quick`` times the README example only: ``abliterate_wall``, beside ``collect_wall`` (collect over the same
+capture prompts, what one forward of each costs) and ``baseline_wall``, the same example on the code of git
+revision ``--baseline`` (default: before abliterate ran on the forward engine), each in a fresh process.
 
 In one run: a 4-bit copy of the model (mlx-lm's convert), a safety scan (for ``--target safety-experts``), then
 ``mlx-fun abliterate`` (the job, default settings: single direction, one direction per refusal phrasing, 2 rounds)
@@ -37,6 +42,85 @@ def projection(model_dir, prompts_path, layers, dirs, max_samples) -> float:
     return float(sum(mean[i] @ dirs[i] for i in layers) / max(len(layers), 1))
 
 
+#: the code before abliterate ran on the forward engine (issue 31 part 1): --quick's default baseline
+BASELINE = "f3057af"
+
+#: the README example, timed in a fresh process (argv: model, data dir, output dir); prints one JSON line
+EXAMPLE = """
+import json, sys, time
+from mlx_fun.blas import maybe_reexec
+maybe_reexec()
+from pathlib import Path
+from mlx_fun.jobs import abliterate
+model, data, out = sys.argv[1:4]
+d = Path(data)
+t = time.perf_counter()
+r = abliterate.run(model=model, harmful_dataset=d / "harmful_train.jsonl", benign_dataset=d / "benign_train.jsonl",
+                   eval_harmful_dataset=d / "harmful_test.jsonl", eval_benign_dataset=d / "benign_test.jsonl",
+                   output=out, seed=0)
+print(json.dumps({"wall": time.perf_counter() - t, "before": r.before.row(), "after": r.after.row()}))
+"""
+
+
+def _example(model, data, out, pythonpath=None) -> dict:
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {}))
+    done = subprocess.run([sys.executable, "-c", EXAMPLE, str(model), str(data), str(out)], env=env, check=True,
+                          capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _checkout(rev: str, where: Path) -> Path:
+    """``mlx_fun`` as it was at ``rev`` (git archive), importable from ``where``."""
+    import subprocess
+
+    where.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "mlx_fun"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where
+
+
+def quick(args) -> int:
+    """abliterate_wall (the README example), collect_wall (collect over the same capture prompts: one forward of
+    each) and, with a baseline revision, the same example on its code; each in a fresh process, fastest of
+    --repeat."""
+    import time
+
+    from mlx_fun import jobs
+
+    data, tmp = Path(args.data), Path(tempfile.mkdtemp())
+    base = _checkout(args.baseline, tmp / "baseline") if args.baseline not in ("", "none") else None
+    new, old = [], []
+    for i in range(max(1, args.repeat)):
+        if base is not None:
+            old.append(_example(args.model, data, tmp / f"old{i}", str(base)))
+        new.append(_example(args.model, data, tmp / f"new{i}"))
+    collect = []
+    for i in range(max(1, args.repeat)):
+        t = time.perf_counter()
+        for name in ("harmful_train", "benign_train"):
+            jobs.collect.run(model=args.model, dataset=data / f"{name}.jsonl", output=tmp / f"{name}{i}.npz",
+                             max_samples=args.max_samples, seed=0)
+        collect.append(time.perf_counter() - t)
+    best = min(new, key=lambda r: r["wall"])
+    print(f"abliterate_wall {best['wall']:.2f} s  (README example; after: {_outcome(best)})")
+    print(f"collect_wall {min(collect):.2f} s  (collect over the same {args.max_samples} + {args.max_samples} "
+          "capture prompts)")
+    if old:
+        was = min(old, key=lambda r: r["wall"])
+        print(f"baseline_wall {was['wall']:.2f} s  (revision {args.baseline}; after: {_outcome(was)})")
+        print(f"speedup {was['wall'] / best['wall']:.2f}x")
+    return 0
+
+
+def _outcome(r: dict) -> str:
+    a = r["after"]
+    return f"harmful refusal {a['harmful_refusal']:.1%}, benign refusal {a['benign_refusal']:.1%}, KL {a['benign_kl']:.3f}"
+
+
 def main() -> int:
     from mlx_fun.blas import maybe_reexec
 
@@ -48,7 +132,15 @@ def main() -> int:
     ap.add_argument("--eval-samples", type=int, default=128)
     ap.add_argument("--search", type=int, default=6)
     ap.add_argument("--output", default=str(ROOT / "docs" / "benchmarks" / "abliterate.md"))
+    ap.add_argument("--quick", action="store_true",
+                    help="Only time the README example (abliterate_wall) beside collect over the same prompts "
+                         "(collect_wall) and, with --baseline, the same example on that git revision's code.")
+    ap.add_argument("--baseline", default=BASELINE, metavar="REV",
+                    help="With --quick: the git revision to time beside (''/none: none).")
+    ap.add_argument("--repeat", type=int, default=1, help="With --quick: runs of each, the fastest kept.")
     args = ap.parse_args()
+    if args.quick:
+        return quick(args)
 
     from mlx_lm import convert
 

@@ -15,7 +15,9 @@ model with ``abliteration_metadata.json`` beside it. ``search`` tries settings o
 layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
 A model that refuses none of the harmful capture prompts (or all the benign ones) has no refusal to remove: the
 job stops there with the measured rates, nothing written, unless ``refusal_filter=False`` (every prompt, whatever
-the model replies). Every phase logs what it does and, with ``progress``, shows a bar.
+the model replies). Every phase logs what it does and, with ``progress``, shows a bar. The rounds, measuring and
+search live in :mod:`mlx_fun.rewrite.abliterate_rounds`; this job checks the inputs, loads the model with the
+expert dispatch and the token budget every forward keeps to, and writes.
 """
 
 from __future__ import annotations
@@ -25,45 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError, param
+from ..rewrite.abliterate_rounds import Abliteration, Round, Trial, candidates
 from .common import Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path
 
 
 DIRECTIONS = ("single", "per-layer")
-MIN_REFUSED = 2  # a later round needs at least this many harmful prompts the model still refuses
-MIN_PHRASING = 4  # refused prompts a phrasing needs for a direction of its own
-
-
-@dataclass
-class Trial:
-    layers: list[int]
-    weight: float
-    harmful_refusal: float
-    benign_refusal: float
-    benign_kl: float
-    rounds: int = 0
-    direction_layer: int | None = None  # the single direction's source layer (None: one per layer)
-
-    def row(self) -> dict:
-        return {"layers": self.layers, "weight": self.weight, "direction_layer": self.direction_layer,
-                "rounds": self.rounds, "harmful_refusal": round(self.harmful_refusal, 4),
-                "benign_refusal": round(self.benign_refusal, 4), "benign_kl": round(self.benign_kl, 4)}
-
-
-@dataclass
-class Round:
-    """One estimation round: the capture prompts it used (harmful ones the model still refused, benign ones it
-    answered, out of all), the refusal phrasings it took a direction from and the directions it removed."""
-    refused: int
-    harmful: int
-    answered: int
-    benign: int
-    norm: float  # un-normalised mean difference at the source layer (per-layer: the largest)
-    dirs: object  # (k, decoder layers, hidden) unit directions removed in this round, orthogonal to earlier rounds'
-    phrasings: dict[str, int] = field(default_factory=dict)  # phrasing → refused prompts, one per direction
-
-    def row(self) -> dict:
-        return {"refused_harmful": self.refused, "harmful_prompts": self.harmful, "answered_benign": self.answered,
-                "benign_prompts": self.benign, "direction_norm": round(self.norm, 6), "phrasings": self.phrasings}
 
 
 @dataclass
@@ -128,21 +96,6 @@ def _check_distinct(harmful, benign) -> None:
                         "and prompts it answers.")
 
 
-def _check_refusals(refused: int, harmful: int, answered: int, benign: int, reply_tokens: int) -> None:
-    """Arditi et al.'s filter keeps the harmful prompts the model refuses and the benign ones it answers: with none
-    on one side there is no refusal to measure (a model that does not refuse has nothing to abliterate)."""
-    off = "--no-refusal-filter" if param("x").startswith("--") else "refusal_filter=False"
-    if not refused:
-        raise UserError(f"the model refuses none of the {harmful} harmful capture prompts (0.0% of its first "
-                        f"{reply_tokens}-token replies open like a refusal), so there is no refusal to remove and "
-                        f"nothing was written; pass prompts this model refuses to {param('harmful_dataset')} (try one "
-                        f"with `mlx-fun smoke-test`), or {off} to take the direction from every prompt anyway.")
-    if not answered:
-        raise UserError(f"the model refuses all {benign} benign capture prompts (100.0%; harmful: {refused} of "
-                        f"{harmful}, {refused / harmful:.1%}), so there is nothing to compare its refusals with and "
-                        f"nothing was written; pass prompts it answers to {param('benign_dataset')}, or {off}.")
-
-
 def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
     from ..data import load_samples
 
@@ -150,238 +103,6 @@ def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
     if not samples:
         raise UserError(f"{param(what)} {path} holds no prompts; give a JSONL of chats, prompts or text.")
     return samples
-
-
-def _candidates(chosen: list[int], norms, weight: float, source: int | None, n: int
-                ) -> list[tuple[list[int], float, int | None]]:
-    """Up to ``n`` settings (layers, weight, source layer): the chosen ones first; then, at weight 1, 0.8, 0.6, 0.4
-    (the given weight first), every source layer by direction norm (single direction) and the layer windows —
-    all, the top half / quarter by norm and, one direction per layer, every contiguous half-depth window."""
-    import numpy as np
-
-    L = len(norms)
-    order = [int(i) for i in np.argsort(-np.asarray(norms), kind="stable")]
-    windows = [chosen, list(range(L)), sorted(order[: max(1, math.ceil(L / 2))])]
-    if source is None:
-        half = max(1, math.ceil(L / 2))
-        windows += [sorted(order[: max(1, math.ceil(L / 4))])] + [list(range(a, a + half)) for a in range(L - half + 1)]
-    sources = [None] if source is None else [source] + [i for i in order if i != source]
-    weights = [weight] + [w for w in (1.0, 0.8, 0.6, 0.4) if w != weight]
-    out = []
-    for x in weights:
-        for src in sources:
-            for w in windows:
-                if (w, x, src) not in out:
-                    out.append((w, x, src))
-    return out[:n]
-
-
-@dataclass
-class _Stats:
-    """What one round measured on the model as it was: the prompts it used, the raw per-layer directions of all
-    refused prompts, and each phrasing's un-normalised mean difference."""
-    refused: int
-    harmful: int
-    answered: int
-    benign: int
-    dirs: object  # (decoder layers, hidden) unit directions, not yet orthogonal to earlier rounds'
-    norms: object  # (decoder layers,) un-normalised mean-difference norms
-    groups: list = field(default_factory=list)  # (phrasing, prompts, (decoder layers, hidden) mean difference)
-
-
-class _Abliteration:
-    """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
-
-    def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, phrasings, max_kl, warnings, refusal_filter=True, budget=None, redispatch=None,
-                 progress=False, log=quiet):
-        from ..data import pad_id
-
-        self.model, self.tok, self.adapter = model, tok, adapter
-        self.budget, self.redispatch = budget, redispatch
-        self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
-        self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
-        self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
-        self.warnings, self.refusal_filter, self.progress, self.log = warnings, refusal_filter, progress, log
-        self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
-        self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
-        self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
-
-    def statistics(self, r: int) -> _Stats | None:
-        """Round ``r``'s directions on the model as it is now, from the harmful capture prompts it refuses and the
-        benign ones it answers (Arditi et al.'s filter), per refusal phrasing; ``None`` for a later round with too
-        few refusals left."""
-        from collections import defaultdict
-
-        from ..refusal import greedy_replies, is_refusal, phrasing
-        from ..residual import directions
-
-        self.log(f"Round {r}: the model's replies to {len(self.harmful)} harmful and {len(self.benign)} benign "
-                 f"capture prompts ({self.reply_tokens} tokens each) ...")
-        replies = self._replies(self.harmful, f"round {r} harmful replies")
-        hs = [(s, phrasing(t) if self.phrasings > 1 else "all") for s, t in zip(self.harmful, replies) if is_refusal(t)]
-        benign_replies = self._replies(self.benign, f"round {r} benign replies", logprobs=r == 1)
-        if r == 1:  # the original model: the reference of a later round's KL
-            benign_replies, self._capture_reference = benign_replies
-        bs = [s for s, t in zip(self.benign, benign_replies) if not is_refusal(t)]
-        refused, answered = len(hs), len(bs)
-        if r > 1 and (refused < MIN_REFUSED or not bs):
-            return None
-        if r == 1 and not self.refusal_filter:  # every prompt, whatever the model replied
-            hs, bs = [(s, "all") for s in self.harmful], self.benign
-        elif r == 1:
-            _check_refusals(refused, len(self.harmful), answered, len(self.benign), self.reply_tokens)
-        by = defaultdict(list)
-        for sample, key in hs:
-            by[key].append(sample)
-        mb = self._capture(bs, f"round {r} benign")
-        means = {k: self._capture(g, f"round {r} harmful '{k}'") for k, g in by.items()}
-        mh = sum(len(by[k]) * m for k, m in means.items()) / len(hs)
-        dirs, norms = directions(mh, mb)
-        groups = sorted(((k, len(g), means[k] - mb) for k, g in by.items() if len(g) >= MIN_PHRASING),
-                        key=lambda x: -x[1]) or [("all", len(hs), mh - mb)]
-        return _Stats(refused, len(self.harmful), answered, len(self.benign), dirs, norms, groups)
-
-    def _replies(self, samples, desc: str, logprobs: bool = False):
-        """Greedy replies; with ``logprobs`` also the first-token log-probabilities, ``(replies, (N, vocab))``:
-        the generation's own where it computes in float32, else one engine pass."""
-        from ..refusal import greedy_replies
-
-        out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
-                             first_logprobs=logprobs)
-        if not logprobs:
-            return out
-        replies, lp = out
-        return replies, lp if lp is not None else self._logprobs(samples, desc.replace("replies", "log-probs"))
-
-    def _logprobs(self, samples, desc: str):
-        from ..refusal import first_token_logprobs
-
-        return first_token_logprobs(self.model, samples, batch_size=max(self.batch_size, 16), pad_id=self.pad,
-                                    budget=self.budget, progress=self.progress, desc=desc)
-
-    def _capture(self, samples, desc):
-        from ..residual import capture
-
-        return capture(self.model, self.adapter, samples, position=self.position, batch_size=self.batch_size,
-                       pad_id=self.pad, budget=self.budget, progress=self.progress, desc=desc)
-
-    def _directions(self, stats: _Stats, done: list[Round], source) -> tuple[object, dict[str, int]]:
-        """Up to ``phrasings`` unit directions (k, L, H) from the round's phrasings, each orthogonal to the earlier
-        rounds' and to those picked before it, the one with the most left after that first (single direction: the
-        source layer's, on every layer)."""
-        import numpy as np
-
-        basis = [d for r in done for d in r.dirs]
-        left = [(k, n, g if source is None else np.repeat(g[source][None], g.shape[0], axis=0))
-                for k, n, g in stats.groups]
-        picked, names = [], {}
-        scale = max(np.linalg.norm(g, axis=1).sum() for _, _, g in left)
-        while left and len(picked) < self.phrasings:
-            rest = []
-            for k, n, g in left:
-                for q in basis:
-                    g = g - np.sum(g * q, axis=1, keepdims=True) * q
-                rest.append((k, n, g))
-            j = int(np.argmax([np.linalg.norm(g, axis=1).sum() for _, _, g in rest]))
-            k, n, g = rest.pop(j)
-            size = np.linalg.norm(g, axis=1, keepdims=True)
-            if picked and size.sum() <= 1e-6 * scale:
-                break  # what is left lies in the span of the directions already picked
-            picked.append(g / np.maximum(size, 1e-30))
-            basis.append(picked[-1])
-            names[k] = n
-            left = rest
-        return np.stack(picked), names
-
-    def abliterate(self, first: _Stats, layers, weight, source, rounds: int, on_round=None):
-        """Up to ``rounds`` rounds (the first from ``first``): each measures its directions on the model as the
-        earlier rounds left it, then puts the original weights back and removes every round's directions from them
-        at once (a quantized writer is rounded once, not once a round) from the writers of ``layers`` (and, single
-        direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
-        ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
-        so far)`` after each."""
-        from ..refusal import mean_kl
-        from ..rewrite.abliterate import restore
-
-        done, touched, undo = [], {}, []
-        self.over_kl = None
-        for r in range(1, rounds + 1):
-            stats = first if r == 1 else self.statistics(r)
-            if stats is None:
-                break
-            dirs, names = self._directions(stats, done, source)
-            norm = float(stats.norms.max() if source is None else stats.norms[source])
-            done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs, names))
-            restore(undo)
-            touched, undo = self.apply(done, layers, weight, source)
-            if r > 1:
-                kl = mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
-                if kl > self.max_kl:
-                    self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
-                                    f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
-                    done.pop()
-                    restore(undo)
-                    touched, undo = self.apply(done, layers, weight, source)
-                    break
-            if on_round is not None:
-                on_round(done)
-        return done, touched, undo
-
-    def apply(self, done: list[Round], layers, weight, source):
-        """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
-        import numpy as np
-
-        from ..rewrite.abliterate import apply
-
-        stack = np.concatenate([r.dirs for r in done])
-        out = apply(self.adapter, stack, layers, target=self.target, weight=weight, safety=self.safety,
-                    embed=None if source is None else stack[:, source])
-        if self.redispatch is not None:  # dequantized experts kept by the dispatch hold the old weights
-            self.redispatch()
-        return out
-
-    def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
-        from ..refusal import mean_kl, refusal_rate
-
-        which = "the original model" if original else "the abliterated model"
-        self.log(f"Measuring {which} on {len(self.eval_h)} harmful and {len(self.eval_b)} benign evaluation "
-                 "prompts ...")
-        harmful = refusal_rate(self._replies(self.eval_h, "evaluation harmful replies"))
-        benign, lp = self._replies(self.eval_b, "evaluation benign replies", logprobs=True)
-        if original:
-            self.reference = lp
-        kl = 0.0 if original else mean_kl(self.reference, lp)
-        return Trial(layers, weight, harmful, refusal_rate(benign), kl, rounds, source)
-
-    def search(self, first: _Stats, candidates, rounds: int, progress: bool):
-        """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
-        and one progress step each), the model restored in between. Returns ``(trials, the rounds behind each)``."""
-        from ..rewrite.abliterate import restore
-
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(candidates) * rounds, unit="trial", desc="search", dynamic_ncols=True)
-        trials, kept, log = [], [], self.log
-        self.log = quiet  # the search bar says what each trial does
-        try:
-            for lay, w, src in candidates:
-                def measured(done, lay=lay, w=w, src=src):
-                    trials.append(self.measure(lay, w, len(done), src))
-                    kept.append(list(done))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
-
-                _, _, undo = self.abliterate(first, lay, w, src, rounds, on_round=measured)
-                restore(undo)
-        finally:
-            self.log = log
-            if bar is not None:
-                bar.close()
-        return trials, kept
 
 
 def run(
@@ -448,7 +169,7 @@ def run(
                             f"layers 0-{n_layers - 1}.")
         kw = dict(max_tokens=max_tokens, text_key=text_key, seed=seed)
         warnings = []
-        job = _Abliteration(
+        job = Abliteration(
             mdl, tok, adapter, harmful=_prompts(harmful_dataset, tok, "harmful_dataset", max_samples=max_samples, **kw),
             benign=_prompts(benign_dataset, tok, "benign_dataset", max_samples=max_samples, **kw),
             eval_h=_prompts(eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset",
@@ -471,7 +192,7 @@ def run(
         before = job.measure([], 0.0, original=True)
         trials, after, done = [], None, None
         if search:
-            trials, kept = job.search(first, _candidates(chosen, norms, float(weight), source, search), rounds,
+            trials, kept = job.search(first, candidates(chosen, norms, float(weight), source, search), rounds,
                                       progress)
             ok = [i for i, t in enumerate(trials) if t.benign_kl <= max_kl]
             if ok:
