@@ -58,7 +58,8 @@ t = time.perf_counter()
 r = abliterate.run(model=model, harmful_dataset=d / "harmful_train.jsonl", benign_dataset=d / "benign_train.jsonl",
                    eval_harmful_dataset=d / "harmful_test.jsonl", eval_benign_dataset=d / "benign_test.jsonl",
                    output=out, seed=0)
-print(json.dumps({"wall": time.perf_counter() - t, "before": r.before.row(), "after": r.after.row()}))
+print(json.dumps({"wall": time.perf_counter() - t, "before": r.before.row(), "after": r.after.row(),
+                  "code": str(Path(abliterate.__file__).parents[2])}))
 """
 
 
@@ -68,8 +69,9 @@ def _example(model, data, out, pythonpath=None) -> dict:
     import subprocess
 
     env = dict(os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {}))
-    done = subprocess.run([sys.executable, "-c", EXAMPLE, str(model), str(data), str(out)], env=env, check=True,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", EXAMPLE, str(Path(model).resolve()), str(Path(data).resolve()),
+                           str(out)], env=env, check=True, capture_output=True, text=True,
+                          cwd=pythonpath or str(ROOT))  # not a directory holding another mlx_fun
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -111,6 +113,7 @@ def quick(args) -> int:
           "capture prompts)")
     if old:
         was = min(old, key=lambda r: r["wall"])
+        assert was["code"] == str(base) and best["code"] == str(ROOT), (was["code"], best["code"])
         print(f"baseline_wall {was['wall']:.2f} s  (revision {args.baseline}; after: {_outcome(was)})")
         print(f"speedup {was['wall'] / best['wall']:.2f}x")
     return 0
