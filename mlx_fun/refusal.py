@@ -39,19 +39,20 @@ def _bar(total: int, progress: bool, desc: str):
 
 
 def greedy_replies(model, tokenizer, prompts: list[list[int]], max_tokens: int = 16, *, progress: bool = False,
-                   desc: str = "replies", first_logprobs: bool = False):
+                   desc: str = "replies", first_logprobs: bool = False, budget: int | None = None):
     """Greedy replies (up to ``max_tokens`` tokens, stopped at the end-of-sequence tokens) to prompt token lists,
     batched by mlx-lm's ``BatchGenerator``; one at a time (``stream_generate``) for the models whose caches it
     cannot batch (llama4's chunked attention cache). ``progress``: a bar of finished replies. ``first_logprobs``:
     ``(replies, (N, vocab) log-probabilities of each reply's first token)`` — the distribution the generation
     normalised anyway, so no second forward; ``None`` in its place where the model computes in lower than float32
-    (its normalisation would be rounded: ask :func:`first_token_logprobs`)."""
+    (its normalisation would be rounded: ask :func:`first_token_logprobs`). ``budget``: the prompts are prefilled
+    within that many tokens per forward (fewer prompts at once, long ones in steps), as the forward engine would."""
     if not prompts:
         return ([], None) if first_logprobs else []
     firsts: dict[int, object] = {}
     with _bar(len(prompts), progress, desc) as bar:
         try:
-            out = _batched(model, tokenizer, prompts, max_tokens, bar, firsts)
+            out = _batched(model, tokenizer, prompts, max_tokens, bar, firsts, budget)
         except ValueError as e:
             if "support batching" not in str(e):
                 raise
@@ -85,10 +86,15 @@ def _stack_first(firsts: dict, n: int):
     return mx.stack([r.reshape(-1) for r in rows])
 
 
-def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar, firsts: dict) -> list[str]:
+def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar, firsts: dict,
+             budget: int | None = None) -> list[str]:
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=64,
+    from .engine import token_budget
+
+    step = min(2048, token_budget(budget))
+    rows = max(1, min(64, token_budget(budget) // min(max(map(len, prompts)), step)))
+    gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=rows, prefill_step_size=step,
                          stop_tokens=[[t] for t in tokenizer.eos_token_ids])
     try:
         uids = gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))

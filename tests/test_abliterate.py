@@ -465,6 +465,7 @@ def test_first_token_logprobs_are_one_engine_pass_in_any_budget_and_the_replies_
         np.testing.assert_allclose(np.array(got), np.stack(one), atol=2e-4)
     replies, lp = greedy_replies(model, tok, prompts, 4, first_logprobs=True)
     assert replies == greedy_replies(model, tok, prompts, 4)
+    assert replies == greedy_replies(model, tok, prompts, 4, budget=7)  # prefilled 1 prompt x 7 tokens at a time
     np.testing.assert_allclose(np.array(lp), np.stack(one), atol=2e-4)
 
 

@@ -171,7 +171,7 @@ class Abliteration:
         from ..refusal import greedy_replies
 
         out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
-                             first_logprobs=logprobs)
+                             first_logprobs=logprobs, budget=self.budget)
         if not logprobs:
             return out
         replies, lp = out
