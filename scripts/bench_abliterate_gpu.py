@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""abliterate on a Qwen3-30B-A3B-shaped model (12 layers, 4-bit, bfloat16, as scripts/bench_gpu.py builds it; vocabulary
+2,048 so the bundled tokenizer can read its replies): 16 + 16 capture prompts of 2,048 tokens at --batch-size 4 (4 x 2,048
+tokens a forward: 65,536 routed rows per MoE call at top-8), all writers of every layer, one round, random weights so
+refusal_filter=False. Prints wall time and MLX peak memory. Meant for a GPU (docs/benchmarks/gpu.md).
+
+    python scripts/bench_abliterate_gpu.py
+"""
+import json, shutil, sys, time, argparse, tempfile
+from pathlib import Path
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts")); sys.path.insert(0, str(ROOT))
+import mlx.core as mx
+from bench_gpu import build
+from mlx_lm.utils import save_model, save_config
+from mlx_fun import jobs
+tmp = Path(tempfile.mkdtemp())
+t0 = time.perf_counter()
+model, config, _ = build(argparse.Namespace(layers=12, vocab=2048, quick=False))
+out = tmp / "m"; out.mkdir()
+save_model(out, model); save_config(config, config_path=out / "config.json")
+for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    if ((ROOT / "data" / "tiny-moe") / n).exists(): shutil.copy((ROOT / "data" / "tiny-moe") / n, out / n)
+del model; mx.clear_cache()
+print(f"built and saved in {time.perf_counter() - t0:.1f} s", flush=True)
+rows = [json.loads(l) for l in open(ROOT / "data" / "calibration_sample.jsonl")]
+text = " ".join(r["content"] for r in rows if isinstance(r.get("content"), str)) * 40
+for name, k in (("h", 0), ("b", 1)):
+    with open(tmp / f"{name}.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"content": text[(i * 997 + k * 4999) % 20000:][:60000]}) + "\n")
+mx.reset_peak_memory()
+t0 = time.perf_counter()
+r = jobs.abliterate.run(model=out, harmful_dataset=tmp / "h.jsonl", benign_dataset=tmp / "b.jsonl", output=tmp / "abl",
+                        max_samples=16, max_tokens=2048, batch_size=4, eval_samples=4, rounds=1, reply_tokens=4,
+                        refusal_filter=False, seed=0, layers="all")
+wall = time.perf_counter() - t0
+print(f"abliterate 12-layer Qwen3-30B-A3B shape 4-bit bf16: capture 16+16 prompts x 2048 tokens at batch 4 "
+      f"(4 x 2048 tokens a forward), all writers of {len(r.layers)} layers: wall {wall:.1f} s, "
+      f"peak memory {mx.get_peak_memory() / 2**30:.2f} GiB, modified {sum(len(v) for v in r.modified.values())} writers",
+      flush=True)
