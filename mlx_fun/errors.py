@@ -22,6 +22,15 @@ def param(name: str) -> str:
     return "--" + name.replace("_", "-") if _CLI_NAMES.get() else f"{name}="
 
 
+def require_whole(name: str, value, low: int, *, none_ok: bool = False) -> None:
+    """A one-line ``UserError`` naming parameter ``name`` unless ``value`` is a whole number (not a bool) >= ``low``
+    (or None, with ``none_ok``)."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
+
+
 @contextlib.contextmanager
 def cli_names():
     """Within the block, :func:`param` names flags (the CLI wraps every command in it)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import UserError, param
+from .errors import UserError, param, require_whole
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
@@ -34,21 +34,15 @@ class GenOptions:
         from .jobs.common import require_path
 
         require_path("draft_model", draft, "pass a local mlx-lm model directory or a Hugging Face repo id")
-        def whole(name, value, low, none_ok=False):
-            if value is None and none_ok:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
-
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
             raise UserError(f"{param('kv_bits')} must be one of {', '.join(map(str, KV_BITS))} (bits per cached "
                             f"key/value), got {self.kv_bits!r}.")
         if isinstance(self.kv_group_size, bool) or self.kv_group_size not in KV_GROUP_SIZES:
             raise UserError(f"{param('kv_group_size')} must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got "
                             f"{self.kv_group_size!r}.")
-        whole("quantized_kv_start", self.quantized_kv_start, 0)
-        whole("max_kv_size", self.max_kv_size, 1, none_ok=True)
-        whole("num_draft_tokens", self.num_draft_tokens, 1)
+        require_whole("quantized_kv_start", self.quantized_kv_start, 0)
+        require_whole("max_kv_size", self.max_kv_size, 1, none_ok=True)
+        require_whole("num_draft_tokens", self.num_draft_tokens, 1)
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise UserError(f"{param('kv_bits')} and {param('max_kv_size')} do not go together: mlx-lm cannot "
                             f"quantize its rotating KV cache; pass one of them.")

@@ -19,6 +19,7 @@ from mlx_fun.rewrite.weights import dense, dense_of, stored, stored_keeping
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
 from .conftest import FAMILIES
+from .test_nothing_lost import tree
 
 
 def _unit(H, seed=0):
@@ -364,21 +365,17 @@ def test_phrasing_names_how_a_reply_opens():
     assert phrasing("No.") == "no" and phrasing("") == ""
 
 
-def _tree(path):
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
-
-
 def test_a_model_that_refuses_nothing_is_refused_with_the_rate(make_model, tmp_path):
     """Row 17: a random model refuses none of the harmful prompts; abliterate used to warn, exit 0 and write a
     modified model. Now one line with the measured rate and both ways out, exit 2, nothing written."""
     harmful, benign = _prompts(tmp_path)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     out = tmp_path / "abl"
     result = cli("abliterate", "--model", make_model("qwen3_moe"), "--harmful-dataset", harmful, "--benign-dataset",
                  benign, "--output", out, "--max-samples", 4, "--eval-samples", 2)
     expect_error(result, "refuses none of the 4 harmful capture prompts (0.0%", "nothing was written",
                  "--harmful-dataset", "--no-refusal-filter")
-    assert not out.exists() and _tree(tmp_path) == before
+    assert not out.exists() and tree(tmp_path) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 

@@ -9,7 +9,6 @@ test fails until it has a sample file below.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import shutil
@@ -22,6 +21,7 @@ from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError
 
 from .cli_helpers import expect_error, run as cli
+from .test_nothing_lost import tree
 
 #: job → (output parameter, "file" | "dir", base keyword arguments (values: sample names or literals))
 WRITERS = {
@@ -56,14 +56,6 @@ WRITERS = {
 }
 #: jobs that write nothing
 READERS_ONLY = {"smoke_test", "steer", "ui", "doctor"}
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted([path] if path.is_file() else path.rglob("*")):
-        if p.is_file():
-            h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +132,14 @@ def test_an_input_at_or_inside_the_output_is_refused(job, name, variant, samples
         out = target / "result.out" if target.is_dir() else target
         inside = target
         expected = f"the input {name}=" if target.is_dir() else f"is the input given to {name}="
-    before = _digest(inside)
+    before = tree(inside)
     kwargs[out_param] = out
     if job == "serve":
         kwargs["on_ready"] = lambda server: pytest.fail("served: the auto-save file was not checked")
     with pytest.raises(UserError) as err:
         run(**kwargs)
     assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
-    assert _digest(inside) == before
+    assert tree(inside) == before
     if kind == "dir":
         assert sorted(p.name for p in out.iterdir()) == [inside.name]
     assert not [p for p in (out if kind == "dir" else out.parent).iterdir() if p.name.startswith(".")]

@@ -33,9 +33,9 @@ MLX_FUN = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun
 
 
 def tree(path: Path) -> dict:
-    """Every file below ``path`` → sha256 (to prove an input was not touched)."""
-    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(path.rglob("*")) if f.is_file()}
+    """Every file below ``path`` (or the file ``path`` itself) → sha256 (to prove an input was not touched)."""
+    files = [path] if path.is_file() else sorted(path.rglob("*"))
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
 
 
 def hidden(path: Path) -> list[str]:

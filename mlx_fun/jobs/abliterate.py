@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError, param
+from ..errors import UserError, param, require_whole
 from ..rewrite.abliterate_rounds import Abliteration, Round, Trial, candidates
 from .common import Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path
 
@@ -73,17 +73,15 @@ def _check(*, layers, target, safety_map, weight, extraction_position, search, m
     if direction_layer is not None and (isinstance(direction_layer, bool) or not isinstance(direction_layer, int)
                                         or direction_layer < 0):
         raise UserError(f"{param('direction_layer')} must be a decoder-layer index >= 0, got {direction_layer!r}.")
-    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("phrasings", phrasings, 1), ("eval_samples", eval_samples, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
+    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("phrasings", phrasings, 1),
+                             ("eval_samples", eval_samples, 1)):
+        require_whole(name, value, low)
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
         raise UserError(f"{param('max_kl')} must be a positive number, got {max_kl!r}.")
     parse_layers(layers, where=param("layers"))
     if dispatch not in ("auto", "mlx-lm"):
         raise UserError(f"{param('dispatch')} must be auto or mlx-lm, got {dispatch!r}.")
-    if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
-                                     or token_budget < 1):
-        raise UserError(f"{param('token_budget')} must be a whole number >= 1, got {token_budget!r}.")
+    require_whole("token_budget", token_budget, 1, none_ok=True)
 
 
 def _check_distinct(harmful, benign) -> None:
