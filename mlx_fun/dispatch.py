@@ -400,28 +400,6 @@ def apply(
     return install(model, load_table(table_path), dequant_cache_bytes=dequant_cache_bytes)
 
 
-@dataclass(frozen=True)
-class DispatchSettings:
-    """What the CLI's ``--dispatch``/``--dispatch-table``/``--dequant-cache`` options ask for."""
-
-    mode: str = "auto"
-    table_path: str | None = None
-    dequant_cache_bytes: int = 0
-
-    def apply(self, model, echo=None) -> DispatchReport:
-        """:func:`apply` with these settings; a bad table becomes a ``UserError`` (its message names the file, the
-        problem and the fix: :func:`load_table`). ``echo`` gets the summary."""
-        from .errors import UserError
-
-        try:
-            report = apply(model, self.mode, self.table_path, self.dequant_cache_bytes)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if echo is not None:
-            echo(report.summary())
-        return report
-
-
 def state_of(module) -> DispatchState | None:
     return module.__dict__.get(_STATE)
 
@@ -429,7 +407,6 @@ def state_of(module) -> DispatchState | None:
 __all__ = [
     "MODES",
     "DispatchReport",
-    "DispatchSettings",
     "DispatchState",
     "DispatchedSwitchGLU",
     "Entry",

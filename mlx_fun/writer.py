@@ -81,21 +81,42 @@ OUTPUT_PARAMS = frozenset({"output", "auto_save", "data_dir", "merge_into"})
 
 def path_params(func: Callable) -> list[str]:
     """The parameters of ``func`` that name files or directories it reads: every one annotated with ``Path``
-    (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`."""
-    return [name for name, p in inspect.signature(func).parameters.items()
-            if "Path" in str(p.annotation) and name not in OUTPUT_PARAMS]
+    (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`, and every such
+    field of an option group (:func:`mlx_fun.settings.option_groups`), as ``group.field``
+    (``settings.dispatch_table``)."""
+    import dataclasses
+
+    from .settings import option_groups
+
+    groups = option_groups(func)
+    names = []
+    for name, p in inspect.signature(func).parameters.items():
+        if name in groups:
+            names += [f"{name}.{f.name}" for f in dataclasses.fields(groups[name])
+                      if "Path" in str(f.type) and f.name not in OUTPUT_PARAMS]
+        elif "Path" in str(p.annotation) and name not in OUTPUT_PARAMS:
+            names.append(name)
+    return names
+
+
+def _read_path(bound: inspect.BoundArguments, name: str):
+    """The value of parameter ``name`` (``group.field``: that field of the group given or defaulted)."""
+    group, _, field = name.partition(".")
+    value = bound.arguments.get(group, bound.signature.parameters[group].default)
+    return getattr(value, field, None) if field else value
 
 
 def job_inputs(run: Callable) -> Callable:
     """Wrap a job's ``run`` so that, while it runs, every output it reserves is checked against every path it
-    was given to read (:func:`path_params`): ``mlx_fun.jobs`` wraps each job once, in one list."""
+    was given to read (:func:`path_params`; messages name a group's field by its own name): ``mlx_fun.jobs``
+    wraps each job once, in one list."""
     names = path_params(run)
     signature = inspect.signature(run)
 
     @functools.wraps(run)
     def wrapped(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs)
-        paths = {param(n): bound.arguments[n] for n in names if bound.arguments.get(n) is not None}
+        paths = {param(n.rpartition(".")[2]): v for n in names if (v := _read_path(bound, n)) is not None}
         token = _JOB_INPUTS.set(paths)
         try:
             return run(*args, **kwargs)

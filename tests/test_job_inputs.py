@@ -9,6 +9,7 @@ test fails until it has a sample file below.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import shutil
@@ -19,40 +20,46 @@ import pytest
 from mlx_fun import jobs, writer
 from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError
+from mlx_fun.settings import option_groups
 
 from .cli_helpers import expect_error, run as cli
 from .test_nothing_lost import tree
 
 #: job → (output parameter, "file" | "dir", base keyword arguments (values: sample names or literals))
 WRITERS = {
-    "collect": ("output", "file", [dict(model="model", dataset="dataset", dispatch_table="dispatch_table")]),
-    "prune": ("output", "dir", [dict(model="model", saliency="saliency", n_prune=1, safety_map="safety_map",
-                                     safety_mode="protect", domain_map="domain_map", domain_mode="protect"),
-                                dict(model="model", expert_list="expert_list")]),
-    "merge": ("output", "dir", [dict(model="model", dataset="dataset", saliency="saliency", n_prune=1,
-                                     dispatch_table="dispatch_table"),
-                                dict(model="model", dataset="dataset", expert_list="expert_list")]),
-    "eval": ("output", "file", [dict(model="model", dataset=["dataset"], reference="reference",
-                                     dispatch_table="dispatch_table")]),
-    "demo": ("output", "dir", [dict(model="model")]),
-    "serve": ("auto_save", "file", [dict(model="model", safety_map="safety_map", steering_mode="safe",
-                                         domain_map="domain_map", domain_steering_mode="boost",
-                                         dispatch_table="dispatch_table", data_dir="data_dir",
-                                         draft_model="reference")]),
-    "safety_scan": ("output", "file", [dict(model="model", harmful_dataset="dataset", benign_dataset="dataset2",
-                                            dispatch_table="dispatch_table")]),
-    "domain_scan": ("output", "file", [dict(model="model", domain_dataset="dataset", general_dataset="dataset2",
-                                            domain_name="code", dispatch_table="dispatch_table")]),
-    "amplify": ("output", "dir", [dict(model="model", domain_map="domain_map")]),
-    "abliterate": ("output", "dir", [dict(model="model", harmful_dataset="dataset", benign_dataset="dataset2",
-                                          target="safety-experts", safety_map="safety_map",
-                                          eval_harmful_dataset="dataset3", eval_benign_dataset="dataset4",
-                                          dispatch_table="dispatch_table")]),
-    "quantize": ("output", "dir", [dict(model="model", saliency="saliency", cold_layers=1, cold_bits=2)]),
-    "stats_diff": ("output", "file", [dict(file1="saliency", file2="saliency2")]),
-    "stats_merge": ("output", "file", [dict(files=["saliency", "saliency2"])]),
-    "stats_purge": ("output", "file", [dict(input="saliency", min_freq=1)]),
-    "tune_dispatch": ("output", "file", [dict(model="model", max_m=1)]),
+    "collect": ("output", "file", [{"model": "model", "dataset": "dataset",
+                                    "settings.dispatch_table": "dispatch_table"}]),
+    "prune": ("output", "dir", [{"model": "model", "saliency": "saliency", "selection.n_prune": 1,
+                                 "safety_map": "safety_map", "safety_mode": "protect", "domain_map": "domain_map",
+                                 "domain_mode": "protect"},
+                                {"model": "model", "expert_list": "expert_list"}]),
+    "merge": ("output", "dir", [{"model": "model", "dataset": "dataset", "saliency": "saliency",
+                                 "selection.n_prune": 1, "settings.dispatch_table": "dispatch_table"},
+                                {"model": "model", "dataset": "dataset", "expert_list": "expert_list"}]),
+    "eval": ("output", "file", [{"model": "model", "dataset": ["dataset"], "reference": "reference",
+                                 "settings.dispatch_table": "dispatch_table"}]),
+    "demo": ("output", "dir", [{"model": "model"}]),
+    "serve": ("auto_save", "file", [{"model": "model", "steering.safety_map": "safety_map",
+                                     "steering.steering_mode": "safe", "steering.domain_map": "domain_map",
+                                     "steering.domain_steering_mode": "boost",
+                                     "settings.dispatch_table": "dispatch_table", "server.data_dir": "data_dir",
+                                     "draft_model": "reference"}]),
+    "safety_scan": ("output", "file", [{"model": "model", "harmful_dataset": "dataset", "benign_dataset": "dataset2",
+                                        "settings.dispatch_table": "dispatch_table"}]),
+    "domain_scan": ("output", "file", [{"model": "model", "domain_dataset": "dataset", "general_dataset": "dataset2",
+                                        "domain_name": "code", "settings.dispatch_table": "dispatch_table"}]),
+    "amplify": ("output", "dir", [{"model": "model", "domain_map": "domain_map"}]),
+    "abliterate": ("output", "dir", [{"model": "model", "harmful_dataset": "dataset", "benign_dataset": "dataset2",
+                                      "projection.target": "safety-experts", "projection.safety_map": "safety_map",
+                                      "evaluation.eval_harmful_dataset": "dataset3",
+                                      "evaluation.eval_benign_dataset": "dataset4",
+                                      "settings.dispatch_table": "dispatch_table"}]),
+    "quantize": ("output", "dir", [{"model": "model", "saliency": "saliency", "recipe.cold_layers": 1,
+                                    "recipe.cold_bits": 2}]),
+    "stats_diff": ("output", "file", [{"file1": "saliency", "file2": "saliency2"}]),
+    "stats_merge": ("output", "file", [{"files": ["saliency", "saliency2"]}]),
+    "stats_purge": ("output", "file", [{"input": "saliency", "min_freq": 1}]),
+    "tune_dispatch": ("output", "file", [{"model": "model", "measure.max_m": 1}]),
 }
 #: jobs that write nothing
 READERS_ONLY = {"smoke_test", "steer", "ui", "doctor"}
@@ -94,6 +101,19 @@ def _cases():
             yield pytest.param(job, name, next(v for v in variants if name in v), id=f"{job}-{name}")
 
 
+def grouped(run, kwargs: dict) -> dict:
+    """``kwargs`` with every ``group.field`` key folded into that option group (its default with the field set)."""
+    groups = option_groups(run)
+    out = {k: v for k, v in kwargs.items() if "." not in k}
+    for key, v in kwargs.items():
+        if "." in key:
+            group, field = key.split(".")
+            out[group] = dataclasses.replace(out.get(group, inspect.signature(run).parameters[group].default),
+                                             **{field: v})
+    assert set(out) - set(inspect.signature(run).parameters) == set(), out
+    return out
+
+
 def test_every_job_is_wrapped_and_listed():
     names = {module_name(c) for c in COMMANDS}
     assert names == set(WRITERS) | READERS_ONLY
@@ -119,6 +139,7 @@ def test_an_input_at_or_inside_the_output_is_refused(job, name, variant, samples
 
     kwargs = {k: value(v) for k, v in variant.items()}
     target = kwargs[name][0] if isinstance(kwargs[name], list) else kwargs[name]
+    label = name.rpartition(".")[2]  # a field of an option group (settings.dispatch_table) is named by itself
     if kind == "dir":  # the input moved into an existing output directory, replaced with force
         out = tmp_path / "out"
         out.mkdir()
@@ -127,13 +148,14 @@ def test_an_input_at_or_inside_the_output_is_refused(job, name, variant, samples
         kwargs[name] = [inside] if isinstance(kwargs[name], list) else inside
         if "force" in inspect.signature(run).parameters:
             kwargs["force"] = True
-        expected = f"contains the input {name}="
+        expected = f"contains the input {label}="
     else:  # the output is the input file itself, or lies inside the input directory
         out = target / "result.out" if target.is_dir() else target
         inside = target
-        expected = f"the input {name}=" if target.is_dir() else f"is the input given to {name}="
+        expected = f"the input {label}=" if target.is_dir() else f"is the input given to {label}="
     before = tree(inside)
     kwargs[out_param] = out
+    kwargs = grouped(run, kwargs)
     if job == "serve":
         kwargs["on_ready"] = lambda server: pytest.fail("served: the auto-save file was not checked")
     with pytest.raises(UserError) as err:

@@ -4,6 +4,7 @@ backend)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from pathlib import Path
@@ -21,6 +22,7 @@ from mlx_fun.collect import collect
 from mlx_fun.errors import UserError, cli_names, param
 from mlx_fun.evaluate import evaluate
 from mlx_fun.io import load_model
+from mlx_fun.settings import option_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mlx_fun"
@@ -46,10 +48,36 @@ def test_every_command_is_one_cli_module_and_one_keyword_only_job():
         params = inspect.signature(job.run).parameters.values()
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), name
         assert inspect.signature(job.run).return_annotation not in (inspect.Signature.empty, None, "None"), name
-        # every CLI option is a parameter of the job under the same name (the CLI adds nothing of its own)
-        job_params = {p.name for p in params}
+        # every CLI option is a parameter of the job, or a field of one of its option groups (RunSettings,
+        # GenOptions, ...), under the same name (the CLI adds nothing of its own)
+        groups = option_groups(job.run)
+        job_params = {p.name for p in params} | {f.name for g in groups.values() for f in dataclasses.fields(g)}
         cli_params = {p.name for p in cli.command.params if p.name not in ("debug",)}
         assert cli_params <= job_params | {"json_output", "quiet", "no_progress"}, (name, cli_params - job_params)
+
+
+def test_jobs_hold_what_they_are_about_and_take_how_to_run_as_one_settings_object():
+    """No job's ``run`` has more than 15 parameters of its own (``revision=`` is the hub's); the dispatch / table / dequant cache / token budget / progress
+    block appears in no job signature but as :class:`RunSettings` (``settings``), mlx-lm's generation options only
+    as :class:`GenOptions` (``generation``); no job forwards its arguments through ``locals()``."""
+    from mlx_fun.genopts import GenOptions
+    from mlx_fun.settings import RunSettings
+
+    run_fields = {f.name for f in dataclasses.fields(RunSettings)}
+    gen_fields = {f.name for f in dataclasses.fields(GenOptions)}
+    for name in COMMANDS:
+        job = getattr(jobs, module_name(name))
+        params = inspect.signature(job.run).parameters
+        assert len(set(params) - {"revision"}) <= 15, (name, len(params), list(params))
+        assert not (run_fields - {"progress"}) & set(params), (name, (run_fields - {"progress"}) & set(params))
+        assert not gen_fields & set(params), (name, gen_fields & set(params))
+        groups = option_groups(job.run)
+        if "settings" in params:
+            assert groups["settings"] is RunSettings and "progress" not in params, name
+        if "generation" in params:
+            assert groups["generation"] is GenOptions, name
+    for path in (PKG / "jobs").glob("*.py"):
+        assert "locals()" not in path.read_text(), path.name
 
 
 def test_errors_name_the_keyword_in_python_and_the_flag_on_the_command_line(tmp_path, qwen_model):

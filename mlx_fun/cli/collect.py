@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import dataset_options, dispatch_option, echo_err, friendly_errors, model_option, token_budget_option
+from .common import (dataset_options, dispatch_option, echo_err, friendly_errors, model_option, run_settings,
+                     token_budget_option)
 
 
 @click.command("collect", short_help="Run calibration data through the model and save expert saliency (.npz).")
@@ -43,7 +44,8 @@ def command(**kwargs):
     """
     from ..jobs import collect
 
-    show(collect.run(**kwargs, progress=True, log=echo_err))
+    settings = run_settings(kwargs)
+    show(collect.run(**kwargs, settings=settings, log=echo_err))
 
 
 def show(result) -> None:

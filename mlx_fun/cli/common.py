@@ -227,6 +227,24 @@ def dispatch_option(fn):
     return fn
 
 
+def take(kwargs: dict, group: type, **extra):
+    """Build option group ``group`` (a dataclass: :class:`mlx_fun.settings.RunSettings`,
+    :class:`mlx_fun.genopts.GenOptions`, ...) from the parsed options named as its fields, removing them from
+    ``kwargs``; ``extra`` sets fields the command decides itself (``progress=True``)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(group)}
+    return group(**{k: kwargs.pop(k) for k in list(kwargs) if k in names}, **extra)
+
+
+def run_settings(kwargs: dict, *, progress: bool = True):
+    """The :class:`mlx_fun.settings.RunSettings` of ``--dispatch`` / ``--dispatch-table`` / ``--dequant-cache`` /
+    ``--token-budget`` (those the command has), taken out of ``kwargs``; ``progress``: show progress bars."""
+    from ..settings import RunSettings
+
+    return take(kwargs, RunSettings, progress=progress)
+
+
 def token_budget_option(fn):
     return click.option(
         "--token-budget", type=click.IntRange(min=1), default=None, metavar="N",

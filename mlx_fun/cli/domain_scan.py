@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, model_option, scan_options, token_budget_option
+from .common import (dispatch_option, echo_err, friendly_errors, model_option, run_settings, scan_options,
+                     token_budget_option)
 from .safety_scan import show
 
 
@@ -29,7 +30,8 @@ def command(**kwargs):
     """
     from ..jobs import domain_scan
 
-    show(domain_scan.run(**kwargs, progress=True, log=echo_err))
+    settings = run_settings(kwargs)
+    show(domain_scan.run(**kwargs, settings=settings, log=echo_err))
 
 
 __all__ = ["command", "show"]

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, model_option, token_budget_option
+from .common import dispatch_option, echo_err, friendly_errors, model_option, run_settings, token_budget_option
 
 
 @click.command("eval", short_help="Perplexity per dataset; with --reference, next-token KL and top-1 agreement.")
@@ -49,7 +49,8 @@ def command(**kwargs):
     """
     from ..jobs import eval as eval_job
 
-    show(eval_job.run(**kwargs, progress=True, log=echo_err))
+    settings = run_settings(kwargs)
+    show(eval_job.run(**kwargs, settings=settings, log=echo_err))
 
 
 def show(result) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, model_option, scan_options, token_budget_option
+from .common import (dispatch_option, echo_err, friendly_errors, model_option, run_settings, scan_options,
+                     token_budget_option)
 
 
 @click.command("safety-scan", short_help="Harmful vs benign routing → safety_report.json (HCDG / HRCG experts).")
@@ -29,7 +30,8 @@ def command(**kwargs):
     """
     from ..jobs import safety_scan
 
-    show(safety_scan.run(**kwargs, progress=True, log=echo_err))
+    settings = run_settings(kwargs)
+    show(safety_scan.run(**kwargs, settings=settings, log=echo_err))
 
 
 def show(result) -> None:

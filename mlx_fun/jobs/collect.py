@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..errors import param
 from ..saliency import ARRAY_KEYS, SaliencyAccumulator
-from .common import Log, apply_dispatch, check_moe, forward_budget, load_moe, quiet, require_path, warn_past_context
+from ..settings import RunSettings
+from .common import Log, check_moe, load_moe, quiet, require_path, warn_past_context
 
 
 @dataclass
@@ -37,20 +38,16 @@ def run(
     text_key: str = "content",
     seed: int | None = None,
     batch_size: int = 1,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    token_budget: int | None = None,
     pipeline: bool = False,
-    progress: bool = False,
+    settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> CollectResult:
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
 
     The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
     written atomically at the end. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
-    statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``token_budget`` tokens per
-    forward (:mod:`mlx_fun.engine`).
+    statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``settings.token_budget``
+    tokens per forward (:mod:`mlx_fun.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`).
 
     Under ``mlx.launch`` (:mod:`mlx_fun.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
@@ -64,6 +61,7 @@ def run(
     from ..distributed import globalize, my_share, reduce_saliency, shared_seed, world
 
     checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
+    settings.check()
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
     w = world()
     inputs = {param("model"): model, param("dataset"): dataset}
@@ -73,8 +71,7 @@ def run(
     say = log if w.writer else quiet  # one rank speaks
     with reserve as res:
         mdl, tokenizer, config, adapter, split = _load(model, w, pipeline, say, checked)
-        report = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
-                                log=say)
+        report = settings.apply(mdl, log=say)
         samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
                                text_key=text_key, seed=shared_seed(seed, w))
         mine = samples if pipeline else my_share(samples, w)
@@ -85,10 +82,10 @@ def run(
         warnings = warn_past_context(samples, config, say)
         if w.writer:
             res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
-        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode, top_k=adapter.top_k)
+        budget = settings.budget(config, dispatch_mode=report.mode, top_k=adapter.top_k)
         start = time.perf_counter()
         acc = collect(mdl, adapter, mine, batch_size=batch_size, pad_id=pad_id(tokenizer), token_budget=budget,
-                      progress=progress and w.writer,
+                      progress=settings.progress and w.writer,
                       progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1),
                       evaluate_output=pipeline)
         if split:

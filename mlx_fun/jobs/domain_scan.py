@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError, param
+from ..settings import RunSettings
 from .common import Log, differential_job, quiet
 from .safety_scan import ScanResult
 
@@ -22,11 +23,7 @@ def run(
     threshold_percentile: float = 90.0,
     seed: int | None = None,
     batch_size: int = 4,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    token_budget: int | None = None,
-    progress: bool = False,
+    settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``domain_dataset`` and ``general_dataset`` through ``model`` and write the report: experts at or
@@ -38,6 +35,5 @@ def run(
         "domain", model=model, dataset_a=("domain_dataset", domain_dataset),
         dataset_b=("general_dataset", general_dataset), output=output, max_samples=max_samples,
         max_tokens=max_tokens, text_key=text_key, threshold_percentile=threshold_percentile, seed=seed,
-        batch_size=batch_size, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
-        token_budget=token_budget, progress=progress, log=log, extra={"domain_name": domain_name.strip()})
+        batch_size=batch_size, settings=settings, log=log, extra={"domain_name": domain_name.strip()})
     return ScanResult(Path(output), report)

@@ -12,7 +12,8 @@ from typing import Sequence
 
 from .. import __version__
 from ..errors import UserError, param
-from .common import Log, apply_dispatch, forward_budget, quiet, warn_past_context
+from ..settings import RunSettings
+from .common import Log, quiet, warn_past_context
 
 
 @dataclass
@@ -51,11 +52,7 @@ def run(
     seed: int = 0,
     batch_size: int = 4,
     output: str | Path | None = None,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    token_budget: int | None = None,
-    progress: bool = False,
+    settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> EvalResult:
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
@@ -69,29 +66,29 @@ def run(
     model_config = check_model_dir(model, "model")
     ref_config = check_model_dir(reference, "reference") if reference is not None else None
     paths = resolve_datasets(dataset)
+    settings.check()
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
     inputs = {param("model"): model, param("reference"): reference, param("dataset"): [str(p) for p in paths.values()]}
     with writer.output(output, kind="file", inputs=inputs) if output else contextlib.nullcontext() as res:
         log(f"Loading {model} ...")
         mdl, tokenizer, _ = load_model(model, lazy=True, flag=param("model"))
-        settings = dict(dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
-        report = apply_dispatch(mdl, **settings)
+        report = settings.apply(mdl, log=log)
         ref = None
         if reference is not None:
             log(f"Loading reference {reference} ...")
             ref, ref_tokenizer, _ = load_model(reference, lazy=True, flag=param("reference"))
-            apply_dispatch(ref, **settings)
+            settings.apply(ref, log=log)
             check_compatible(tokenizer, ref_tokenizer, model_config, ref_config)
         data = load_eval_datasets(paths, tokenizer, max_samples=max_samples, max_tokens=max_tokens, seed=seed,
                                   text_key=text_key)
         log(f"{model_config['model_type']}: " + ", ".join(f"{name}: {len(s)} samples" for name, s in data.items()))
         warnings = warn_past_context([x for samples in data.values() for x in samples], model_config, log)
         pad_id = batch_pad_id(tokenizer)
-        budget = forward_budget(token_budget, config=model_config, dispatch_mode=report.mode)
+        budget = settings.budget(model_config, dispatch_mode=report.mode)
         start = time.perf_counter()
         results = evaluate(mdl, data, reference=ref, batch_size=batch_size, pad_id=pad_id,
-                           token_budget=budget, progress=progress)
+                           token_budget=budget, progress=settings.progress)
         seconds = time.perf_counter() - start
         out = {
             "model": str(model),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..settings import RunSettings
 from .common import Log, differential_job, quiet
 
 
@@ -30,11 +31,7 @@ def run(
     threshold_percentile: float = 90.0,
     seed: int | None = None,
     batch_size: int = 4,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    token_budget: int | None = None,
-    progress: bool = False,
+    settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``harmful_dataset`` and ``benign_dataset`` (chats are read with their generation prompt) through
@@ -45,6 +42,5 @@ def run(
         "safety", model=model, dataset_a=("harmful_dataset", harmful_dataset),
         dataset_b=("benign_dataset", benign_dataset), output=output, max_samples=max_samples, max_tokens=max_tokens,
         text_key=text_key, threshold_percentile=threshold_percentile, seed=seed, batch_size=batch_size,
-        dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, token_budget=token_budget,
-        progress=progress, log=log)
+        settings=settings, log=log)
     return ScanResult(Path(output), report)

@@ -1,0 +1,99 @@
+"""How a job runs its model, in one typed object: :class:`RunSettings`.
+
+Every job that runs forwards takes ``settings: RunSettings`` (the CLI builds it once from ``--dispatch``,
+``--dispatch-table``, ``--dequant-cache``, ``--token-budget`` and its progress bar: ``cli.common.run_settings``),
+so a job's own signature holds only what the job is about::
+
+    from mlx_fun import jobs
+    from mlx_fun.settings import RunSettings
+    jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz",
+                     settings=RunSettings(token_budget=4096, progress=True))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError, param, require_whole
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """``dispatch``: ``auto`` (mlx-fun's runtime expert dispatch from measured cut-offs) or ``mlx-lm`` (its fixed
+    rule); ``dispatch_table``: an extra cut-off table (JSON from ``tune-dispatch``); ``dequant_cache``: bytes (or
+    ``"4GiB"``) of dequantized experts kept where the table says it pays; ``token_budget``: most tokens (rows ×
+    columns) per forward (default :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`); ``progress``: show progress bars."""
+
+    dispatch: str = "auto"
+    dispatch_table: str | Path | None = None
+    dequant_cache: int | str = 0
+    token_budget: int | None = None
+    progress: bool = False
+
+    def check(self) -> "RunSettings":
+        """A one-line ``UserError`` naming the field at fault (before anything loads); returns ``self``."""
+        from .dispatch import MODES
+
+        if self.dispatch not in MODES:
+            raise UserError(f"{param('dispatch')} must be one of {', '.join(MODES)}, got {self.dispatch!r}.")
+        if self.dispatch_table is not None and not Path(self.dispatch_table).expanduser().exists():
+            raise UserError(f"{param('dispatch_table')} {self.dispatch_table} does not exist; pass a JSON table "
+                            f"written by `mlx-fun tune-dispatch`.")
+        self.dequant_bytes()
+        require_whole("token_budget", self.token_budget, 1, none_ok=True)
+        return self
+
+    def dequant_bytes(self) -> int:
+        from .sizes import parse_bytes
+
+        try:
+            return parse_bytes(self.dequant_cache)
+        except ValueError as e:
+            raise UserError(f"{param('dequant_cache')}: {e}") from None
+
+    def apply(self, model, log=None):
+        """Install the dispatch on ``model`` (``auto``) or keep mlx-lm's; returns the
+        :class:`mlx_fun.dispatch.DispatchReport` (its summary goes to ``log``). A bad table is a one-line
+        ``UserError`` naming the file, the problem and the fix (:func:`mlx_fun.dispatch.load_table`)."""
+        from . import dispatch
+
+        table = None if self.dispatch_table is None else str(self.dispatch_table)
+        try:
+            report = dispatch.apply(model, self.dispatch, table, self.dequant_bytes())
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if log is not None:
+            log(report.summary())
+        return report
+
+    def budget(self, config: dict, *, dispatch_mode: str, top_k: int | None = None) -> int:
+        """Tokens per forward for the engine: ``token_budget`` (default
+        :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`), lowered under mlx-lm's own expert call where the backend caps
+        a grouped matmul's rows (CUDA: 65,535 routed rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch
+        splits such calls itself. ``top_k``: the loaded adapter's (else read from ``config``)."""
+        from . import engine
+        from .adapters import adapter_class
+
+        try:
+            top_k = top_k or adapter_class(config).config_top_k(config)
+        except (UserError, KeyError, TypeError, ValueError):  # a dense or unknown model: the widest usual top-k
+            top_k = int(config.get("num_experts_per_tok") or 8)
+        try:
+            return engine.budget_for(self.token_budget, top_k=top_k, dispatched=dispatch_mode == "auto")
+        except UserError as e:
+            raise UserError(f"{param('token_budget')}: {e}") from None
+
+
+def option_groups(func) -> dict[str, type]:
+    """The parameters of ``func`` that group options (those whose default is a dataclass instance, like
+    ``settings: RunSettings = RunSettings()``), by name, with their dataclass: a field of one is an option of the
+    job as much as a plain parameter is (the CLI builds the group; :func:`mlx_fun.writer.path_params` reads it)."""
+    import dataclasses
+    import inspect
+
+    return {name: type(p.default) for name, p in inspect.signature(func).parameters.items()
+            if dataclasses.is_dataclass(p.default) and not isinstance(p.default, type)}
+
+
+__all__ = ["RunSettings", "option_groups"]
