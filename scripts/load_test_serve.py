@@ -41,11 +41,12 @@ def main() -> int:
 
     from mlx_fun import jobs
     from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.serve.options import ServerOptions
 
     server = None
     url = args.url
     if url is None:
-        server = jobs.serve.start(model=args.model, port=0, mode=args.mode, api_key=args.api_key)
+        server = jobs.serve.start(model=args.model, mode=args.mode, server=ServerOptions(port=0, api_key=args.api_key))
         url = server.url
     try:
         result = run_load(url, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,

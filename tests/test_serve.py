@@ -13,6 +13,7 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.io import bundled_model_dir
+from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import run as cli
 
@@ -28,7 +29,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(data_dir):
-    s = jobs.serve.start(model=MODEL, port=0, mode="full", data_dir=data_dir, max_body_bytes=MAX_BODY)
+    s = jobs.serve.start(model=MODEL, mode="full",
+                         server=ServerOptions(port=0, data_dir=data_dir, max_body_bytes=MAX_BODY))
     yield s
     s.stop()
 

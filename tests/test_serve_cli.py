@@ -19,6 +19,7 @@ import pytest
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
 from mlx_fun.io import bundled_model_dir
+from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -91,7 +92,7 @@ def test_api_key(tmp_path, monkeypatch):
     import openai
 
     monkeypatch.setenv("MLX_FUN_API_KEY", "s3cret")
-    server = jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path)
+    server = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path))
     try:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
             status, out = _post(server.port, "/v1/reap/reset", {}, headers)
@@ -114,7 +115,8 @@ def test_api_key(tmp_path, monkeypatch):
 
 def test_warns_when_exposed_without_a_key(tmp_path):
     lines: list[str] = []
-    server = jobs.serve.start(model=MODEL, host="0.0.0.0", port=0, data_dir=tmp_path, log=lines.append)
+    server = jobs.serve.start(model=MODEL, server=ServerOptions(host="0.0.0.0", port=0, data_dir=tmp_path),
+                              log=lines.append)
     try:
         assert any("without an API key" in line and "api_key=" in line for line in lines), lines
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
@@ -153,7 +155,7 @@ def test_auto_save_refuses_an_existing_file_at_start_up(tmp_path):
     assert "Serving" not in r.output  # refused before the model loaded and the port opened
     assert hashlib.sha256(old.read_bytes()).hexdigest() == digest and sorted(os.listdir(tmp_path)) == ["code.npz"]
     with pytest.raises(UserError, match="auto_save=.*force="):  # (a server that wrongly starts is stopped at once)
-        jobs.serve.run(model=MODEL, port=0, data_dir=tmp_path, auto_save=old,
+        jobs.serve.run(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path), auto_save=old,
                        on_ready=lambda server: signal.raise_signal(signal.SIGINT))
     assert hashlib.sha256(old.read_bytes()).hexdigest() == digest
     proc, _ = _start_cli(tmp_path, "--auto-save", "code.npz", "--force")
@@ -198,7 +200,7 @@ def test_an_empty_api_key_is_refused(tmp_path):
     expect_error(_refused(tmp_path, "--api-key", "  "), "--api-key", "empty")
     expect_error(_refused(tmp_path, env={"MLX_FUN_API_KEY": ""}), "MLX_FUN_API_KEY", "empty")
     with pytest.raises(UserError, match="api_key="):
-        jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path, api_key="").stop()
+        jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, api_key="")).stop()
 
 
 def test_max_tokens_limit(tmp_path):
@@ -206,7 +208,7 @@ def test_max_tokens_limit(tmp_path):
     --max-tokens above the limit is refused at start-up."""
     expect_error(cli("serve", "--model", MODEL, "--port", 0, "--data-dir", tmp_path, "--max-tokens", 100,
                      "--max-tokens-limit", 50), "--max-tokens 100", "--max-tokens-limit 50")
-    server = jobs.serve.start(model=MODEL, port=0, data_dir=tmp_path, max_tokens_limit=8)
+    server = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, max_tokens_limit=8))
     try:
         status, out = _post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 9})
         assert status == 400 and out["error"]["param"] == "max_tokens" and "limit of 8" in out["error"]["message"]

@@ -11,6 +11,7 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.io import bundled_model_dir, read_config
+from mlx_fun.serve.options import ServerOptions
 from mlx_fun.steering import SteeringError, from_reports
 
 MODEL = bundled_model_dir()
@@ -73,7 +74,7 @@ def test_steering_off_through_each_routing(make_model, family):
     (mixtral): a deactivated expert is never chosen while live traffic flows."""
     from mlx_fun.serve.loadtest import run_load
 
-    server = jobs.serve.start(model=make_model(family), port=0)
+    server = jobs.serve.start(model=make_model(family), server=ServerOptions(port=0))
     try:
         counter = server.counter
         a = counter.adapter

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from mlx_fun import jobs
 from mlx_fun.io import bundled_model_dir
+from mlx_fun.serve.options import ServerOptions
 
 MODEL = bundled_model_dir()
 LIMIT = 8  # --max-tokens-limit: completions stay short
@@ -55,8 +56,9 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(root):
-    s = jobs.serve.start(model=MODEL, port=0, data_dir=root / "data", max_tokens=4, max_tokens_limit=LIMIT,
-                         max_body_bytes=MAX_BODY, prompt_cache_size=2)
+    s = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=root / "data", max_tokens=4,
+                                                         max_tokens_limit=LIMIT, max_body_bytes=MAX_BODY,
+                                                         prompt_cache_size=2))
     before = _outside(root)
     yield s
     s.stop()

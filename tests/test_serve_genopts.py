@@ -5,6 +5,7 @@ compat check, and a repo id served under its name. One module-scoped server per 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -14,7 +15,9 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
+from mlx_fun.genopts import GenOptions
 from mlx_fun.io import bundled_model_dir
+from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -28,8 +31,16 @@ PROMPTS = [("def add(a, b):", 10), ("import os\nprint(", 7), ("class Foo:", 13)]
 PROMPT = "def read_config(path):"
 
 
+def _start(port: int = 0, **kw):
+    """``jobs.serve.start`` on ``port`` with mlx-lm's generation options given flat, as mlx-lm's
+    ``stream_generate`` takes them (the other keywords as they are)."""
+    names = {f.name for f in dataclasses.fields(GenOptions)}
+    generation = GenOptions(**{k: kw.pop(k) for k in list(kw) if k in names})
+    return jobs.serve.start(model=kw.pop("model", MODEL), server=ServerOptions(port=port), generation=generation, **kw)
+
+
 def _server(**kw):
-    server = jobs.serve.start(model=kw.pop("model", MODEL), port=0, **kw)
+    server = _start(**kw)
     yield server
     server.stop()
 
@@ -180,7 +191,7 @@ def taken_port():
 ])
 def test_bad_options_are_refused_before_binding(kw, needle, taken_port):
     with pytest.raises(UserError, match=needle):
-        jobs.serve.start(model=MODEL, port=taken_port, **kw)
+        _start(taken_port, **kw)
 
 
 def test_cli_refusals(tmp_path, taken_port, make_model, caplog):
@@ -203,7 +214,7 @@ def test_a_missing_mlx_lm_name_is_one_line_before_binding(monkeypatch, taken_por
     monkeypatch.delattr(mlx_lm.server.ModelProvider, "_load")  # (only loading calls it: running servers go on)
     with pytest.raises(UserError, match=r"lacks mlx_lm\.server\.ModelProvider\._load, needed by mlx-fun serve; "
                                         r"mlx-fun is tested with mlx-lm"):
-        jobs.serve.start(model=MODEL, port=taken_port)
+        jobs.serve.start(model=MODEL, server=ServerOptions(port=taken_port))
     expect_error(cli("serve", "--model", MODEL, "--port", taken_port), "ModelProvider._load", "mlx-fun serve")
 
 
@@ -215,7 +226,7 @@ def test_without_the_padding_function_prompts_go_one_at_a_time(monkeypatch):
     generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
     monkeypatch.delattr(generate, "_right_pad_prompts")
     lines = []
-    server = jobs.serve.start(model=MODEL, port=0, log=lines.append)
+    server = jobs.serve.start(model=MODEL, server=ServerOptions(port=0), log=lines.append)
     try:
         out = complete(server, PROMPT, 3)
         assert stats(server)["token_count"] == processed(out["usage"])
@@ -240,7 +251,7 @@ def _served_names(model) -> dict:
         finally:
             signal.raise_signal(signal.SIGINT)
 
-    jobs.serve.run(model=model, port=0, on_ready=ready)
+    jobs.serve.run(model=model, server=ServerOptions(port=0), on_ready=ready)
     return seen
 
 

@@ -19,6 +19,7 @@ import pytest
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
 from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.serve.options import ServerOptions
 from mlx_fun.ui import analysis, plots
 from mlx_fun.ui.client import ServerClient, ServerError, check_url
 from mlx_fun.ui.common import guarded, problem
@@ -38,7 +39,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(qwen_model, data_dir):
-    s = jobs.serve.start(model=qwen_model, port=0, mode="full", data_dir=data_dir, api_key=KEY)
+    s = jobs.serve.start(model=qwen_model, mode="full", server=ServerOptions(port=0, data_dir=data_dir, api_key=KEY))
     yield s
     s.stop()
 

@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, generation_options, model_option
+from .common import (dispatch_option, echo_err, friendly_errors, generation_options, model_option, run_settings,
+                     take)
 
 
 def _size(text: str) -> int:
@@ -95,10 +96,17 @@ def command(allowed_origins, **kwargs):
     --max-kv-size or --draft-model requests are served one at a time. Only the served model is counted: not the
     draft model, nor the drafted tokens it rejects. A model given as a repo id is served under that id.
     """
+    from ..genopts import GenOptions
     from ..jobs import serve
+    from ..serve.options import ServerOptions, StartupSteering
 
     origins = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
-    show(serve.run(**kwargs, allowed_origins=origins, log=lambda line: _echo(line, err=True)))
+    server = take(kwargs, ServerOptions, allowed_origins=origins)
+    steering = take(kwargs, StartupSteering)
+    settings = run_settings(kwargs, progress=False)  # serve shows no progress bar
+    generation = take(kwargs, GenOptions)
+    show(serve.run(**kwargs, server=server, steering=steering, settings=settings, generation=generation,
+                   log=lambda line: _echo(line, err=True)))
 
 
 def _echo(line: str, *, err: bool = False) -> None:

@@ -1,8 +1,15 @@
 """The ``serve`` job: an OpenAI-compatible server (mlx-lm's) that counts expert use and takes steering over REST.
 
 ``run(...)`` serves until Ctrl+C / SIGTERM / SIGHUP and returns what it served (and saved, with ``auto_save``);
-``start(...)`` takes the same arguments and returns the running :class:`mlx_fun.serve.app.Server` (tests,
-benchmarks, embedding). The machinery lives in :mod:`mlx_fun.serve`.
+``start(...)`` takes the same arguments (but ``force`` and ``on_ready``) and returns the running
+:class:`mlx_fun.serve.app.Server` (tests, benchmarks, embedding). The machinery lives in :mod:`mlx_fun.serve`;
+the option groups in :mod:`mlx_fun.serve.options`::
+
+    from mlx_fun import jobs
+    from mlx_fun.serve.options import ServerOptions
+    server = jobs.serve.start(model="data/tiny-moe", server=ServerOptions(port=0))
+    print(server.url)
+    server.stop()
 """
 
 from __future__ import annotations
@@ -11,11 +18,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError, param
-from .common import Log, check_supported, quiet, require_path
+from ..genopts import GenOptions
+from ..serve.options import ServerOptions, StartupSteering
+from ..settings import RunSettings
+from .common import Log, check_supported, quiet
 
 MODES = ("lightweight", "full")
 API_KEY_ENV = "MLX_FUN_API_KEY"
@@ -61,47 +71,45 @@ def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | 
     return default, limit, context
 
 
-def _checked(*, model, mode, data_dir, api_key, max_tokens, chat_template, safety_map, steering_mode, domain_map,
-             domain_steering_mode, auto_save, max_body_bytes, port, dequant_cache=0, max_tokens_limit=None,
-             kv_bits, kv_group_size, quantized_kv_start, max_kv_size, draft_model, num_draft_tokens, **_) -> dict:
-    """Check everything that can be checked before binding or loading; returns the normalised values."""
+def _checked(*, model, mode, auto_save, server: ServerOptions, steering: StartupSteering, settings: RunSettings,
+             generation: GenOptions, draft_model) -> dict:
+    """Check everything that can be checked before binding or loading; returns the normalised values: ``server``
+    (its ``data_dir`` resolved, ``chat_template`` read from its file, ``api_key`` from ``MLX_FUN_API_KEY``,
+    ``max_tokens`` / ``max_tokens_limit`` decided), ``context``, ``auto_save``."""
     from .. import mlx_lm_compat
-    from ..genopts import GenOptions
 
     mlx_lm_compat.require("serve")
-    options = GenOptions(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, num_draft_tokens).check(
-        draft=draft_model)
+    generation.check(draft=draft_model)
     config = check_supported(model)
     if mode not in MODES:
         raise UserError(f"{param('mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
-    data = Path(data_dir).expanduser()
+    data = Path(server.data_dir).expanduser()
     if not data.is_dir():
-        raise UserError(f"{param('data_dir')} {data_dir} is not a directory; create it or pass another one.")
-    max_tokens, max_tokens_limit, context = _token_limits(config, max_tokens, max_tokens_limit)
+        raise UserError(f"{param('data_dir')} {server.data_dir} is not a directory; create it or pass another one.")
+    max_tokens, max_tokens_limit, context = _token_limits(config, server.max_tokens, server.max_tokens_limit)
+    max_body_bytes, port = server.max_body_bytes, server.port
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise UserError(f"{param('max_body_bytes')} must be a positive integer, got {max_body_bytes!r}.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UserError(f"{param('port')} must be 0..65535 (0 picks a free port), got {port!r}.")
-    require_path("safety_map", safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
-    require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
-    for path, mode_value, path_name, mode_name in ((safety_map, steering_mode, "safety_map", "steering_mode"),
-                                                   (domain_map, domain_steering_mode, "domain_map",
-                                                    "domain_steering_mode")):
-        if (path is None) != (mode_value is None):
-            given, missing = (path_name, mode_name) if path is not None else (mode_name, path_name)
-            raise UserError(f"{param(given)} needs {param(missing)} too.")
-    template = chat_template
-    if chat_template is not None and Path(chat_template).is_file():
-        template = Path(chat_template).read_text(encoding="utf-8")
-    from ..dispatch import parse_bytes
+    steering.check()
+    template = server.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text(encoding="utf-8")
+    _check_settings(settings)
+    server = replace(server, data_dir=data.resolve(), chat_template=template, api_key=_api_key(server.api_key),
+                     max_tokens=max_tokens, max_tokens_limit=max_tokens_limit,
+                     allowed_origins=tuple(server.allowed_origins))
+    return {"server": server, "context": context, "auto_save": None if auto_save is None else Path(auto_save)}
 
-    try:
-        dequant = parse_bytes(dequant_cache)
-    except ValueError as e:
-        raise UserError(f"{param('dequant_cache')}: {e}") from None
-    return {"data_dir": data.resolve(), "chat_template": template, "api_key": _api_key(api_key),
-            "dequant_cache": dequant, "auto_save": None if auto_save is None else Path(auto_save),
-            "max_tokens": max_tokens, "max_tokens_limit": max_tokens_limit, "context": context, "options": options}
+
+def _check_settings(settings: RunSettings) -> None:
+    """``settings`` as serve uses it: its dispatch, table and dequant cache; no ``token_budget`` (mlx-lm's server
+    feeds prompts ``prefill_step_size`` tokens per forward)."""
+    if settings.token_budget is not None:
+        raise UserError(f"{param('token_budget')} does not apply to serve: it prefills prompts "
+                        f"{param('prefill_step_size')} tokens per forward; set that (a ServerOptions field) instead.")
+    settings.check()
 
 
 def _never_fails(log: Log) -> Log:
@@ -130,84 +138,37 @@ def _reserve(auto_save, *, model, force: bool):
                          flag=param("auto_save"), keep=True, force=force, force_flag=param("force"))
 
 
-def _params(scope: dict) -> dict:
-    """The :func:`start` arguments among ``scope`` (a job's ``locals()``)."""
-    import inspect
-
-    return {k: scope[k] for k in inspect.signature(start).parameters if k in scope}
-
-
-def _startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode, steering_scheme):
-    if safety_map is None and domain_map is None:
-        return None
-
-    def build(counter):
-        from ..steering import for_adapter
-
-        return for_adapter(counter.adapter, safety_map=safety_map, safety_mode=steering_mode, domain_map=domain_map,
-                           domain_mode=domain_steering_mode, scheme=steering_scheme,
-                           field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
-                                        "domain_map": param("domain_map"),
-                                        "domain_mode": param("domain_steering_mode"),
-                                        "scheme": param("steering_scheme")})
-
-    return build
-
-
 def start(
     *,
     model: str | Path,
-    host: str = "127.0.0.1",
-    port: int = 8080,
     mode: str = "lightweight",
     auto_save: str | Path | None = None,
-    max_tokens: int | None = None,
-    max_tokens_limit: int | None = None,
-    chat_template: str | None = None,
-    safety_map: str | Path | None = None,
-    steering_mode: str | None = None,
-    domain_map: str | Path | None = None,
-    domain_steering_mode: str | None = None,
-    steering_scheme: str = "additive",
-    data_dir: str | Path = ".",
-    api_key: str | None = None,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    prompt_cache_size: int = 10,
-    prompt_cache_bytes: int | None = None,
-    decode_concurrency: int = 32,
-    prompt_concurrency: int = 8,
-    prefill_step_size: int = 2048,
-    max_body_bytes: int = 8 << 20,
-    allowed_origins: tuple[str, ...] = (),
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    max_kv_size: int | None = None,
+    server: ServerOptions = ServerOptions(),
+    steering: StartupSteering = StartupSteering(),
+    settings: RunSettings = RunSettings(),
+    generation: GenOptions = GenOptions(),
     draft_model: str | Path | None = None,
-    num_draft_tokens: int = 2,
     log: Log = quiet,
 ):
-    """Start serving ``model`` on ``host:port`` in the background; returns the running server (``.url``,
-    ``.counter``, ``.stop()``). Arguments as :func:`run`."""
+    """Start serving ``model`` on ``server.host:server.port`` in the background; returns the running server
+    (``.url``, ``.counter``, ``.stop()``). Arguments as :func:`run` (``server.log_level`` is :func:`run`'s)."""
     from ..serve.app import start as start_server
 
-    ok = _checked(**_params(locals()))
-    if ok["api_key"] is None and host not in ("127.0.0.1", "localhost", "::1"):
-        log(f"Warning: serving on {host} without an API key: anyone who can reach this address can use the "
+    ok = _checked(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering, settings=settings,
+                  generation=generation, draft_model=draft_model)
+    server = ok["server"]
+    if server.api_key is None and server.host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"Warning: serving on {server.host} without an API key: anyone who can reach this address can use the "
             f"model and the REST routes; set {param('api_key')} or {API_KEY_ENV}.")
     return start_server(
-        model=str(model), host=host, port=port, mode=mode, data_dir=ok["data_dir"], api_key=ok["api_key"],
-        max_tokens=ok["max_tokens"], max_tokens_limit=ok["max_tokens_limit"], context=ok["context"],
-        chat_template=ok["chat_template"], decode_concurrency=decode_concurrency,
-        prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
-        prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
-        allowed_origins=list(allowed_origins), max_body_bytes=max_body_bytes, dispatch=dispatch,
-        dispatch_table=dispatch_table, dequant_cache=ok["dequant_cache"], auto_save=ok["auto_save"],
-        steering=_startup_steering(safety_map, steering_mode, domain_map, domain_steering_mode, steering_scheme),
-        options=ok["options"], draft_model=None if draft_model is None else str(draft_model),
-        name=_repo_id(model), log=log)
+        model=str(model), host=server.host, port=server.port, mode=mode, data_dir=server.data_dir,
+        api_key=server.api_key, max_tokens=server.max_tokens, max_tokens_limit=server.max_tokens_limit,
+        context=ok["context"], chat_template=server.chat_template, decode_concurrency=server.decode_concurrency,
+        prompt_concurrency=server.prompt_concurrency, prefill_step_size=server.prefill_step_size,
+        prompt_cache_size=server.prompt_cache_size, prompt_cache_bytes=server.prompt_cache_bytes,
+        allowed_origins=list(server.allowed_origins), max_body_bytes=server.max_body_bytes, settings=settings,
+        auto_save=ok["auto_save"], steering=steering.builder(), options=generation,
+        draft_model=None if draft_model is None else str(draft_model), name=_repo_id(model), log=log)
 
 
 def _repo_id(model) -> str | None:
@@ -219,70 +180,64 @@ def _repo_id(model) -> str | None:
     return origin["repo_id"] if origin is not None and "revision" in origin else None
 
 
+def _wait(served, stop: threading.Event, log: Log) -> None:
+    """Until ``stop`` (a signal) is set or mlx-lm's generation thread ends (which ``log`` is told)."""
+    while not stop.wait(0.25) and served.app.generation_alive():
+        pass
+    if not served.app.generation_alive() and not stop.is_set():
+        log("Warning: mlx-lm's generation thread stopped; shutting down.")
+
+
 def run(
     *,
     model: str | Path,
-    host: str = "127.0.0.1",
-    port: int = 8080,
     mode: str = "lightweight",
     auto_save: str | Path | None = None,
     force: bool = False,
-    max_tokens: int | None = None,
-    max_tokens_limit: int | None = None,
-    chat_template: str | None = None,
-    safety_map: str | Path | None = None,
-    steering_mode: str | None = None,
-    domain_map: str | Path | None = None,
-    domain_steering_mode: str | None = None,
-    steering_scheme: str = "additive",
-    data_dir: str | Path = ".",
-    api_key: str | None = None,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    prompt_cache_size: int = 10,
-    prompt_cache_bytes: int | None = None,
-    decode_concurrency: int = 32,
-    prompt_concurrency: int = 8,
-    prefill_step_size: int = 2048,
-    max_body_bytes: int = 8 << 20,
-    allowed_origins: tuple[str, ...] = (),
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    max_kv_size: int | None = None,
+    server: ServerOptions = ServerOptions(),
+    steering: StartupSteering = StartupSteering(),
+    settings: RunSettings = RunSettings(),
+    generation: GenOptions = GenOptions(),
     draft_model: str | Path | None = None,
-    num_draft_tokens: int = 2,
     log: Log = quiet,
-    log_level: str | None = None,
     on_ready=None,
 ) -> ServeResult:
     """Serve ``model`` until Ctrl+C, SIGTERM or SIGHUP; with ``auto_save`` the statistics are written there
     atomically on the way out (the output is reserved, checked writable, before the model loads; an existing
-    file is refused unless ``force``).
+    file is refused unless ``force``). ``on_ready(server)`` is called once serving.
 
-    ``max_tokens`` is a request's default (512, or ``max_tokens_limit`` when lower), ``max_tokens_limit`` the
-    most a request may ask for (default: the model's context length).
+    ``mode``: ``lightweight`` counts freq and weighted_freq; ``full`` adds output norms (reap / ean).
 
-    ``mode``: ``lightweight`` counts freq and weighted_freq; ``full`` adds output norms (reap / ean). Paths a
-    request names stay inside ``data_dir``; ``api_key`` (or ``MLX_FUN_API_KEY``) requires a Bearer token.
-    ``log_level`` (DEBUG / INFO / WARNING / ERROR) sets up Python logging for the server's and mlx-lm's messages
-    (INFO logs every request); None leaves logging as it is. ``on_ready(server)`` is called once serving.
+    ``server`` (:class:`mlx_fun.serve.options.ServerOptions`): how it listens and serves — host, port, the
+    ``data_dir`` that paths a request names must stay in, ``api_key`` (or ``MLX_FUN_API_KEY``: requires a Bearer
+    token), CORS origins, the body limit, ``max_tokens`` (a request's default: 512, or ``max_tokens_limit`` when
+    lower) and ``max_tokens_limit`` (the most a request may ask for; default: the model's context length), the chat
+    template, mlx-lm's prompt cache, concurrency and ``prefill_step_size``, and ``log_level`` (DEBUG / INFO /
+    WARNING / ERROR: Python logging for the server's and mlx-lm's messages, INFO logs every request; None leaves
+    logging as it is).
 
-    ``kv_bits`` … ``num_draft_tokens``: mlx-lm's KV-cache and speculative-decoding options (:mod:`mlx_fun.genopts`,
-    checked as smoke-test checks them), passed where mlx-lm's server takes them; ``max_kv_size`` (which it lacks)
-    through the prompt cache. With a draft model, ``kv_bits`` or ``max_kv_size`` requests are served one at a time
-    (mlx-lm's non-batched path). The draft model's forwards are never counted. A model given as a repo id is served
-    under that id.
+    ``steering`` (:class:`mlx_fun.serve.options.StartupSteering`): the safety / domain map and mode to steer with
+    from the start (REST changes it later).
+
+    ``settings`` (:class:`mlx_fun.settings.RunSettings`): ``dispatch`` / ``dispatch_table`` / ``dequant_cache``,
+    installed on the served model once it loads. Its ``token_budget`` is refused (mlx-lm's server prefills a prompt
+    ``server.prefill_step_size`` tokens per forward: set that) and its ``progress`` is unused (no progress bar).
+
+    ``generation`` (:class:`mlx_fun.genopts.GenOptions`, checked as smoke-test checks them) and ``draft_model``:
+    mlx-lm's KV-cache and speculative-decoding options, passed where mlx-lm's server takes them; ``max_kv_size``
+    (which it lacks) through the prompt cache. With a draft model, ``kv_bits`` or ``max_kv_size`` requests are
+    served one at a time (mlx-lm's non-batched path). The draft model's forwards are never counted. A model given
+    as a repo id is served under that id.
     """
     import logging
 
-    if log_level is not None:
-        logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
+    if server.log_level is not None:
+        logging.basicConfig(level=getattr(logging, server.log_level.upper()),
+                            format="%(asctime)s %(levelname)s %(message)s")
 
     log = _never_fails(log)
-    kw = _params(locals())
-    _checked(**kw)
+    _checked(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering, settings=settings,
+             generation=generation, draft_model=draft_model)
     stop = threading.Event()
     again = threading.Event()
 
@@ -295,24 +250,22 @@ def run(
     begin = time.perf_counter()
     try:
         with _reserve(auto_save, model=model, force=force) as res:
-            server = start(**kw)
+            served = start(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering,
+                           settings=settings, generation=generation, draft_model=draft_model, log=log)
             try:
-                log(f"Serving {server.app.model_id} ({mode} counting) on {server.url}; Ctrl+C stops"
+                log(f"Serving {served.app.model_id} ({mode} counting) on {served.url}; Ctrl+C stops"
                     + (f" and saves the statistics to {auto_save}" if auto_save is not None else "") + ".")
                 if on_ready is not None:
-                    on_ready(server)
-                while not stop.wait(0.25) and server.app.generation_alive():
-                    pass
-                if not server.app.generation_alive() and not stop.is_set():
-                    log("Warning: mlx-lm's generation thread stopped; shutting down.")
+                    on_ready(served)
+                _wait(served, stop, log)
             finally:
                 log("Stopping (Ctrl+C again: stop without waiting for the current request) ...")
-                server.stop(interrupted=again)
-            acc, totals = server.counter.snapshot()
+                served.stop(interrupted=again)
+            acc, totals = served.counter.snapshot()
             if res is not None:
                 acc.write_npz(res.tmp)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return ServeResult(server.url, totals["request_count"], totals["token_count"], time.perf_counter() - begin,
+    return ServeResult(served.url, totals["request_count"], totals["token_count"], time.perf_counter() - begin,
                        None if auto_save is None else Path(auto_save))

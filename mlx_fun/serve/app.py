@@ -207,10 +207,11 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
           max_tokens: int, max_tokens_limit: int, context: int, chat_template: str | None,
           decode_concurrency: int, prompt_concurrency: int,
           prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
-          allowed_origins: list[str], max_body_bytes: int, dispatch: str, dispatch_table, dequant_cache: int,
-          auto_save: Path | None, steering=None, options=None, draft_model: str | None = None,
-          name: str | None = None, log=lambda line: None) -> Server:
-    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``steering(counter) -> Steering | None``;
+          allowed_origins: list[str], max_body_bytes: int, settings=None, auto_save: Path | None,
+          steering=None, options=None, draft_model: str | None = None, name: str | None = None,
+          log=lambda line: None) -> Server:
+    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``settings``: the dispatch to install
+    (:class:`mlx_fun.settings.RunSettings`, checked; None: its defaults); ``steering(counter) -> Steering | None``;
     ``options``: mlx-lm's generation options (:class:`mlx_fun.genopts.GenOptions`, checked), ``draft_model`` its
     speculative decoding; ``name``: the repo id the model is served under (None: its directory's name)."""
     from ..genopts import GenOptions
@@ -232,8 +233,7 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
                        prompt_cache_bytes=prompt_cache_bytes, allowed_origins=allowed_origins, options=options,
                        draft_model=draft_model)
     aliases = model_aliases(model, name)
-    provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", dispatch=dispatch,
-                                   dispatch_table=dispatch_table, dequant_cache=dequant_cache,
+    provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", settings=settings,
                                    max_kv_size=options.max_kv_size)
     fresh = provider.fresh_cache if options.max_kv_size is not None else None
     generator = CountingResponseGenerator(provider, ServedPromptCache(prompt_cache_size, fresh))

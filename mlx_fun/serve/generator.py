@@ -1,8 +1,9 @@
 """mlx-lm's model provider and response generator, subclassed to count and steer (nothing of theirs is copied).
 
 - :class:`ServedModelProvider` loads the model exactly as ``mlx_lm.server`` does (on mlx-lm's generation thread),
-  then installs mlx-fun's runtime dispatch and the counting hooks (:mod:`mlx_fun.serve.counting`), and maps every
-  name of the served model to one model key, so a request never loads anything else.
+  then installs mlx-fun's runtime dispatch (as its :class:`mlx_fun.settings.RunSettings` say) and the counting
+  hooks (:mod:`mlx_fun.serve.counting`), and maps every name of the served model to one model key, so a request
+  never loads anything else.
 - :class:`CountingResponseGenerator` runs mlx-lm's generation loop unchanged; between its iterations (the
   ``_next_request`` call, on the generation thread, between forward passes) it flushes the counts, applies a
   steering change atomically (one bias swap for all layers) and empties the prompt cache when the routing
@@ -30,6 +31,7 @@ from mlx_lm.server import ModelProvider, ResponseGenerator
 
 from .. import moe_hook
 from ..genopts import GenOptions, load_draft
+from ..settings import RunSettings
 from .counting import TrafficCounter, attach
 
 
@@ -55,15 +57,15 @@ def server_args(*, model: str, max_tokens: int, chat_template: str | None, decod
 class ServedModelProvider(ModelProvider):
     """mlx-lm's ``ModelProvider`` for one model, which it hooks for counting right after loading it."""
 
-    def __init__(self, cli_args: argparse.Namespace, *, aliases: list[str], norms: bool, dispatch: str,
-                 dispatch_table=None, dequant_cache: int = 0, max_kv_size: int | None = None):
+    def __init__(self, cli_args: argparse.Namespace, *, aliases: list[str], norms: bool,
+                 settings: RunSettings | None = None, max_kv_size: int | None = None):
         super().__init__(cli_args)
         self.max_kv_size = max_kv_size
         for name in aliases:  # every name a client may use → the one served model (no other path is ever loaded)
             self._model_map[name] = cli_args.model
             self._adapter_map[name] = None
         self.norms = norms
-        self.dispatch = (dispatch, dispatch_table, dequant_cache)
+        self.settings = settings or RunSettings()  # the dispatch installed once the model loads
         self.counter: TrafficCounter | None = None
         self.dispatch_mode = "mlx-lm"
         self.ready = threading.Event()
@@ -89,14 +91,11 @@ class ServedModelProvider(ModelProvider):
 
     def _hook(self) -> None:
         from ..adapters import get_adapter
-        from ..dispatch import DispatchSettings
         from ..io import read_config
 
         config = read_config(self.cli_args.model)
         adapter = get_adapter(self.model, config)
-        mode, table, cache = self.dispatch
-        report = DispatchSettings(mode, None if table is None else str(table), cache).apply(self.model)
-        self.dispatch_mode = report.mode
+        self.dispatch_mode = self.settings.apply(self.model).mode
         self.counter = TrafficCounter(adapter, norms=self.norms)
         attach(self.model, self.counter)
 
