@@ -409,6 +409,36 @@ def load_table(table_path: str | os.PathLike | None = None, user: bool = True) -
     return table
 
 
+#: the marker (under the cache root) that this machine was told once that ``backend`` has no measured entry
+UNTUNED_MARKER = "untuned-{backend}.told"
+
+
+def untuned_line(backend: str) -> str:
+    return (f"dispatch: no measured cut-offs for {backend} yet, so mlx-lm's rule runs the experts; "
+            f"`mlx-fun tune-dispatch --model <model>` measures them for this machine (about 30 s to a few minutes "
+            f"per expert shape) and every later command uses them.")
+
+
+def has_backend(table: Table, backend: str) -> bool:
+    return any(e.backend == backend for e in table.entries)
+
+
+def untuned_notice(backend: str) -> str | None:
+    """:func:`untuned_line` the first time it is asked for on this machine (a marker file in the cache root;
+    None afterwards, and None when the marker cannot be written: better silent than repeated)."""
+    from .paths import cache_root
+
+    marker = cache_root() / UNTUNED_MARKER.format(backend=backend)
+    if marker.exists():
+        return None
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        return None
+    return untuned_line(backend)
+
+
 def table_text(table: Table) -> str:
     """The table as JSON text: one entry key per line, each band and each list of numbers on one line."""
 

@@ -91,24 +91,32 @@ def check_tokenizer(model_path: str | os.PathLike) -> None:
 
 
 def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str | None = None,
-               config: dict | None = None):
+               config: dict | None = None, tokenizer: bool = True):
     """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
     cannot load (a missing or truncated shard, an unknown model type, no tokenizer) is a one-line ``UserError``
     naming ``flag`` (default: the ``model`` parameter). ``config``: the directory's config, already read and
-    checked (with its tokenizer files) by the caller; None reads and checks it here."""
-    from mlx_lm import load
-
+    checked (with its tokenizer files) by the caller; None reads and checks it here. ``tokenizer=False``: the
+    tokenizer is not loaded (None in its place), so a job that only rewrites weights never imports transformers
+    (:mod:`mlx_fun.lean_imports`)."""
     flag = flag or param("model")
     if config is None:
         config = read_config(model_path)
         check_tokenizer(model_path)
     try:
-        model, tokenizer = load(str(model_path), lazy=lazy)
+        if tokenizer:
+            from mlx_lm import load
+
+            model, tok = load(str(model_path), lazy=lazy)
+        else:
+            from mlx_lm.utils import load_model as load_weights
+
+            model, _ = load_weights(Path(model_path), lazy=lazy)
+            tok = None
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...
         detail = " ".join(str(e).split())[:240]
         raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
                         f"a complete mlx-lm model directory (an interrupted download or copy?).") from None
-    return model, tokenizer, config
+    return model, tok, config
 
 
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")

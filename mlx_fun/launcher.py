@@ -1,15 +1,32 @@
-"""Console entry point: re-exec once with a fast BLAS preloaded (Linux CPU), then run the click group.
+"""Console entry point: re-exec once with a fast BLAS preloaded (Linux CPU), keep PyTorch (and, for commands that
+never tokenize, transformers) out of the process (:mod:`mlx_fun.lean_imports`), then run the click group.
 
-``maybe_reexec`` must run before anything imports ``mlx``, hence the import of the CLI inside ``main``.
+``maybe_reexec`` must run before anything imports ``mlx``, and the import set-up before anything imports
+``mlx_lm``, hence the import of the CLI inside ``main``. Both are process-wide, so they happen here, in the console
+entry, and not in the click group (which tests and embedders invoke in their own process).
 """
 
 from __future__ import annotations
+
+import sys
+
+
+def command_name(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option of the group)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main():
     from .blas import maybe_reexec
 
     maybe_reexec()
+
+    from . import lean_imports
+    from .cli import TOKENIZER_FREE
+
+    lean_imports.block_torch()  # no command uses PyTorch; transformers would import it (15-18 s) where installed
+    if command_name(sys.argv[1:]) in TOKENIZER_FREE:
+        lean_imports.defer_tokenizers()
 
     from .cli import main as cli_main
 

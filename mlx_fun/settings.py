@@ -54,9 +54,11 @@ class RunSettings:
 
     def apply(self, model, log=None):
         """Install the dispatch on ``model`` (``auto``) or keep mlx-lm's; returns the
-        :class:`mlx_fun.dispatch.DispatchReport` (its summary goes to ``log``). A bad table is a one-line
+        :class:`mlx_fun.dispatch.DispatchReport` (its summary goes to ``log``, and, the first time on a machine
+        whose backend has no measured entry, a line suggesting ``tune-dispatch``). A bad table is a one-line
         ``UserError`` naming the file, the problem and the fix (:func:`mlx_fun.dispatch.load_table`)."""
         from . import dispatch
+        from .dispatch_table import untuned_notice
 
         table = None if self.dispatch_table is None else str(self.dispatch_table)
         try:
@@ -65,6 +67,10 @@ class RunSettings:
             raise UserError(str(e)) from None
         if log is not None:
             log(report.summary())
+            untuned = report.mode == "auto" and report.entries and all(
+                how == "default" for _entry, how in report.entries.values())
+            if untuned and (line := untuned_notice(report.backend)):
+                log(line)  # once per machine: this backend has no measured table entry
         return report
 
     def budget(self, config: dict, *, dispatch_mode: str, top_k: int | None = None) -> int:

@@ -32,6 +32,12 @@ COMMANDS = ("collect", "prune", "merge", "eval", "smoke-test", "demo", "serve", 
             "doctor")
 
 
+#: commands that never tokenize: the console entry (mlx_fun.launcher) never imports mlx-lm's tokenizer module (and
+#: so transformers) for them
+TOKENIZER_FREE = ("prune", "quantize", "amplify", "tune-dispatch", "stats-diff", "stats-merge", "stats-purge",
+                  "doctor")
+
+
 def module_name(command: str) -> str:
     return command.replace("-", "_")
 

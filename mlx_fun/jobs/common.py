@@ -38,8 +38,10 @@ def check_supported(model_path) -> dict:
     return check_moe(model_path)[0]
 
 
-def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None):
-    """``(model, tokenizer, config, adapter)`` of a supported MoE model directory.
+def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None,
+             tokenizer: bool = True):
+    """``(model, tokenizer, config, adapter)`` of a supported MoE model directory (``tokenizer=False``: None in
+    its place, for jobs that only rewrite weights: :func:`mlx_fun.io.load_model`).
 
     Every job checks its model first (:func:`check_supported` / :func:`check_moe`, before it reserves its output),
     so nothing is checked again here: ``checked`` (what :func:`check_moe` returned) skips re-reading the config
@@ -50,11 +52,11 @@ def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple
 
     log(f"Loading {model_path} ...")
     if checked is None:
-        model, tokenizer, config = load_model(model_path, lazy=lazy)
-        return model, tokenizer, config, get_adapter(model, config)
+        model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer)
+        return model, tok, config, get_adapter(model, config)
     config, cls = checked
-    model, tokenizer, config = load_model(model_path, lazy=lazy, config=config)
-    return model, tokenizer, config, cls(model, config)
+    model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer)
+    return model, tok, config, cls(model, config)
 
 
 def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:
@@ -104,8 +106,7 @@ def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str, t
 
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      max_samples: int, max_tokens: int, text_key: str, threshold_percentile: float,
-                     seed: int | None, batch_size: int, dispatch: str, dispatch_table, dequant_cache,
-                     token_budget: int | None, progress: bool, log: Log, extra: dict | None = None) -> dict:
+                     seed: int | None, batch_size: int, settings, log: Log, extra: dict | None = None) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general.
@@ -120,20 +121,20 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
             and 50 < threshold_percentile < 100):
         raise UserError(f"{param('threshold_percentile')} must be above 50 and below 100, got {threshold_percentile}.")
     checked = check_moe(model)
+    settings.check()
     for name, path in (dataset_a, dataset_b):
         require_path(name, path, "pass a JSONL file or a directory of text files")
     inputs = {param("model"): model, param(dataset_a[0]): dataset_a[1], param(dataset_b[0]): dataset_b[1]}
     with writer.output(output, kind="file", inputs=inputs) as res:
         mdl, tokenizer, config, adapter = load_moe(model, log=log, checked=checked)
-        mode = apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache,
-                              log=log).mode
-        budget = forward_budget(token_budget, config=config, dispatch_mode=mode, top_k=adapter.top_k)
+        mode = settings.apply(mdl, log=log).mode
+        budget = settings.budget(config, dispatch_mode=mode, top_k=adapter.top_k)
         taps, datasets = [], {}
         for name, path in (dataset_a, dataset_b):
             samples = load_samples(path, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
                                    text_key=text_key, seed=seed, generation_prompt=True)
             taps.append(scan(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id(tokenizer),
-                             token_budget=budget, progress=progress, desc=name.replace("_dataset", "")))
+                             token_budget=budget, progress=settings.progress, desc=name.replace("_dataset", "")))
             datasets[name.replace("_dataset", "")] = {"path": str(path), "samples": len(samples),
                                                        "tokens": taps[-1].tokens}
         out = report(kind, taps[0], taps[1], adapter, percentile=float(threshold_percentile), datasets=datasets,

@@ -54,8 +54,27 @@ def run() -> dict[str, str]:
         return facts
     facts.update(mlx_lm_compat.report())
     facts.update({"default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
-                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "model types": model_types()})
+                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "dispatch table": dispatch_table(),
+                  "model types": model_types()})
     return facts
+
+
+def dispatch_table() -> str:
+    """How many measured cut-off entries the dispatch has for this backend (shipped + user table), or the line
+    suggesting ``tune-dispatch`` when it has none."""
+    from ..dispatch_table import backend_name, has_backend, load_table, untuned_line, user_table_path
+
+    backend = backend_name()
+    try:
+        table = load_table()
+    except ValueError as e:
+        return f"unreadable: {e}"
+    if not has_backend(table, backend):
+        return untuned_line(backend)
+    n = sum(e.backend == backend for e in table.entries)
+    user = user_table_path()
+    return f"{n} measured entr{'y' if n == 1 else 'ies'} for {backend} (shipped" + (
+        f" + {user})" if user.is_file() else ")")
 
 
 def model_types() -> str:

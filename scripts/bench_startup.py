@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Benchmark the fixed start of mlx-fun commands: lean imports (today) against eager ones (before), same run.
+
+    python scripts/bench_startup.py [--model DIR] [--build-gpu-model DIR] [--repeats 3]
+
+Every timing is the wall time of a fresh ``python -m mlx_fun <command>`` (the console entry: BLAS re-exec, CLI,
+job) as seen from here. ``eager`` runs with ``MLX_FUN_EAGER_IMPORTS=1``: imports as mlx-lm makes them
+(transformers at once, and PyTorch with it wherever PyTorch is installed), i.e. mlx-fun before issue 32;
+``lean`` is the default (:mod:`mlx_fun.lean_imports`). The two alternate, best of ``--repeats``.
+
+- ``collect`` (1 sample of 8 tokens), ``eval`` (1 sample of 8 tokens), ``smoke-test`` (1 token) on ``--model``
+  (default: the bundled data/tiny-moe): the fixed start of a command that tokenizes;
+- ``prune`` (``--n-prune 8`` from a random saliency file of the right shape) against ``cp -r`` of the same
+  directory, on ``--model`` or on the 4-bit Qwen3-30B-A3B-shaped 12-layer model ``--build-gpu-model DIR`` builds
+  there (~4 GB; scripts/bench_gpu.py's shape, saved with the bundled tokenizer).
+
+Last lines: ``torch_installed=<bool>``, ``<command>_eager_s=...``, ``<command>_lean_s=...``, ``cp_s=...``,
+``prune_vs_cp=<lean prune / cp>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def wall(cmd: list[str], *, eager: bool = False, check: bool = True) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MLX_FUN_EAGER_IMPORTS", None)
+    if eager:
+        env["MLX_FUN_EAGER_IMPORTS"] = "1"
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if check and proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return seconds
+
+
+def build_gpu_model(out: Path) -> Path:
+    """The 12-layer 4-bit Qwen3-30B-A3B shape of scripts/bench_gpu.py, saved with the bundled tokenizer."""
+    if (out / "config.json").is_file():
+        return out
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    from mlx_lm.utils import save_config, save_model
+
+    model, config, _ = bench_gpu.build(argparse.Namespace(layers=12, vocab=151936, quick=False))
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(config, config_path=out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ROOT / "data" / "tiny-moe" / name).is_file():
+            shutil.copy(ROOT / "data" / "tiny-moe" / name, out / name)
+    return out
+
+
+def random_saliency(model: Path, out: Path) -> Path:
+    """Random REAP statistics of the right shape (as scripts/bench_prune.py makes them): no collect run."""
+    import numpy as np
+
+    from mlx_fun.adapters import get_adapter
+    from mlx_fun.io import load_model
+    from mlx_fun.saliency import SaliencyAccumulator
+
+    mdl, _, config = load_model(model, lazy=True, tokenizer=False)
+    acc = SaliencyAccumulator.for_adapter(get_adapter(mdl, config))
+    rng = np.random.default_rng(0)
+    shape = (acc.num_layers, acc.num_experts)
+    acc.freq[...] = rng.integers(50, 500, shape)
+    acc.reap_count[...] = acc.freq
+    acc.weighted_freq_sum[...] = acc.freq * rng.uniform(0.05, 0.3, shape)
+    acc.ean_sum[...] = acc.freq * rng.uniform(0.5, 2.0, shape)
+    acc.reap_sum[...] = acc.ean_sum * rng.uniform(0.05, 0.3, shape)
+    acc.max_activation_norm[...] = rng.uniform(2.0, 4.0, shape)
+    acc.total_tokens = int(acc.freq.sum()) // acc.top_k
+    acc.save(out)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / "data" / "tiny-moe"))
+    p.add_argument("--build-gpu-model", default=None, metavar="DIR")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch = importlib.util.find_spec("torch") is not None
+    model = Path(args.model)
+    big = build_gpu_model(Path(args.build_gpu_model)) if args.build_gpu_model else model
+    tmp = Path(tempfile.mkdtemp())
+    data = ROOT / "data" / "calibration_sample.jsonl"
+    cli = [sys.executable, "-m", "mlx_fun"]
+    commands = {
+        "collect": cli + ["collect", "--model", str(model), "--dataset", str(data), "--max-samples", "1",
+                          "--max-tokens", "8", "--output", str(tmp / "s.npz")],
+        "eval": cli + ["eval", "--model", str(model), "--dataset", str(data), "--max-samples", "1",
+                       "--max-tokens", "8"],
+        "smoke-test": cli + ["smoke-test", "--model", str(model), "--prompt", "def f(x):", "--max-tokens", "1"],
+        "prune": cli + ["prune", "--model", str(big), "--saliency", str(random_saliency(big, tmp / "r.npz")),
+                        "--n-prune", "8", "--output", str(tmp / "pruned"), "--force"],
+    }
+    best: dict[str, float] = {}
+    try:
+        for r in range(args.repeats):
+            for name, cmd in commands.items():
+                for eager in ((False, True) if r % 2 else (True, False)):
+                    key = f"{name}_{'eager' if eager else 'lean'}_s"
+                    best[key] = min(best.get(key, float("inf")), wall(cmd, eager=eager))
+            shutil.rmtree(tmp / "copy", ignore_errors=True)
+            os.sync()
+            best["cp_s"] = min(best.get("cp_s", float("inf")), wall(["cp", "-r", str(big), str(tmp / "copy")]))
+            print(f"round {r + 1}: " + json.dumps({k: round(v, 2) for k, v in best.items()}), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"model={big}")
+    print(f"torch_installed={torch}")
+    for key, value in best.items():
+        print(f"{key}={value:.2f}")
+    print(f"prune_vs_cp={best['prune_lean_s'] / best['cp_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
