@@ -333,13 +333,15 @@ def run_generation(
     on_text: Callable[[str], None] | None = None,
     options=None,
     draft_model=None,
+    prefill_step_size: int | None = None,
 ) -> GenerationResult:
     """Generate with ``mlx_lm.generate.stream_generate`` (its KV cache, prefill and detokenizer) and our sampler.
 
     ``prompt`` is text (see :func:`encode_prompt`; ``chat`` applies to text only) or token ids. ``on_text`` receives
     each decoded segment as it is produced. Stops after ``max_tokens`` tokens or on an EOS token (which is then the
     last of ``tokens``). ``options`` (:class:`mlx_fun.genopts.GenOptions`) and ``draft_model``: mlx-lm's KV cache
-    and speculative decoding options.
+    and speculative decoding options. ``prefill_step_size``: most prompt tokens per forward while prefilling
+    (:func:`prefill_step`; None: mlx-lm's own step).
     """
     from mlx_lm.generate import stream_generate
 
@@ -355,6 +357,8 @@ def run_generation(
     pieces: list[str] = []
     response = None
     kwargs = (options or GenOptions()).stream_kwargs(draft_model)
+    if prefill_step_size is not None:
+        kwargs["prefill_step_size"] = int(prefill_step_size)
     if draft_model is not None:
         result.draft_tokens = 0
     for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
@@ -372,6 +376,16 @@ def run_generation(
         result.finish_reason = response.finish_reason
     result.text = "".join(pieces)
     return result
+
+
+def prefill_step(settings, config: dict, dispatch_mode: str, top_k: int | None = None) -> int | None:
+    """:func:`run_generation`'s ``prefill_step_size`` from ``settings.token_budget``
+    (:class:`mlx_fun.settings.RunSettings`; :meth:`~mlx_fun.settings.RunSettings.budget` lowers it where the backend
+    caps mlx-lm's expert call), so no prompt forward holds more tokens; None (mlx-lm's own step) without a budget.
+    Decoding feeds one token a forward (speculative decoding: ``num_draft_tokens`` + 1)."""
+    if settings.token_budget is None:
+        return None
+    return settings.budget(config, dispatch_mode=dispatch_mode, top_k=top_k)
 
 
 def generate_tokens(
@@ -403,6 +417,7 @@ __all__ = [
     "keys_for_seeds",
     "make_sampler",
     "mask_logits",
+    "prefill_step",
     "run_generation",
     "sample",
     "seed_key",

@@ -42,6 +42,21 @@ def projection(model_dir, prompts_path, layers, dirs, max_samples) -> float:
     return float(sum(mean[i] @ dirs[i] for i in layers) / max(len(layers), 1))
 
 
+def grouped(options: dict) -> dict:
+    """``abliterate``'s options by their CLI names (``rounds``, ``target``, ``eval_samples``, ...) → the job's
+    keywords: those of an option group (:mod:`mlx_fun.rewrite.abliterate_options`) built into it, the rest as
+    they are."""
+    import dataclasses
+
+    from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
+
+    rest = dict(options)
+    for name, group in (("estimate", Estimate), ("projection", Projection), ("evaluation", Evaluation)):
+        fields = {f.name for f in dataclasses.fields(group)}
+        rest[name] = group(**{k: rest.pop(k) for k in list(rest) if k in fields})
+    return rest
+
+
 #: the code before abliterate ran on the forward engine (issue 31 part 1): --quick's default baseline
 BASELINE = "f3057af"
 
@@ -54,10 +69,15 @@ from pathlib import Path
 from mlx_fun.jobs import abliterate
 model, data, out = sys.argv[1:4]
 d = Path(data)
+held = dict(eval_harmful_dataset=d / "harmful_test.jsonl", eval_benign_dataset=d / "benign_test.jsonl")
+try:  # the evaluation option group (since issue 31 part 2)
+    from mlx_fun.rewrite.abliterate_options import Evaluation
+    held = dict(evaluation=Evaluation(**held))
+except ImportError:  # an earlier revision's code (--baseline): flat keywords
+    pass
 t = time.perf_counter()
 r = abliterate.run(model=model, harmful_dataset=d / "harmful_train.jsonl", benign_dataset=d / "benign_train.jsonl",
-                   eval_harmful_dataset=d / "harmful_test.jsonl", eval_benign_dataset=d / "benign_test.jsonl",
-                   output=out, seed=0)
+                   output=out, seed=0, **held)
 print(json.dumps({"wall": time.perf_counter() - t, "before": r.before.row(), "after": r.after.row(),
                   "code": str(Path(abliterate.__file__).parents[2])}))
 """
@@ -173,7 +193,7 @@ def main() -> int:
     for n, ((fmt, model), target, extra) in enumerate(runs):
         out = tmp / f"out{n}"
         kw = dict(common, **extra, **({"safety_map": report} if target == "safety-experts" else {}))
-        r = jobs.abliterate.run(model=model, output=out, target=target, **kw)
+        r = jobs.abliterate.run(model=model, output=out, **grouped(dict(kw, target=target)))
         dirs = r.directions
         p0 = projection(model, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
         p1 = projection(out, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)

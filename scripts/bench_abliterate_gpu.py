@@ -14,6 +14,7 @@ import mlx.core as mx
 from bench_gpu import build
 from mlx_lm.utils import save_model, save_config
 from mlx_fun import jobs
+from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 tmp = Path(tempfile.mkdtemp())
 t0 = time.perf_counter()
 model, config, _ = build(argparse.Namespace(layers=12, vocab=2048, quick=False))
@@ -32,8 +33,9 @@ for name, k in (("h", 0), ("b", 1)):
 mx.reset_peak_memory()
 t0 = time.perf_counter()
 r = jobs.abliterate.run(model=out, harmful_dataset=tmp / "h.jsonl", benign_dataset=tmp / "b.jsonl", output=tmp / "abl",
-                        max_samples=16, max_tokens=2048, batch_size=4, eval_samples=4, rounds=1, reply_tokens=4,
-                        refusal_filter=False, seed=0, layers="all")
+                        max_samples=16, max_tokens=2048, batch_size=4, seed=0,
+                        estimate=Estimate(rounds=1, refusal_filter=False), projection=Projection(layers="all"),
+                        evaluation=Evaluation(eval_samples=4, reply_tokens=4))
 wall = time.perf_counter() - t0
 print(f"abliterate 12-layer Qwen3-30B-A3B shape 4-bit bf16: capture 16+16 prompts x 2048 tokens at batch 4 "
       f"(4 x 2048 tokens a forward), all writers of {len(r.layers)} layers: wall {wall:.1f} s, "

@@ -14,6 +14,7 @@ from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.io import load_model
 from mlx_fun.rewrite.abliterate import apply, embedding, restore, writers
+from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 from mlx_fun.rewrite.weights import dense, dense_of, stored, stored_keeping
 
 from .cli_helpers import expect_error
@@ -196,8 +197,9 @@ def test_every_family_abliterates_and_reloads(make_model, tmp_path, family, bits
         assert not out.exists()
         return
     got = jobs.abliterate.run(model=make_model(family, bits=bits), harmful_dataset=harmful, benign_dataset=benign,
-                              output=out, layers="all", max_samples=4, eval_samples=2, reply_tokens=2, seed=0,
-                              refusal_filter=False)
+                              output=out, projection=Projection(layers="all"), max_samples=4,
+                              evaluation=Evaluation(eval_samples=2, reply_tokens=2), seed=0,
+                              estimate=Estimate(refusal_filter=False))
     assert got.modified and got.layers == list(range(len(got.direction_norms)))
     meta = json.loads((out / "abliteration_metadata.json").read_text())
     assert meta["abliterated_layers"] == got.layers and meta["target"] == "all"
@@ -214,9 +216,10 @@ def test_safety_experts_touches_exactly_the_reports_experts(make_model, tmp_path
     report.write_text(json.dumps({"safety_critical": {str(moe[0]): [1, 5], str(moe[-1]): [2]}}))
     harmful, benign = _prompts(tmp_path)
     out = tmp_path / "abl"
-    got = jobs.abliterate.run(model=path, harmful_dataset=harmful, benign_dataset=benign, output=out, layers="all",
-                              target="safety-experts", safety_map=report, max_samples=4, eval_samples=2,
-                              reply_tokens=2, seed=0, refusal_filter=False)
+    got = jobs.abliterate.run(model=path, harmful_dataset=harmful, benign_dataset=benign, output=out,
+                              projection=Projection(layers="all", target="safety-experts", safety_map=report),
+                              max_samples=4, evaluation=Evaluation(eval_samples=2, reply_tokens=2), seed=0,
+                              estimate=Estimate(refusal_filter=False))
     assert set(got.modified) == {str(moe[0]), str(moe[-1])}
     new, _, _ = load_model(out)
     old = dict(tree_flatten(model.parameters()))
@@ -254,8 +257,8 @@ def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
     harmful, benign = _prompts(tmp_path)
     out = tmp_path / "abl"
     got = jobs.abliterate.run(model=make_model("qwen3_moe"), harmful_dataset=harmful, benign_dataset=benign,
-                              output=out, search=3, max_kl=10.0, max_samples=4, eval_samples=2, reply_tokens=2,
-                              seed=0, refusal_filter=False)
+                              output=out, evaluation=Evaluation(search=3, max_kl=10.0, eval_samples=2, reply_tokens=2),
+                              max_samples=4, seed=0, estimate=Estimate(refusal_filter=False))
     assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight, t.direction_layer) for t in got.trials}) == 3
     best = min(got.trials, key=lambda t: (t.harmful_refusal, t.benign_kl))
     assert (got.layers, got.weight, got.direction_layer) == (best.layers, best.weight, best.direction_layer)
@@ -274,8 +277,9 @@ def chat_abliterated(tmp_path_factory):
     out = tmp_path_factory.mktemp("chat") / "abl"
     got = jobs.abliterate.run(model=data / "tiny-moe-chat", harmful_dataset=data / "safety" / "harmful_train.jsonl",
                               benign_dataset=data / "safety" / "benign_train.jsonl",
-                              eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
-                              eval_benign_dataset=data / "safety" / "benign_test.jsonl", output=out, seed=0)
+                              evaluation=Evaluation(eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
+                                                    eval_benign_dataset=data / "safety" / "benign_test.jsonl"),
+                              output=out, seed=0)
     return got, out
 
 
@@ -308,9 +312,9 @@ def test_one_round_of_one_direction_leaves_the_other_refusal_phrasings(chat_abli
     data = Path(__file__).resolve().parents[1] / "data"
     got = jobs.abliterate.run(model=data / "tiny-moe-chat", harmful_dataset=data / "safety" / "harmful_train.jsonl",
                               benign_dataset=data / "safety" / "benign_train.jsonl",
-                              eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
-                              eval_benign_dataset=data / "safety" / "benign_test.jsonl", output=tmp_path / "one",
-                              seed=0, rounds=1, phrasings=1)
+                              evaluation=Evaluation(eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
+                                                    eval_benign_dataset=data / "safety" / "benign_test.jsonl"),
+                              output=tmp_path / "one", seed=0, estimate=Estimate(rounds=1, phrasings=1))
     assert len(got.rounds[0].dirs) == 1 and got.rounds[0].phrasings == {"all": got.rounds[0].refused}
     assert got.after.harmful_refusal >= 0.3 > chat_abliterated[0].after.harmful_refusal
 
@@ -325,8 +329,7 @@ def chat_4bit(tmp_path_factory):
     q4 = tmp_path_factory.mktemp("chat4") / "q4"
     convert(hf_path=str(data / "tiny-moe-chat"), mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=32)
     common = dict(harmful_dataset=data / "safety" / "harmful_train.jsonl",
-                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=48, eval_samples=8,
-                  reply_tokens=8, seed=0)
+                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=48, seed=0)
     return q4, common
 
 
@@ -334,7 +337,8 @@ def test_rounds_round_a_quantized_model_once_from_its_original_weights(chat_4bit
     """The written 4-bit model is its original with every round's directions removed at once (one rounding), not
     a re-rounding of the previous round's rounding."""
     q4, common = chat_4bit
-    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", **common)
+    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", evaluation=Evaluation(eval_samples=8, reply_tokens=8),
+                              **common)
     assert len(got.rounds) == 2
     model, _, config = load_model(q4)
     adapter = get_adapter(model, config)
@@ -350,7 +354,8 @@ def test_rounds_round_a_quantized_model_once_from_its_original_weights(chat_4bit
 
 def test_a_round_over_max_kl_is_undone(chat_4bit, tmp_path):
     q4, common = chat_4bit
-    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", rounds=3, max_kl=1e-4, **common)
+    got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", estimate=Estimate(rounds=3),
+                              evaluation=Evaluation(eval_samples=8, reply_tokens=8, max_kl=1e-4), **common)
     assert len(got.rounds) == 1
     assert any("round 2 took the capture benign prompts' KL to" in w and "undone" in w for w in got.warnings)
     meta = json.loads((tmp_path / "abl" / "abliteration_metadata.json").read_text())
@@ -377,6 +382,17 @@ def test_a_model_that_refuses_nothing_is_refused_with_the_rate(make_model, tmp_p
                  "--harmful-dataset", "--no-refusal-filter")
     assert not out.exists() and tree(tmp_path) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_refusal_filter_is_named_as_the_caller_turns_it_off():
+    """From Python ``refusal_filter=False``, on the command line ``--no-refusal-filter``."""
+    from mlx_fun.errors import UserError, cli_names
+    from mlx_fun.rewrite.abliterate_rounds import check_refusals
+
+    with pytest.raises(UserError, match=r"harmful_dataset= .* or refusal_filter=False to take"):
+        check_refusals(0, 4, 4, 4, 16)
+    with cli_names(), pytest.raises(UserError, match=r"--benign-dataset, or --no-refusal-filter\.$"):
+        check_refusals(3, 4, 0, 4, 16)
 
 
 def test_the_same_prompts_on_both_sides_are_refused_before_loading(make_model, tmp_path):

@@ -10,7 +10,9 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
+from mlx_fun.genopts import GenOptions
 from mlx_fun.io import bundled_model_dir
+from mlx_fun.jobs.steer import SteerOptions
 
 from .cli_helpers import expect_error, run
 
@@ -48,7 +50,8 @@ def test_kv_cache_options_give_mlx_lm_s_tokens(flags, kw, mlx_lm_model):
 
 def test_a_draft_model_leaves_greedy_output_unchanged_and_says_what_it_proposed():
     plain = jobs.smoke_test.run(model=MODEL, prompt=PROMPT, max_tokens=24)
-    draft = jobs.smoke_test.run(model=MODEL, prompt=PROMPT, max_tokens=24, draft_model=MODEL, num_draft_tokens=3)
+    draft = jobs.smoke_test.run(model=MODEL, prompt=PROMPT, max_tokens=24, draft_model=MODEL,
+                                generation=GenOptions(num_draft_tokens=3))
     assert draft.generation.tokens == plain.generation.tokens
     assert plain.generation.draft_tokens is None and 0 < draft.generation.draft_tokens <= 24
     assert f"({draft.generation.draft_tokens} accepted from the draft model)" in draft.generation.stats_line()
@@ -62,7 +65,7 @@ def test_steering_governs_the_tokens_with_a_draft_model(tmp_path):
     layers = read_config(MODEL)["num_hidden_layers"]
     report = tmp_path / "domain.json"
     report.write_text(json.dumps({"domain_experts": {str(i): [0, 1, 2, 3] for i in range(layers)}}))
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, domain_map=report, domain_mode="boost")
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, steering=SteerOptions(domain_map=report, domain_mode="boost"))
     steered = jobs.steer.run(**kw, compare=True)
     drafted = jobs.steer.run(**kw, draft_model=MODEL)
     assert drafted.generation.tokens == steered.generation.tokens != steered.baseline.tokens
@@ -79,8 +82,10 @@ def test_steering_governs_the_tokens_with_a_draft_model(tmp_path):
     (dict(max_kv_size=True), "max_kv_size= must be a whole number >= 1"),
 ])
 def test_bad_options_are_one_line_before_loading(kw, needle):
+    kw = dict(kw)
+    draft = kw.pop("draft_model", None)
     with pytest.raises(UserError, match=needle):
-        jobs.smoke_test.run(model=MODEL, **kw)
+        jobs.smoke_test.run(model=MODEL, generation=GenOptions(**kw), draft_model=draft)
 
 
 def test_cli_refusals(tmp_path, make_model):

@@ -111,6 +111,33 @@ def test_chat_template(loaded):
     assert res.prompt_tokens > len(tokenizer.encode("Hello"))
 
 
+def test_a_token_budget_bounds_every_prompt_forward_and_keeps_the_tokens(make_model, monkeypatch):
+    """``settings.token_budget`` is mlx-lm's ``prefill_step_size``: no forward holds more tokens than the budget,
+    and greedy decoding gives the tokens it gives without one."""
+    import importlib
+
+    from mlx_fun import jobs
+    from mlx_fun.errors import UserError
+    from mlx_fun.settings import RunSettings
+
+    path = make_model("qwen3_moe")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    plain = jobs.smoke_test.run(model=path, prompt=prompt, max_tokens=8)
+    Model = importlib.import_module("mlx_lm.models.qwen3_moe").Model
+    real, widths = Model.__call__, []
+
+    def counted(self, inputs, *a, **kw):
+        widths.append(inputs.shape[-1])
+        return real(self, inputs, *a, **kw)
+
+    monkeypatch.setattr(Model, "__call__", counted)
+    got = jobs.smoke_test.run(model=path, prompt=prompt, max_tokens=8, settings=RunSettings(token_budget=5))
+    assert got.generation.tokens == plain.generation.tokens
+    assert got.generation.prompt_tokens > 10 and max(widths) == 5, widths
+    with pytest.raises(UserError, match="token_budget= must be a whole number >= 1"):
+        jobs.smoke_test.run(model=path, settings=RunSettings(token_budget=0))
+
+
 # ------------------------------------------------------------------------------------------------------------ CLI
 
 

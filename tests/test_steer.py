@@ -10,6 +10,8 @@ import pytest
 
 from mlx_fun import jobs, moe_hook
 from mlx_fun.io import load_model
+from mlx_fun.jobs.steer import SteerOptions
+from mlx_fun.settings import RunSettings
 from mlx_fun.steering import from_reports
 
 from .cli_helpers import expect_error
@@ -25,8 +27,9 @@ def test_steer_generates_under_the_report_steering(make_model, tmp_path, scheme)
     path = make_model("deepseek_v3")
     report = tmp_path / "domain_report.json"
     report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
-    got = jobs.steer.run(model=path, prompt="hello world", domain_map=report, domain_mode="suppress",
-                         max_tokens=8, compare=True, dispatch="mlx-lm", scheme=scheme)
+    got = jobs.steer.run(model=path, prompt="hello world",
+                         steering=SteerOptions(domain_map=report, domain_mode="suppress", scheme=scheme),
+                         max_tokens=8, compare=True, settings=RunSettings(dispatch="mlx-lm"))
     assert got.steering.deactivate == {1: [1, 2], 2: [3]} and not got.steering.activate
     assert got.steering.scheme == scheme
     model, tok, config = load_model(path)
@@ -35,6 +38,18 @@ def test_steer_generates_under_the_report_steering(make_model, tmp_path, scheme)
         again = run_generation(model, tok, "hello world", max_tokens=8)
     plain = run_generation(model, tok, "hello world", max_tokens=8)
     assert got.generation.tokens == again.tokens and got.baseline.tokens == plain.tokens
+
+
+def test_a_token_budget_keeps_the_steered_tokens(make_model, tmp_path):
+    """``settings.token_budget`` bounds mlx-lm's prefill (its ``prefill_step_size``); greedy tokens stay the same."""
+    path = make_model("deepseek_v3")
+    report = tmp_path / "domain_report.json"
+    report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
+    kw = dict(model=path, prompt="hello world, hello again world", max_tokens=6, compare=True,
+              steering=SteerOptions(domain_map=report, domain_mode="suppress"))
+    plain, budgeted = jobs.steer.run(**kw), jobs.steer.run(**kw, settings=RunSettings(token_budget=2))
+    assert budgeted.generation.tokens == plain.generation.tokens
+    assert budgeted.baseline.tokens == plain.baseline.tokens
 
 
 def test_safe_mode_boosts_at_most_top_k_most_benign_hrcg_experts(tmp_path):
@@ -98,7 +113,8 @@ def test_compare_prints_the_unsteered_reply_first(make_model, tmp_path):
     report = tmp_path / "domain_report.json"
     report.write_text(json.dumps({"domain_experts": {"1": [0]}, "general_experts": {"1": [1, 2], "2": [3]}}))
     args = dict(model=path, prompt="hello world", domain_map=report, domain_mode="suppress", max_tokens=8)
-    want = jobs.steer.run(**args, compare=True)
+    steering = SteerOptions(domain_map=report, domain_mode="suppress")
+    want = jobs.steer.run(model=path, prompt="hello world", steering=steering, max_tokens=8, compare=True)
     assert want.generation.text and want.baseline.text
     got = cli("steer", *[a for k, v in args.items() for a in (f"--{k.replace('_', '-')}", v)], "--compare")
     assert got.exit_code == 0, got.output

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option, text_table,
-                     token_budget_option)
+from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option, run_settings, take,
+                     text_table, token_budget_option)
 
 
 @click.command("abliterate", short_help="Remove the refusal direction from residual writers (MoE-aware), measured.")
@@ -85,8 +85,11 @@ def command(**kwargs):
           --eval-benign-dataset data/safety/benign_test.jsonl --output abliterated --seed 0
     """
     from ..jobs import abliterate
+    from ..rewrite.abliterate_options import Estimate, Evaluation, Projection
 
-    show(abliterate.run(**kwargs, progress=True, log=echo_err))
+    groups = dict(estimate=take(kwargs, Estimate), projection=take(kwargs, Projection),
+                  evaluation=take(kwargs, Evaluation), settings=run_settings(kwargs))
+    show(abliterate.run(**kwargs, **groups, log=echo_err))
 
 
 def show(result) -> None:

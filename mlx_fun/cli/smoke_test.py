@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from ..jobs.smoke_test import DEFAULT_PROMPT
-from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option
+from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
+                     run_settings, take)
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
@@ -46,9 +47,11 @@ def command(**kwargs):
     Example:
       mlx-fun smoke-test --model pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
     """
+    from ..genopts import GenOptions
     from ..jobs import smoke_test
 
-    show(smoke_test.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), log=echo_err))
+    groups = dict(generation=take(kwargs, GenOptions), settings=run_settings(kwargs, progress=False))
+    show(smoke_test.run(**kwargs, **groups, on_text=lambda s: click.echo(s, nl=False), log=echo_err))
 
 
 def show(result) -> None:

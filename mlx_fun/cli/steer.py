@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option
+from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
+                     run_settings, take)
 
 
 @click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
@@ -49,9 +50,13 @@ def command(**kwargs):
       mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \\
           --chat --prompt "What does os.path.join do?" --max-tokens 20
     """
+    from ..genopts import GenOptions
     from ..jobs import steer
 
-    show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), on_baseline=show_baseline, log=echo_err))
+    groups = dict(steering=take(kwargs, steer.SteerOptions), generation=take(kwargs, GenOptions),
+                  settings=run_settings(kwargs, progress=False))
+    show(steer.run(**kwargs, **groups, on_text=lambda s: click.echo(s, nl=False), on_baseline=show_baseline,
+                   log=echo_err))
 
 
 def show_baseline(baseline) -> None:

@@ -15,23 +15,25 @@ model with ``abliteration_metadata.json`` beside it. ``search`` tries settings o
 layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
 A model that refuses none of the harmful capture prompts (or all the benign ones) has no refusal to remove: the
 job stops there with the measured rates, nothing written, unless ``refusal_filter=False`` (every prompt, whatever
-the model replies). Every phase logs what it does and, with ``progress``, shows a bar. The rounds, measuring and
-search live in :mod:`mlx_fun.rewrite.abliterate_rounds`; this job checks the inputs, loads the model with the
-expert dispatch and the token budget every forward keeps to, and writes.
+the model replies). Every phase logs what it does and, with ``settings.progress``, shows a bar. The rounds, measuring
+and search live in :mod:`mlx_fun.rewrite.abliterate_rounds`, the option groups (``estimate``, ``projection``,
+``evaluation``) in :mod:`mlx_fun.rewrite.abliterate_options`; this job checks the inputs, loads the model with the
+expert dispatch and the token budget every forward keeps to (``settings``: :class:`mlx_fun.settings.RunSettings`),
+and writes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError, param, require_whole
+from ..errors import UserError, param
+from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
 from ..rewrite.abliterate_rounds import Abliteration, Round, Trial, candidates
-from .common import Log, apply_dispatch, check_supported, forward_budget, load_moe, quiet, require_path
+from ..settings import RunSettings
+from .common import Log, check_supported, load_moe, quiet, require_path
 
-
-DIRECTIONS = ("single", "per-layer")
+__all__ = ["DIRECTIONS", "AbliterateResult", "Estimate", "Evaluation", "Projection", "run"]
 
 
 @dataclass
@@ -49,39 +51,6 @@ class AbliterateResult:
     direction: str = "single"
     direction_layer: int | None = None
     rounds: list[Round] = field(default_factory=list)
-
-
-def _check(*, layers, target, safety_map, weight, extraction_position, search, max_kl, eval_samples, direction,
-           direction_layer, rounds, phrasings, dispatch="auto", token_budget=None) -> None:
-    from ..residual import POSITIONS, parse_layers
-    from ..rewrite.abliterate import TARGETS
-
-    if target not in TARGETS:
-        raise UserError(f"{param('target')} must be one of {', '.join(TARGETS)}, got {target!r}.")
-    if target == "safety-experts":
-        if safety_map is None:
-            raise UserError(f"{param('target')} safety-experts needs {param('safety_map')}: a safety_report.json "
-                            "from `mlx-fun safety-scan`.")
-        require_path("safety_map", safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1:
-        raise UserError(f"{param('weight')} must be in (0, 1], got {weight!r}.")
-    if extraction_position not in POSITIONS:
-        raise UserError(f"{param('extraction_position')} must be one of {', '.join(POSITIONS)}, "
-                        f"got {extraction_position!r}.")
-    if direction not in DIRECTIONS:
-        raise UserError(f"{param('direction')} must be one of {', '.join(DIRECTIONS)}, got {direction!r}.")
-    if direction_layer is not None and (isinstance(direction_layer, bool) or not isinstance(direction_layer, int)
-                                        or direction_layer < 0):
-        raise UserError(f"{param('direction_layer')} must be a decoder-layer index >= 0, got {direction_layer!r}.")
-    for name, value, low in (("search", search, 0), ("rounds", rounds, 1), ("phrasings", phrasings, 1),
-                             ("eval_samples", eval_samples, 1)):
-        require_whole(name, value, low)
-    if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
-        raise UserError(f"{param('max_kl')} must be a positive number, got {max_kl!r}.")
-    parse_layers(layers, where=param("layers"))
-    if dispatch not in ("auto", "mlx-lm"):
-        raise UserError(f"{param('dispatch')} must be auto or mlx-lm, got {dispatch!r}.")
-    require_whole("token_budget", token_budget, 1, none_ok=True)
 
 
 def _check_distinct(harmful, benign) -> None:
@@ -109,47 +78,33 @@ def run(
     harmful_dataset: str | Path,
     benign_dataset: str | Path,
     output: str | Path,
-    layers: str = "auto",
-    target: str = "all",
-    safety_map: str | Path | None = None,
-    weight: float = 1.0,
-    direction: str = "single",
-    direction_layer: int | None = None,
-    rounds: int = 2,
-    phrasings: int = 4,
+    estimate: Estimate = Estimate(),
+    projection: Projection = Projection(),
+    evaluation: Evaluation = Evaluation(),
     max_samples: int = 128,
     max_tokens: int = 2048,
-    extraction_position: str = "last",
     text_key: str = "content",
     seed: int | None = None,
-    eval_harmful_dataset: str | Path | None = None,
-    eval_benign_dataset: str | Path | None = None,
-    eval_samples: int = 64,
-    reply_tokens: int = 16,
-    search: int = 0,
-    max_kl: float = 0.5,
     batch_size: int = 4,
-    refusal_filter: bool = True,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    token_budget: int | None = None,
+    settings: RunSettings = RunSettings(),
     force: bool = False,
-    progress: bool = False,
     log: Log = quiet,
 ) -> AbliterateResult:
-    """Abliterate ``model`` (see the module docstring) and write it to ``output``; evaluation prompts default to
-    the capture datasets when no held-out sets are given."""
+    """Abliterate ``model`` (see the module docstring) and write it to ``output``. ``estimate``: how the directions
+    are measured (direction, its layer, position, phrasings, rounds, refusal filter); ``projection``: where and how
+    strongly they are removed (layers, target, weight, safety map); ``evaluation``: the held-out sets (default: the
+    capture datasets), their size, the reply length, the search and its KL limit
+    (:mod:`mlx_fun.rewrite.abliterate_options`); ``settings``: how the model runs
+    (:class:`mlx_fun.settings.RunSettings`: dispatch, token budget, progress bars)."""
     from .. import writer
     from ..io import params_nbytes, write_model_dir
-    from ..residual import choose_layers
 
-    _check(layers=layers, target=target, safety_map=safety_map, weight=weight, direction=direction,
-           direction_layer=direction_layer, rounds=rounds, phrasings=phrasings, extraction_position=extraction_position, search=search,
-           max_kl=max_kl, eval_samples=eval_samples, dispatch=dispatch, token_budget=token_budget)
+    for group in (estimate, projection, evaluation, settings):
+        group.check()  # one line naming the option at fault, before anything loads
     check_supported(model)
     for name, path in (("harmful_dataset", harmful_dataset), ("benign_dataset", benign_dataset),
-                       ("eval_harmful_dataset", eval_harmful_dataset), ("eval_benign_dataset", eval_benign_dataset)):
+                       ("eval_harmful_dataset", evaluation.eval_harmful_dataset),
+                       ("eval_benign_dataset", evaluation.eval_benign_dataset)):
         if path is not None:
             require_path(name, path, "pass a JSONL file or a directory of text files")
     _check_distinct(harmful_dataset, benign_dataset)
@@ -157,77 +112,106 @@ def run(
               param("benign_dataset"): benign_dataset}
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
         mdl, tok, config, adapter = load_moe(model, log=log)
-        settings = dict(dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache)
-        report = apply_dispatch(mdl, **settings, log=log)
-        budget = forward_budget(token_budget, config=config, dispatch_mode=report.mode)
-        n_layers = len(adapter.decoder_layers())
-        choose_layers(layers, [0.0] * n_layers, where=param("layers"))  # the range checks, before any work
-        if direction_layer is not None and direction_layer >= n_layers:
-            raise UserError(f"{param('direction_layer')} {direction_layer} is outside the model: it has decoder "
-                            f"layers 0-{n_layers - 1}.")
+        report = settings.apply(mdl, log=log)
+        n_layers = _check_layers(adapter, estimate, projection)
         kw = dict(max_tokens=max_tokens, text_key=text_key, seed=seed)
+        eval_kw = dict(kw, max_samples=evaluation.eval_samples)
         warnings = []
         job = Abliteration(
             mdl, tok, adapter, harmful=_prompts(harmful_dataset, tok, "harmful_dataset", max_samples=max_samples, **kw),
             benign=_prompts(benign_dataset, tok, "benign_dataset", max_samples=max_samples, **kw),
-            eval_h=_prompts(eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset",
-                            max_samples=eval_samples, **kw),
-            eval_b=_prompts(eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset",
-                            max_samples=eval_samples, **kw),
-            position=extraction_position, batch_size=batch_size, reply_tokens=reply_tokens, target=target,
-            safety=_safety(adapter, target, safety_map), phrasings=phrasings, max_kl=float(max_kl), warnings=warnings,
-            refusal_filter=refusal_filter, budget=budget, progress=progress, log=log,
-            redispatch=(lambda: _redispatch(mdl, settings)) if report.cached_layers else None)
-        if eval_harmful_dataset is None or eval_benign_dataset is None:
+            eval_h=_prompts(evaluation.eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset", **eval_kw),
+            eval_b=_prompts(evaluation.eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset", **eval_kw),
+            estimate=estimate, evaluation=evaluation, target=projection.target,
+            safety=_safety(adapter, projection.target, projection.safety_map), batch_size=batch_size,
+            warnings=warnings, budget=settings.budget(config, dispatch_mode=report.mode), progress=settings.progress,
+            log=log, redispatch=(lambda: _redispatch(mdl, settings)) if report.cached_layers else None)
+        if not evaluation.held_out:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
-        first = job.statistics(1)
-        norms = first.norms
-        single = direction == "single"
-        chosen = choose_layers("all" if single and str(layers).strip().lower() == "auto" else layers, norms,
-                               where=param("layers"))
-        source = (int(norms.argmax()) if direction_layer is None else direction_layer) if single else None
-        before = job.measure([], 0.0, original=True)
-        trials, after, done = [], None, None
-        if search:
-            trials, kept = job.search(first, candidates(chosen, norms, float(weight), source, search), rounds,
-                                      progress)
-            ok = [i for i, t in enumerate(trials) if t.benign_kl <= max_kl]
-            if ok:
-                i = min(ok, key=lambda i: (trials[i].harmful_refusal, trials[i].benign_kl))
-                after, done = trials[i], kept[i]
-                chosen, weight, source = after.layers, after.weight, after.direction_layer
-            else:
-                warnings.append(f"no setting tried stayed under {param('max_kl')} {max_kl}; writing "
-                                f"{param('layers')} {layers} at {param('weight')} {weight}.")
-        if done is None:
-            done, modified, _ = job.abliterate(first, chosen, float(weight), source, rounds)
-            if job.over_kl:
-                warnings.append(job.over_kl)
-        else:
-            modified = job.apply(done, chosen, float(weight), source)[0]
-        if not modified:
-            warnings.append("nothing matched the target in the chosen layers; the model is written unchanged.")
-        after = after or job.measure(chosen, float(weight), len(done), source)
+        got = _abliterate(job, estimate, projection, evaluation, settings.progress, warnings)
         for w in warnings:
             log(f"Warning: {w}")
-        meta = {"method": "abliteration", "target": target, "refusal_filter": refusal_filter, "abliterated_layers": chosen, "weight": weight,
-                "direction": direction, "direction_layer": source, "extraction_position": extraction_position,
-                "layers_spec": str(layers),
-                "direction_norms": {str(i): round(float(norms[i]), 6) for i in range(n_layers)},
-                "rounds": [r.row() for r in done], "phrasings": phrasings,
-                "modified": {str(k): v for k, v in modified.items()},
-                "safety_map": None if safety_map is None else str(safety_map),
-                "evaluation": {"harmful_prompts": len(job.eval_h), "benign_prompts": len(job.eval_b),
-                               "reply_tokens": reply_tokens, "before": before.row(), "after": after.row(),
-                               "held_out": eval_harmful_dataset is not None and eval_benign_dataset is not None},
-                "search": {"trials": [t.row() for t in trials], "max_kl": max_kl} if trials else None}
+        meta = _metadata(got, job, estimate, projection, evaluation, n_layers)
         res.require_space(params_nbytes(mdl))
         log(f"Writing {output} ...")
         write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
-    return AbliterateResult(Path(output), chosen, float(weight), before, after,
-                            {str(i): float(norms[i]) for i in range(n_layers)}, done[0].dirs[0],
-                            {str(k): v for k, v in modified.items()}, trials, warnings, direction, source, done)
+    norms = got["norms"]
+    return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
+                            {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],
+                            {str(k): v for k, v in got["modified"].items()}, got["trials"], warnings,
+                            estimate.direction, got["source"], got["done"])
+
+
+def _check_layers(adapter, estimate: Estimate, projection: Projection) -> int:
+    """The layer options against the loaded model (before any work); returns its number of decoder layers."""
+    from ..residual import choose_layers
+
+    n_layers = len(adapter.decoder_layers())
+    choose_layers(projection.layers, [0.0] * n_layers, where=param("layers"))  # the range checks
+    if estimate.direction_layer is not None and estimate.direction_layer >= n_layers:
+        raise UserError(f"{param('direction_layer')} {estimate.direction_layer} is outside the model: it has decoder "
+                        f"layers 0-{n_layers - 1}.")
+    return n_layers
+
+
+def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, evaluation: Evaluation,
+                progress: bool, warnings: list[str]) -> dict:
+    """Round 1's statistics, the original model measured, then the rounds (or the search and the best setting
+    under ``max_kl``), the abliterated model measured: what the metadata and the result report, by name."""
+    from ..residual import choose_layers
+
+    layers, weight, max_kl = projection.layers, projection.weight, evaluation.max_kl
+    first = job.statistics(1)
+    norms = first.norms
+    single = estimate.direction == "single"
+    chosen = choose_layers("all" if single and str(layers).strip().lower() == "auto" else layers, norms,
+                           where=param("layers"))
+    source = estimate.direction_layer if single else None
+    if single and source is None:
+        source = int(norms.argmax())
+    before = job.measure([], 0.0, original=True)
+    trials, after, done = [], None, None
+    if evaluation.search:
+        trials, kept = job.search(first, candidates(chosen, norms, float(weight), source, evaluation.search),
+                                  estimate.rounds, progress)
+        ok = [i for i, t in enumerate(trials) if t.benign_kl <= max_kl]
+        if ok:
+            i = min(ok, key=lambda i: (trials[i].harmful_refusal, trials[i].benign_kl))
+            after, done = trials[i], kept[i]
+            chosen, weight, source = after.layers, after.weight, after.direction_layer
+        else:
+            warnings.append(f"no setting tried stayed under {param('max_kl')} {max_kl}; writing "
+                            f"{param('layers')} {layers} at {param('weight')} {weight}.")
+    if done is None:
+        done, modified, _ = job.abliterate(first, chosen, float(weight), source, estimate.rounds)
+        if job.over_kl:
+            warnings.append(job.over_kl)
+    else:
+        modified = job.apply(done, chosen, float(weight), source)[0]
+    if not modified:
+        warnings.append("nothing matched the target in the chosen layers; the model is written unchanged.")
+    after = after or job.measure(chosen, float(weight), len(done), source)
+    return dict(norms=norms, layers=chosen, weight=weight, source=source, before=before, after=after, done=done,
+                modified=modified, trials=trials)
+
+
+def _metadata(got: dict, job: Abliteration, estimate: Estimate, projection: Projection, evaluation: Evaluation,
+              n_layers: int) -> dict:
+    """``abliteration_metadata.json``: the options, what each round took, the measured effect."""
+    norms, trials = got["norms"], got["trials"]
+    return {"method": "abliteration", "target": projection.target, "refusal_filter": estimate.refusal_filter,
+            "abliterated_layers": got["layers"], "weight": got["weight"], "direction": estimate.direction,
+            "direction_layer": got["source"], "extraction_position": estimate.extraction_position,
+            "layers_spec": str(projection.layers),
+            "direction_norms": {str(i): round(float(norms[i]), 6) for i in range(n_layers)},
+            "rounds": [r.row() for r in got["done"]], "phrasings": estimate.phrasings,
+            "modified": {str(k): v for k, v in got["modified"].items()},
+            "safety_map": None if projection.safety_map is None else str(projection.safety_map),
+            "evaluation": {"harmful_prompts": len(job.eval_h), "benign_prompts": len(job.eval_b),
+                           "reply_tokens": evaluation.reply_tokens, "before": got["before"].row(),
+                           "after": got["after"].row(), "held_out": evaluation.held_out},
+            "search": {"trials": [t.row() for t in trials], "max_kl": evaluation.max_kl} if trials else None}
 
 
 def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
@@ -245,9 +229,9 @@ def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
     return {moe[p]: sorted(e) for p, e in sets.items() if e}
 
 
-def _redispatch(model, settings: dict) -> None:
+def _redispatch(model, settings: RunSettings) -> None:
     """Install the dispatch afresh (its dequantized experts from the weights as they are now)."""
     from ..dispatch import remove
 
     remove(model)
-    apply_dispatch(model, **settings)
+    settings.apply(model)

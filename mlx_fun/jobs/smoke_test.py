@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, param
-from .common import Log, apply_dispatch, quiet
+from ..genopts import GenOptions
+from ..settings import RunSettings
+from .common import Log, quiet
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -50,28 +52,24 @@ def run(
     top_k: int = 0,
     top_p: float = 1.0,
     chat: bool = False,
-    dispatch: str = "auto",
-    dispatch_table: str | Path | None = None,
-    dequant_cache: int | str = 0,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    max_kv_size: int | None = None,
+    settings: RunSettings = RunSettings(),
+    generation: GenOptions = GenOptions(),
     draft_model: str | Path | None = None,
-    num_draft_tokens: int = 2,
     on_text: Callable[[str], None] | None = None,
     log: Log = quiet,
 ) -> SmokeTestResult:
     """Generate up to ``max_tokens`` after ``prompt`` (raw, or in the chat template with ``chat``): greedy at
     ``temp=0`` (token for token what ``mlx_lm.generate`` gives), else seeded Gumbel-max sampling. ``on_text``
-    receives the text as it is generated. ``kv_bits`` … ``num_draft_tokens``: mlx-lm's KV-cache and speculative
-    decoding options (:mod:`mlx_fun.genopts`)."""
-    from ..genopts import GenOptions, load_draft
+    receives the text as it is generated. ``settings`` (:class:`mlx_fun.settings.RunSettings`): the expert dispatch,
+    and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its ``progress`` is
+    unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and speculative decoding
+    options (:mod:`mlx_fun.genopts`)."""
+    from ..genopts import load_draft
     from ..io import context_length, load_model
-    from ..sampling import encode_prompt, make_sampler, run_generation
+    from ..sampling import encode_prompt, make_sampler, prefill_step, run_generation
 
-    options = GenOptions(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, num_draft_tokens).check(
-        draft=draft_model)
+    generation.check(draft=draft_model)
+    settings.check()
     config = check_generatable(model)
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")
@@ -81,7 +79,7 @@ def run(
         raise UserError(f"{e}; check {param('temp')}, {param('seed')}, {param('top_k')} and {param('top_p')}.") from None
     log(f"Loading {model} ...")
     mdl, tokenizer, _config = load_model(model)
-    apply_dispatch(mdl, dispatch=dispatch, dispatch_table=dispatch_table, dequant_cache=dequant_cache, log=log)
+    report = settings.apply(mdl, log=log)
     if draft_model is not None:
         log(f"Loading the draft model {draft_model} ...")
     draft = load_draft(draft_model, tokenizer)
@@ -94,5 +92,6 @@ def run(
                         f"unreliable. Shorten the prompt or lower {param('max_tokens')}.")
         log(f"Warning: {warnings[-1]}")
     result = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k,
-                            top_p=top_p, chat=chat, on_text=on_text, options=options, draft_model=draft)
+                            top_p=top_p, chat=chat, on_text=on_text, options=generation, draft_model=draft,
+                            prefill_step_size=prefill_step(settings, config, report.mode))
     return SmokeTestResult(result, repr(sampler), warnings)

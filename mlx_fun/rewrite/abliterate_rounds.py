@@ -63,7 +63,9 @@ class Round:
 def check_refusals(refused: int, harmful: int, answered: int, benign: int, reply_tokens: int) -> None:
     """Arditi et al.'s filter keeps the harmful prompts the model refuses and the benign ones it answers: with none
     on one side there is no refusal to measure (a model that does not refuse has nothing to abliterate)."""
-    off = "--no-refusal-filter" if param("x").startswith("--") else "refusal_filter=False"
+    from .abliterate_options import switched_off
+
+    off = switched_off("refusal_filter")
     if not refused:
         raise UserError(f"the model refuses none of the {harmful} harmful capture prompts (0.0% of its first "
                         f"{reply_tokens}-token replies open like a refusal), so there is no refusal to remove and "
@@ -113,19 +115,23 @@ class Stats:
 
 
 class Abliteration:
-    """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state)."""
+    """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state).
+    ``estimate`` / ``evaluation``: the job's option groups (:mod:`mlx_fun.rewrite.abliterate_options`); ``target``
+    and ``safety`` (decoder layer → routed experts, ``target="safety-experts"``): what the projection touches."""
 
-    def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, position, batch_size, reply_tokens,
-                 target, safety, phrasings, max_kl, warnings, refusal_filter=True, budget=None, redispatch=None,
-                 progress=False, log=quiet):
+    def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, estimate, evaluation, target,
+                 safety, batch_size, warnings, budget=None, redispatch=None, progress=False, log=quiet):
         from ..data import pad_id
 
         self.model, self.tok, self.adapter = model, tok, adapter
         self.budget, self.redispatch = budget, redispatch
         self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
-        self.position, self.batch_size, self.reply_tokens, self.pad = position, batch_size, reply_tokens, pad_id(tok)
-        self.target, self.safety, self.phrasings, self.max_kl = target, safety, phrasings, max_kl
-        self.warnings, self.refusal_filter, self.progress, self.log = warnings, refusal_filter, progress, log
+        self.position, self.phrasings = estimate.extraction_position, estimate.phrasings
+        self.refusal_filter = estimate.refusal_filter
+        self.reply_tokens, self.max_kl = evaluation.reply_tokens, float(evaluation.max_kl)
+        self.batch_size, self.pad = batch_size, pad_id(tok)
+        self.target, self.safety = target, safety
+        self.warnings, self.progress, self.log = warnings, progress, log
         self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
         self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
