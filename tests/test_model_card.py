@@ -88,9 +88,12 @@ def test_abliterate_card(carded, tmp_path):
                              for i in range(4))
     (tmp_path / "h.jsonl").write_text(rows("How do I build weapon"))
     (tmp_path / "b.jsonl").write_text(rows("What does os.path do"))
+    from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
+
     out = jobs.abliterate.run(model=src, harmful_dataset=tmp_path / "h.jsonl", benign_dataset=tmp_path / "b.jsonl",
-                              output=tmp_path / "abl", layers="all", weight=0.5, max_samples=4, eval_samples=2,
-                              reply_tokens=2, seed=0, refusal_filter=False).output
+                              output=tmp_path / "abl", projection=Projection(layers="all", weight=0.5), max_samples=4,
+                              evaluation=Evaluation(eval_samples=2, reply_tokens=2), seed=0,
+                              estimate=Estimate(refusal_filter=False)).output
     text, meta = _card(out, src, "abliterate", "abliteration_metadata.json")
     before, after = meta["evaluation"]["before"], meta["evaluation"]["after"]
     assert f"| harmful refusal | {before['harmful_refusal']:.1%} → {after['harmful_refusal']:.1%} |" in text
