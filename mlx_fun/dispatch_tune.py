@@ -28,6 +28,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from . import dispatch as dsp
 from .dispatch import MLX_LM, Entry, Plan, mlx_lm_plan
+from .dispatch_tune_options import Measurement  # noqa: F401 - the tune-dispatch job's option group ``measure``
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BLOCKS = (8, 16, 32, 64)
@@ -188,7 +189,10 @@ def relative_error(out: mx.array, ref: mx.array) -> float:
 
 
 @dataclass
-class Measurement:
+class Timings:
+    """What :func:`measure` timed: seconds per candidate at every M of one expert shape (the job's options are
+    :class:`~mlx_fun.dispatch_tune_options.Measurement`)."""
+
     ms: list
     times: dict  # candidate name -> list of seconds (None where not measured)
     spec: LayerSpec
@@ -210,7 +214,7 @@ def measure(
     prune: float = 3.0,
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
-) -> Measurement:
+) -> Timings:
     """Time every candidate at every M on ``layer`` (interleaved rounds, median).
 
     The first call of each candidate at each M is also checked against mlx-lm's output: a candidate that
@@ -289,7 +293,7 @@ def measure(
             last_ratio[c.name] = ratio
             if strikes[c.name] >= 2:
                 alive[c.name] = False
-    return Measurement(list(ms), times, spec, device_description(), errors)
+    return Timings(list(ms), times, spec, device_description(), errors)
 
 
 # -------------------------------------------------------------------------------------------------- bands
@@ -299,7 +303,7 @@ def measure(
 MIN_GAIN_S = 2e-5
 
 
-def _choose(meas: Measurement, i: int, allowed: list[str], margin: float, prev: str | None,
+def _choose(meas: Timings, i: int, allowed: list[str], margin: float, prev: str | None,
             stick: float) -> tuple[Plan, str]:
     base = meas.times["mlx-lm"][i]
     best_name, best_t = "mlx-lm", base
@@ -320,7 +324,7 @@ def _choose(meas: Measurement, i: int, allowed: list[str], margin: float, prev: 
     return plan, best_name
 
 
-def build_bands(meas: Measurement, cached: bool, margin: float = 0.05, smooth: float = 0.10,
+def build_bands(meas: Timings, cached: bool, margin: float = 0.05, smooth: float = 0.10,
                 stick: float = 0.10) -> list[tuple[int, Plan]]:
     """Bands from the measurement: uncached (native + per-call dequant) or cached (native + cached dequant)."""
     bad = {n for n, e in (meas.errors or {}).items() if not isinstance(e, (int, float))}  # failed / mismatched
@@ -348,7 +352,7 @@ def build_bands(meas: Measurement, cached: bool, margin: float = 0.05, smooth: f
     return bands or [(1, MLX_LM)]
 
 
-def entry_from(meas: Measurement, margin: float = 0.05) -> Entry:
+def entry_from(meas: Timings, margin: float = 0.05) -> Entry:
     """A table entry (backend, quant, shape, bands[, bands_cached]) with the measurement attached."""
     spec = meas.spec
     quantized = dsp.is_quant_key(spec.quant)
@@ -384,12 +388,12 @@ def _mlx_lm_version() -> str:
         return "?"
 
 
-def measurement_of(entry: Entry) -> Measurement:
+def measurement_of(entry: Entry) -> Timings:
     """The measurement stored in a tuned entry (to re-derive bands without measuring again)."""
     meas = entry.extra["measured"]
     times = {name: [None if t is None else t / 1e3 for t in ts] for name, ts in meas["ms"].items()}
     spec = LayerSpec(entry.D, entry.H, entry.E, entry.k, entry.quant, entry.extra.get("dtype", "float32"))
-    return Measurement(list(meas["m"]), times, spec, entry.extra.get("device", ""), meas.get("max_rel_err"))
+    return Timings(list(meas["m"]), times, spec, entry.extra.get("device", ""), meas.get("max_rel_err"))
 
 
 def rebanded(entry: Entry, margin: float = 0.05) -> Entry:

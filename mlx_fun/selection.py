@@ -53,6 +53,7 @@ Expert-list files and safety / domain reports are read by :mod:`mlx_fun.expert_f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +63,23 @@ STRATEGIES = ("bottom", "strided")
 
 KeptMap = dict[int, list[int]]
 ExpertSets = dict[int, set[int]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which experts go, by saliency (the option group ``selection`` of prune and merge; fields = their options).
+
+    ``n_prune``: experts removed (prune) or merged away (merge) per layer, or expert indices removed from every
+    layer with ``model_wide``; ``metric``: the saliency metric ranking them (:data:`mlx_fun.saliency.METRICS`);
+    ``model_wide``: the same indices in every layer (column sums); ``min_experts_per_layer``: with ``model_wide``,
+    never keep fewer experts than this in a layer; ``ignore_experts``: with ``model_wide``, indices never removed
+    (``"0,1,250..255"``)."""
+
+    n_prune: int | None = None
+    metric: str = "reap"
+    model_wide: bool = False
+    min_experts_per_layer: int = 1
+    ignore_experts: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- small helpers

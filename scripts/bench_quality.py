@@ -157,7 +157,7 @@ def main(argv=None):
         write_json(args.json, {"rows": rows, "elapsed_s": elapsed})
 
 
-RECIPES = [  # label, kwargs of jobs.quantize.run (None: mlx-lm's own uniform convert at these bits)
+RECIPES = [  # label, fields of jobs.quantize.run's QuantRecipe ("bits": mlx-lm's own uniform convert at these bits)
     ("uniform 4-bit (mlx_lm.convert)", {"bits": 4}),
     ("uniform 3-bit (mlx_lm.convert)", {"bits": 3}),
     ("experts 3 / dense 4 / router float", {"expert_bits": 3, "dense_bits": 4}),
@@ -178,6 +178,7 @@ def quantize_rows(args, model_dir, saliency, score, ready):
 
     from mlx_fun import jobs
     from mlx_fun.io import dir_size
+    from mlx_fun.rewrite.quantize import QuantRecipe
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_quality_q."))
     sal = saliency.save(tmp / "code.npz")
@@ -188,7 +189,7 @@ def quantize_rows(args, model_dir, saliency, score, ready):
             convert(hf_path=str(model_dir), mlx_path=str(out), quantize=True, q_bits=kw["bits"], q_group_size=64)
         else:
             extra = {"saliency": sal} if "cold_layers" in kw else {}
-            jobs.quantize.run(model=model_dir, output=out, **kw, **extra)
+            jobs.quantize.run(model=model_dir, output=out, recipe=QuantRecipe(**kw), **extra)
         model, _, _ = load_model(out)
         row = score(ready(model), {"method": label, "fraction": 0.0, "calibration": "code" if "cold_layers" in kw
                                    else "-", "experts": None})

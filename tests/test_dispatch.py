@@ -326,7 +326,7 @@ def test_tune_dispatch_cli_writes_a_mergeable_table(tiny, tmp_path):
 
 
 def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():
-    from mlx_fun.dispatch_tune import LayerSpec, Measurement, build_bands, rebanded
+    from mlx_fun.dispatch_tune import LayerSpec, Timings, build_bands, rebanded
 
     ms = [1, 8, 64, 512]
     times = {  # seconds
@@ -335,7 +335,7 @@ def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():
         "sorted": [1.02e-3, 8.2e-3, 64e-3, 512e-3],
         "blocked16": [0.98e-3, 20e-3, 40e-3, 100e-3],  # 2% faster at M = 1: noise, not a win
     }
-    meas = Measurement(ms, times, LayerSpec(64, 32, 8, 8), "test", {})
+    meas = Timings(ms, times, LayerSpec(64, 32, 8, 8), "test", {})
     bands = build_bands(meas, cached=False)
     # M = 64: unsorted wins (mlx-lm sorts there); M = 512: blocked16; boundaries at geometric means
     assert [(s, str(p)) for s, p in bands] == [(1, "mlx-lm"), (23, "unsorted"), (182, "blocked16")]

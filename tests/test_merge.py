@@ -352,6 +352,9 @@ def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, sal
     size then merges with no group past it."""
     from mlx_fun.errors import UserError
     from mlx_fun.jobs import merge as merge_job
+    from mlx_fun.rewrite.merge_options import Ream
+    from mlx_fun.selection import Selection
+    from mlx_fun.settings import RunSettings
 
     from .test_nothing_lost import hidden, tree
 
@@ -369,9 +372,14 @@ def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, sal
     _check_groups(meta, 8, 5, 2)
     for bad in (0, 1.5, True):
         with pytest.raises(UserError, match=rf"^max_group_size= must be a whole number of experts >= 1, got {bad}"):
-            merge_job.run(model=model, saliency=sal, n_prune=3, dataset=SAMPLE, output=tmp_path / "py",
-                          max_group_size=bad)
+            merge_job.run(model=model, saliency=sal, selection=Selection(n_prune=3), dataset=SAMPLE,
+                          output=tmp_path / "py", ream=Ream(max_group_size=bad))
     _error(run(*base, "--output", tmp_path / "py", "--max-group-size", 0), "--max-group-size")
+    assert not (tmp_path / "py").exists() and hidden(tmp_path) == [] and tree(model) == before
+    # merge rewrites the experts a dequantized-experts cache would hold: a non-zero cache is refused in one line
+    with pytest.raises(UserError, match=r"^merge takes no dequant_cache= \(got '1GiB'\): it rewrites the expert "):
+        merge_job.run(model=model, saliency=sal, selection=Selection(n_prune=3), dataset=SAMPLE,
+                      output=tmp_path / "py", settings=RunSettings(dequant_cache="1GiB"))
     assert not (tmp_path / "py").exists() and hidden(tmp_path) == [] and tree(model) == before
 
 

@@ -15,7 +15,10 @@ from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.io import load_model, save_model_dir
 from mlx_fun.model_card import card, source_front_matter
+from mlx_fun.rewrite.merge_options import Ream
+from mlx_fun.rewrite.quantize import QuantRecipe
 from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.selection import Selection
 
 from .test_cli import SAMPLE
 
@@ -65,7 +68,7 @@ def _card(out, src, tag: str, meta_file: str) -> tuple[str, dict]:
 def test_prune_card(carded, tmp_path):
     src = carded("qwen3_moe")
     out = jobs.prune.run(model=src, output=tmp_path / "pruned", saliency=_saliency(src, tmp_path / "s.npz"),
-                         n_prune=2).output
+                         selection=Selection(n_prune=2)).output
     text, meta = _card(out, src, "prune", "reap_metadata.json")
     assert f"| routed experts per MoE layer | {meta['original_num_experts']} → {meta['pruned_num_experts']} |" in text
     assert "| experts removed per layer | 2 |" in text and "| selection (metric, strategy) | reap, bottom |" in text
@@ -74,8 +77,9 @@ def test_prune_card(carded, tmp_path):
 def test_merge_card(carded, tmp_path):
     src = carded("qwen3_moe")
     out = jobs.merge.run(model=src, output=tmp_path / "merged", saliency=_saliency(src, tmp_path / "s.npz"),
-                         n_prune=2, dataset=SAMPLE, max_samples=4, max_tokens=32, max_similarity_tokens=32,
-                         max_alignment_tokens=16, alignment="greedy", max_group_size=4, seed=0).output
+                         selection=Selection(n_prune=2), dataset=SAMPLE, max_samples=4, max_tokens=32,
+                         ream=Ream(max_similarity_tokens=32, max_alignment_tokens=16, alignment="greedy",
+                                   max_group_size=4), seed=0).output
     text, meta = _card(out, src, "merge", "ream_metadata.json")
     assert f"| routed experts per MoE layer | {meta['original_num_experts']} → {meta['merged_num_experts']} |" in text
     assert f"{meta['calibration_samples']} samples, {meta['calibration_tokens']:,} tokens" in text
@@ -120,8 +124,8 @@ def test_amplify_card(carded, tmp_path):
 
 def test_quantize_card(carded, tmp_path):
     src = carded("qwen3_moe")
-    out = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=3, expert_group_size=32, dense_bits=6,
-                            dense_group_size=32).output
+    out = jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(
+        expert_bits=3, expert_group_size=32, dense_bits=6, dense_group_size=32)).output
     text, meta = _card(out, src, "quantize", "quantize_metadata.json")
     assert "| routed experts | 3-bit affine g32 |" in text and meta["recipe"]["experts"] == "3-bit affine g32"
     assert f"| dense (attention, shared experts, embeddings, head) | {meta['recipe']['dense']} |" in text
@@ -164,7 +168,8 @@ def test_a_model_from_the_hugging_face_cache_names_its_repo_and_commit(carded, t
     pytest.importorskip("mlx_fun.hub")
     commit = "0123456789abcdef" * 2 + "01234567"
     snap = shutil.copytree(carded("qwen3_moe"), tmp_path / "hub" / "models--org--tiny-moe" / "snapshots" / commit)
-    out = jobs.quantize.run(model=snap, output=tmp_path / "q", expert_bits=4, expert_group_size=32).output
+    out = jobs.quantize.run(model=snap, output=tmp_path / "q",
+                            recipe=QuantRecipe(expert_bits=4, expert_group_size=32)).output
     text = (out / "README.md").read_text()
     assert "base_model: org/tiny-moe\n" in text and str(snap) not in text
     assert f"[org/tiny-moe](https://huggingface.co/org/tiny-moe) (commit {commit[:12]})" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
 from mlx_fun.io import load_model
-from mlx_fun.rewrite.quantize import classes
+from mlx_fun.rewrite.quantize import QuantRecipe, classes
 from mlx_fun.saliency import SaliencyAccumulator
 from mlx_fun.streaming import source_tensors
 
@@ -66,8 +67,8 @@ def expected_bytes(float_dir: Path, settings: dict[str, tuple[int, int, str] | N
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_recipe_bits_router_and_size(tmp_path, make_model, model_type):
     src = make_model(model_type)
-    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=3, expert_group_size=32, dense_bits=6,
-                            dense_group_size=32)
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(
+        expert_bits=3, expert_group_size=32, dense_bits=6, dense_group_size=32))
     kinds = kinds_of(src)
     model, _ = mlx_lm.load(str(res.output))
     ref, _, _ = load_model(src)
@@ -99,8 +100,8 @@ def test_recipe_bits_router_and_size(tmp_path, make_model, model_type):
 
 def test_router_8bit_and_mxfp4_experts(tmp_path, make_model):
     src = make_model("qwen3_moe")
-    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_mode="mxfp4", expert_bits=None,
-                            dense_bits=8, router_bits=8)
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(
+        expert_mode="mxfp4", expert_bits=None, dense_bits=8, router_bits=8))
     model, _ = mlx_lm.load(str(res.output))
     for path, kind in kinds_of(src).items():
         m = module(model, path)
@@ -120,8 +121,8 @@ def test_saliency_gives_the_coldest_layers_fewer_bits(tmp_path, make_model):
     acc.reap_sum[...] = rng.uniform(50, 60, acc.freq.shape) * np.array([[3.0], [1.0], [2.0], [0.5]])
     acc.total_tokens = 400
     sal = acc.save(tmp_path / "s.npz")
-    res = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=4, expert_group_size=32, saliency=sal,
-                            cold_layers=2, cold_bits=2)
+    res = jobs.quantize.run(model=src, output=tmp_path / "q", saliency=sal, recipe=QuantRecipe(
+        expert_bits=4, expert_group_size=32, cold_layers=2, cold_bits=2))
     layers = adapter.moe_layers()
     assert list(res.cold_layer_scores) == [layers[3], layers[1]]  # coldest first
     loaded, _ = mlx_lm.load(str(res.output))
@@ -134,7 +135,7 @@ def test_saliency_gives_the_coldest_layers_fewer_bits(tmp_path, make_model):
 
 def test_eval_reports_perplexity_against_the_float_original(tmp_path):
     src = ROOT / "data" / "tiny-moe"
-    q = jobs.quantize.run(model=src, output=tmp_path / "q", expert_bits=3, dense_bits=4).output
+    q = jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(expert_bits=3, dense_bits=4)).output
     r = jobs.eval.run(model=q, reference=src, dataset=[str(ROOT / "data" / "calibration_sample.jsonl")],
                       max_samples=8, max_tokens=128).results
     (row,) = r.values()
@@ -160,8 +161,11 @@ def test_cli_prints_the_recipe(tmp_path):
     ({"max_shard_size": "0"}, "max_shard_size= must be a positive size"),
 ])
 def test_bad_inputs_write_nothing(tmp_path, make_model, kwargs, message):
+    fields = {f.name for f in dataclasses.fields(QuantRecipe)}
+    recipe = QuantRecipe(**{k: v for k, v in kwargs.items() if k in fields})
     with pytest.raises(UserError, match=message):
-        jobs.quantize.run(model=make_model("qwen3_moe"), output=tmp_path / "q", **kwargs)
+        jobs.quantize.run(model=make_model("qwen3_moe"), output=tmp_path / "q", recipe=recipe,
+                          **{k: v for k, v in kwargs.items() if k not in fields})
     assert not (tmp_path / "q").exists()
 
 
@@ -172,7 +176,8 @@ def test_quantized_input_and_too_many_cold_layers_refused(tmp_path, make_model):
     model, _, config = load_model(src, lazy=True)
     sal = SaliencyAccumulator.for_adapter(get_adapter(model, config)).save(tmp_path / "s.npz")
     with pytest.raises(UserError, match=r"cold_layers= must be 1\.\.2 \(this model has 2 MoE layers\)"):
-        jobs.quantize.run(model=src, output=tmp_path / "q", saliency=sal, cold_layers=5, cold_bits=2)
+        jobs.quantize.run(model=src, output=tmp_path / "q", saliency=sal,
+                          recipe=QuantRecipe(cold_layers=5, cold_bits=2))
     assert not (tmp_path / "q").exists()
     r = run_cli("quantize", "--model", str(make_model("qwen3_moe", bits=4)), "--output", str(tmp_path / "q"))
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
@@ -207,4 +212,4 @@ def test_a_zero_group_size_or_bits_is_refused_not_taken_for_the_default(tmp_path
     expect_error(run_cli("quantize", "--model", str(src), "--output", str(tmp_path / "q"), *args), *needles)
     assert not (tmp_path / "q").exists() and hidden(tmp_path) == [] and tree(src) == before
     with pytest.raises(UserError, match=r"expert_group_size= must be one of 32, 64, 128 for affine .*got 0\."):
-        jobs.quantize.run(model=src, output=tmp_path / "q", expert_group_size=0)
+        jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(expert_group_size=0))

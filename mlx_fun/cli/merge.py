@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option, token_budget_option
+from .common import echo_err, friendly_errors, metric_option, model_option, run_settings, take, token_budget_option
 from .prune import echo_size_summary
 
 
@@ -73,8 +73,11 @@ def command(**kwargs):
     mlx_lm.load(). ream_metadata.json records centroids and groups.
     """
     from ..jobs import merge
+    from ..rewrite.merge_options import Ream
+    from ..selection import Selection
 
-    show(merge.run(**kwargs, progress=True, log=echo_err))
+    selection, ream, settings = take(kwargs, Selection), take(kwargs, Ream), run_settings(kwargs)
+    show(merge.run(**kwargs, selection=selection, ream=ream, settings=settings, log=echo_err))
 
 
 def show(result) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option
+from .common import echo_err, friendly_errors, metric_option, model_option, take
 
 
 @click.command("prune", short_help="Remove the least salient experts (REAP) and save an mlx-lm model.")
@@ -47,8 +47,10 @@ def command(**kwargs):
     stays near the largest tensor, however large the model.
     """
     from ..jobs import prune
+    from ..selection import Selection
 
-    show(prune.run(**kwargs, progress=True, log=echo_err))
+    selection = take(kwargs, Selection)
+    show(prune.run(**kwargs, selection=selection, progress=True, log=echo_err))
 
 
 def show(result) -> None:

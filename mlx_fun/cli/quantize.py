@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option
+from .common import echo_err, friendly_errors, metric_option, model_option, take
 
 MODES = click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"])
 BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
@@ -51,10 +51,12 @@ def command(expert_bits, dense_bits, router_bits, cold_bits, **kwargs):
     quantize_metadata.json records the recipe and every module's setting.
     """
     from ..jobs import quantize
+    from ..rewrite.quantize import QuantRecipe
 
     as_int = lambda v: None if v is None else int(v)  # noqa: E731
-    show(quantize.run(expert_bits=as_int(expert_bits), dense_bits=as_int(dense_bits), router_bits=int(router_bits),
-                      cold_bits=as_int(cold_bits), **kwargs, progress=True, log=echo_err))
+    recipe = take(kwargs, QuantRecipe, expert_bits=as_int(expert_bits), dense_bits=as_int(dense_bits),
+                  router_bits=int(router_bits), cold_bits=as_int(cold_bits))
+    show(quantize.run(**kwargs, recipe=recipe, progress=True, log=echo_err))
 
 
 def show(result) -> None:

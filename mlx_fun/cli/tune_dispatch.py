@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..jobs.tune_dispatch import DEFAULT_MS
-from .common import FiniteFloat, echo_err, friendly_errors
+from .common import FiniteFloat, echo_err, friendly_errors, take
 
 
 @click.command("tune-dispatch", short_help="Measure sort/no-sort/blocked/dequant cut-offs of MoE experts here.")
@@ -53,9 +53,11 @@ def command(**kwargs):
     Example:
       mlx-fun tune-dispatch --model data/tiny-moe --max-m 256
     """
+    from ..dispatch_tune_options import Measurement
     from ..jobs import tune_dispatch
 
-    show(tune_dispatch.run(**kwargs, progress=True, log=echo_err, on_entry=_print_entry))
+    measure = take(kwargs, Measurement)
+    show(tune_dispatch.run(**kwargs, measure=measure, progress=True, log=echo_err, on_entry=_print_entry))
 
 
 def show(result) -> None:

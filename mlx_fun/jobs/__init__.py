@@ -4,8 +4,9 @@ keyword-only ``run(...)`` that does the whole command and returns its result —
 ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only parses, calls ``run`` and prints.
 
     from mlx_fun import jobs
+    from mlx_fun.selection import Selection
     jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz")
-    jobs.prune.run(model="data/tiny-moe", saliency="s.npz", n_prune=8, output="pruned")
+    jobs.prune.run(model="data/tiny-moe", saliency="s.npz", selection=Selection(n_prune=8), output="pruned")
 
 Every ``run`` here is wrapped by :func:`mlx_fun.writer.job_inputs`: each output it reserves is refused if it is,
 contains or lies inside any path the job was given to read (every parameter annotated with ``Path``); and, outside

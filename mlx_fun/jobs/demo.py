@@ -1,12 +1,13 @@
 """The ``demo`` job: the main job end to end on the bundled trained model, offline, in about a minute.
 
 prepare data → collect → prune → smoke-test → eval, each step the real job, announced with the command line that
-runs it by hand (``mlx-fun <command> <flags>``, the flags being the job's keyword arguments), then a table of
-sizes and perplexities written to ``summary.md``.
+runs it by hand (``mlx-fun <command> <flags>``, the flags being the job's keyword arguments and the fields of its
+option groups), then a table of sizes and perplexities written to ``summary.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
@@ -46,6 +47,19 @@ def command_line(name: str, kwargs: dict) -> str:
         elif value is not None:
             parts += [flag, str(value)]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def grouped(run, kwargs: dict) -> dict:
+    """``kwargs`` given by option name (as on the command line) with the fields of ``run``'s option groups
+    (:func:`mlx_fun.settings.option_groups`: ``selection``, ``settings``, ...) folded into those groups."""
+    from ..settings import option_groups
+
+    out = dict(kwargs)
+    for name, group in option_groups(run).items():
+        names = {f.name for f in dataclasses.fields(group)}
+        if names & set(out):
+            out[name] = group(**{k: out.pop(k) for k in list(out) if k in names})
+    return out
 
 
 def check_workdir(out: Path) -> None:
@@ -117,26 +131,32 @@ def run(
         if announce is not None:
             announce(title, command_line(name, kwargs))
         t0 = time.perf_counter()
-        result = job(**kwargs, **extra.get(name, {}), log=log)
+        result = job(**grouped(job, {**kwargs, **extra.get(name, {})}), log=log)
         times[name] = time.perf_counter() - t0
         if report is not None:
             report(name, result)
 
     ev = json.loads(eval_json.read_text())
+    summary, agreement = _tables(ev, n_experts, n_prune, dir_size(model_dir), dir_size(pruned))
+    writer.write_text(out / "summary.md", f"# mlx-fun demo\n\n{metric} pruning of {n_prune}/{n_experts} experts per "
+                      f"layer, calibrated on {calibration}.\n\n{summary}\n\n{agreement}\n\nStep times (s): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
+    return DemoResult(out, summary, agreement, ev, metric, calibration, times, time.perf_counter() - start)
+
+
+def _tables(ev: dict, n_experts: int, n_prune: int, original: int, pruned: int) -> tuple[str, str]:
+    """``(summary, agreement)``: the markdown table of sizes and perplexities (original and pruned, sizes in bytes)
+    and the KL / top-1 agreement line, from the eval report ``ev``."""
     domains = list(ev["datasets"])
     header = ["model", "experts/layer", "size"] + [f"{d} ppl" for d in domains]
     table = [header]
-    for label, experts, size, key in (("original", n_experts, dir_size(model_dir), "ref_ppl"),
-                                      ("pruned", n_experts - n_prune, dir_size(pruned), "ppl")):
+    for label, experts, size, key in (("original", n_experts, original, "ref_ppl"),
+                                      ("pruned", n_experts - n_prune, pruned, "ppl")):
         table.append([label, str(experts), f"{size / 2**20:.1f} MiB"] + [f"{ev['datasets'][d][key]:.2f}" for d in domains])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    summary = "\n".join(lines)
     agreement = ", ".join(f"{d}: KL {ev['datasets'][d]['kl']:.4f} nats, top-1 agreement "
                           f"{ev['datasets'][d]['top1_agreement']:.1%}" for d in domains)
-    writer.write_text(out / "summary.md", f"# mlx-fun demo\n\n{metric} pruning of {n_prune}/{n_experts} experts per "
-                      f"layer, calibrated on {calibration}.\n\n{summary}\n\n{agreement}\n\nStep times (s): "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
-    return DemoResult(out, summary, agreement, ev, metric, calibration, times, time.perf_counter() - start)
+    return "\n".join(lines), agreement

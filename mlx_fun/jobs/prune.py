@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import UserError, param
+from ..selection import Selection
 from .common import Log, check_supported, load_moe, quiet, require_path
 
 
@@ -26,9 +27,10 @@ class PruneResult:
     shards: int = 1
 
 
-def check_sources(*, saliency, expert_list, n_prune, safety_map=None, safety_mode=None, domain_map=None,
-                  domain_mode=None, model_wide=False, ignore_experts=None) -> None:
+def check_sources(*, saliency, expert_list, selection: Selection, safety_map=None, safety_mode=None,
+                  domain_map=None, domain_mode=None) -> None:
     """The argument rules of prune (merge shares the first three)."""
+    n_prune = selection.n_prune
     if (saliency is None) == (expert_list is None):
         raise UserError(f"give exactly one of {param('saliency')} (with {param('n_prune')}) or {param('expert_list')}.")
     if saliency is not None and n_prune is None:
@@ -39,7 +41,7 @@ def check_sources(*, saliency, expert_list, n_prune, safety_map=None, safety_mod
         raise UserError(f"{param('safety_map')} and {param('safety_mode')} go together.")
     if (domain_map is None) != (domain_mode is None):
         raise UserError(f"{param('domain_map')} and {param('domain_mode')} go together.")
-    if ignore_experts is not None and not model_wide:
+    if selection.ignore_experts is not None and not selection.model_wide:
         raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
 
 
@@ -49,12 +51,8 @@ def run(
     output: str | Path,
     saliency: str | Path | None = None,
     expert_list: str | Path | None = None,
-    n_prune: int | None = None,
-    metric: str = "reap",
+    selection: Selection = Selection(),
     strategy: str = "bottom",
-    model_wide: bool = False,
-    min_experts_per_layer: int = 1,
-    ignore_experts: str | None = None,
     safety_map: str | Path | None = None,
     safety_mode: str | None = None,
     domain_map: str | Path | None = None,
@@ -71,6 +69,9 @@ def run(
     loaded lazily and written tensor by tensor into shards of at most ``max_shard_size`` — untouched tensors and
     kept expert rows are copied from the source files without being decoded, so memory stays near one tensor.
     The output is reserved before loading and checked for room before writing (:mod:`mlx_fun.writer`).
+
+    ``selection`` (:class:`mlx_fun.selection.Selection`): how many experts go and how they are ranked (``n_prune``,
+    ``metric``, ``model_wide``, ``min_experts_per_layer``, ``ignore_experts``); ``strategy`` picks them from it.
     """
     from .. import writer
     from ..io import params_nbytes, write_model_dir
@@ -79,9 +80,9 @@ def run(
     from ..streaming import Snapshot, shard_bytes
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
-    check_sources(saliency=saliency, expert_list=expert_list, n_prune=n_prune, safety_map=safety_map,
-                  safety_mode=safety_mode, domain_map=domain_map, domain_mode=domain_mode, model_wide=model_wide,
-                  ignore_experts=ignore_experts)
+    check_sources(saliency=saliency, expert_list=expert_list, selection=selection, safety_map=safety_map,
+                  safety_mode=safety_mode, domain_map=domain_map, domain_mode=domain_mode)
+    metric, model_wide = selection.metric, selection.model_wide
     max_shard = shard_bytes(max_shard_size)
     for name, path in (("saliency", saliency), ("expert_list", expert_list), ("safety_map", safety_map),
                        ("domain_map", domain_map)):
@@ -92,12 +93,11 @@ def run(
     scores = None if acc is None else acc.ranking_scores(metric, over="columns" if model_wide else "experts")
     start = time.perf_counter()
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, _tokenizer, config, adapter = load_moe(model, lazy=True)
+        mdl, _tokenizer, config, adapter = load_moe(model, lazy=True, tokenizer=False)  # rewrites weights only
         snapshot = Snapshot(mdl, model, config)
         moe_layers, E = adapter.moe_layers(), adapter.num_experts
         keep_map, warnings = select_keep_map(
-            adapter, acc=acc, scores=scores, expert_list=expert_list, n_prune=n_prune, strategy=strategy,
-            model_wide=model_wide, min_experts_per_layer=min_experts_per_layer, ignore_experts=ignore_experts,
+            adapter, acc=acc, scores=scores, expert_list=expert_list, selection=selection, strategy=strategy,
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
         for line in warnings:
             log(f"Warning: {line}")
@@ -111,7 +111,7 @@ def run(
             "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
             "strategy": strategy if expert_list is None else None,
             "model_wide": model_wide,
-            "n_prune": n_prune,
+            "n_prune": selection.n_prune,
             "source": str(saliency or expert_list),
             "mlx_fun_version": __version__,
         }
@@ -124,8 +124,8 @@ def run(
                        time.perf_counter() - start, warnings, stats.copied, stats.evaluated, stats.shards)
 
 
-def select_keep_map(adapter, *, acc, scores, expert_list, n_prune, strategy, model_wide, min_experts_per_layer,
-                    ignore_experts, safety_map=None, safety_mode=None, domain_map=None):
+def select_keep_map(adapter, *, acc, scores, expert_list, selection: Selection, strategy, safety_map=None,
+                    safety_mode=None, domain_map=None):
     """``(keep_map, warnings)``: the experts to keep per MoE position, from an expert list or from the loaded
     saliency ``acc`` and its checked ``scores`` (:meth:`~mlx_fun.saliency.SaliencyAccumulator.ranking_scores`), with
     safety / domain protection or targeting."""
@@ -148,9 +148,9 @@ def select_keep_map(adapter, *, acc, scores, expert_list, n_prune, strategy, mod
         if domain_map is not None:
             protected_sets.append(load_report_experts(domain_map, "domain", moe_layers, E))
         keep_map = select_experts(
-            scores, n_prune, top_k=adapter.top_k, strategy=strategy, model_wide=model_wide,
-            min_experts_per_layer=min_experts_per_layer,
-            ignore_experts=parse_expert_ranges(ignore_experts) if ignore_experts else None,
+            scores, selection.n_prune, top_k=adapter.top_k, strategy=strategy, model_wide=selection.model_wide,
+            min_experts_per_layer=selection.min_experts_per_layer,
+            ignore_experts=parse_expert_ranges(selection.ignore_experts) if selection.ignore_experts else None,
             protected=merge_expert_sets(*protected_sets) if protected_sets else None, targeted=targeted,
             groups=adapter.groups, moe_layer_indices=moe_layers,
         )

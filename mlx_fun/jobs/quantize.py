@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError, param
+from ..rewrite.quantize import QuantRecipe
 from .common import Log, check_supported, load_moe, quiet, require_path
 
 
@@ -26,29 +27,22 @@ def run(
     *,
     model: str | Path,
     output: str | Path,
-    expert_bits: int | None = 4,
-    expert_mode: str = "affine",
-    expert_group_size: int | None = None,
-    dense_bits: int | None = 4,
-    dense_mode: str = "affine",
-    dense_group_size: int | None = None,
-    router_bits: int = 16,
+    recipe: QuantRecipe = QuantRecipe(),
     saliency: str | Path | None = None,
-    cold_layers: int | None = None,
-    cold_bits: int | None = None,
-    cold_mode: str | None = None,
     metric: str = "reap",
     max_shard_size: str | int = "5GB",
     force: bool = False,
     progress: bool = False,
     log: Log = quiet,
 ) -> QuantizeResult:
-    """Quantize the float MoE ``model`` into ``output``: routed experts at ``expert_*``; attention, shared experts,
-    dense MLPs, embeddings and head at ``dense_*``; each router kept in float (``router_bits=16``) or 8-bit
-    affine. With ``saliency`` (a ``collect`` file), the ``cold_layers`` MoE layers whose experts are least
-    salient (summed ``metric``) get ``cold_bits`` (``cold_mode``, default ``expert_mode``) for their routed
-    experts — per layer, the finest granularity mlx-lm's loader allows (:mod:`mlx_fun.rewrite.quantize`).
-    Lazy load, lazy quantization, written tensor by tensor (:mod:`mlx_fun.streaming`).
+    """Quantize the float MoE ``model`` into ``output`` by ``recipe``
+    (:class:`mlx_fun.rewrite.quantize.QuantRecipe`): routed experts at ``recipe.expert_*``; attention, shared
+    experts, dense MLPs, embeddings and head at ``recipe.dense_*``; each router kept in float
+    (``recipe.router_bits=16``) or 8-bit affine. With ``saliency`` (a ``collect`` file), the ``recipe.cold_layers``
+    MoE layers whose experts are least salient (summed ``metric``) get ``recipe.cold_bits`` (``recipe.cold_mode``,
+    default ``recipe.expert_mode``) for their routed experts — per layer, the finest granularity mlx-lm's loader
+    allows (:mod:`mlx_fun.rewrite.quantize`). Lazy load, lazy quantization, written tensor by tensor
+    (:mod:`mlx_fun.streaming`).
     """
     from .. import writer
     from ..io import params_nbytes, write_model_dir
@@ -59,38 +53,25 @@ def run(
     if found := (config.get("quantization") or config.get("quantization_config")):
         raise UserError(f"{param('model')} {model} is already quantized ({_describe(found)}); quantize starts from "
                         f"the float original.")
-    dense = q.setting("dense", dense_bits, dense_group_size, dense_mode)
-    experts = q.setting("expert", expert_bits, expert_group_size, expert_mode)
-    if router_bits not in (8, 16):
-        raise UserError(f"{param('router_bits')} must be 16 (kept in float) or 8 (8-bit affine), got {router_bits!r}.")
-    router = None if router_bits == 16 else q.Setting(8, 64, "affine")
-    if saliency is not None and (cold_layers is None or (cold_bits is None and cold_mode is None)):
-        raise UserError(f"{param('saliency')} needs {param('cold_layers')} N and {param('cold_bits')} B (the N "
-                        f"coldest MoE layers' experts get B bits).")
-    if saliency is None and (cold_layers, cold_bits, cold_mode) != (None, None, None):
-        raise UserError(f"{param('cold_layers')} / {param('cold_bits')} pick layers by saliency; add "
-                        f"{param('saliency')} (a .npz from `mlx-fun collect`).")
-    require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")
-    cold = None if cold_layers is None else q.setting("cold", cold_bits, expert_group_size, cold_mode or expert_mode,
-                                                      group_param="expert_group_size")
+    dense, experts, router, cold = _settings(recipe, saliency)
     max_shard = shard_bytes(max_shard_size)
     start, warnings = time.perf_counter(), []
     with writer.output(output, kind="dir", inputs={param("model"): model, param("saliency"): saliency},
                        force=force) as res:
-        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log)
+        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log, tokenizer=False)  # weights only
         snapshot = Snapshot(mdl, model, config)
         cold_scores: dict[int, float] = {}
         if saliency is not None:
-            cold_scores = _cold(adapter, saliency, cold_layers, metric, warnings)
-        recipe = q.Recipe(dense, experts, router, cold, tuple(cold_scores))
-        new_config, modules, skipped = q.quantize(adapter, config, recipe)
+            cold_scores = _cold(adapter, saliency, recipe.cold_layers, metric, warnings)
+        resolved = q.Recipe(dense, experts, router, cold, tuple(cold_scores))
+        new_config, modules, skipped = q.quantize(adapter, config, resolved)
         if skipped:
             warnings.append(f"{len(skipped)} module(s) stay in float: their input width is not a multiple of the "
                             f"group size (e.g. {skipped[0]}).")
         bpw = q.bits_per_weight(mdl)
         for line in warnings:
             log(f"Warning: {line}")
-        meta = {"recipe": recipe.describe(), "modules": modules, "bits_per_weight": round(bpw, 4),
+        meta = {"recipe": resolved.describe(), "modules": modules, "bits_per_weight": round(bpw, 4),
                 "saliency": None if saliency is None else {"file": str(saliency), "metric": metric,
                                                            "cold_layer_scores": {str(k): v for k, v in cold_scores.items()}},
                 "float_modules": skipped}
@@ -98,8 +79,32 @@ def run(
         log(f"Saving quantized model to {output} ...")
         write_model_dir(res, mdl, new_config, source=model, metadata={"quantize_metadata.json": meta},
                         snapshot=snapshot, max_shard_bytes=max_shard, donate=True, progress=progress)
-    return QuantizeResult(Path(output), Path(model), recipe.describe(), modules, bpw, time.perf_counter() - start,
+    return QuantizeResult(Path(output), Path(model), resolved.describe(), modules, bpw, time.perf_counter() - start,
                           cold_scores, warnings)
+
+
+def _settings(recipe: QuantRecipe, saliency):
+    """``(dense, experts, router, cold)`` :class:`~mlx_fun.rewrite.quantize.Setting` s of ``recipe`` (router and
+    cold ``None`` where unused), checked before anything loads: one-line ``UserError`` s naming the field."""
+    from ..rewrite import quantize as q
+
+    r = recipe
+    dense = q.setting("dense", r.dense_bits, r.dense_group_size, r.dense_mode)
+    experts = q.setting("expert", r.expert_bits, r.expert_group_size, r.expert_mode)
+    if r.router_bits not in (8, 16):
+        raise UserError(f"{param('router_bits')} must be 16 (kept in float) or 8 (8-bit affine), got "
+                        f"{r.router_bits!r}.")
+    router = None if r.router_bits == 16 else q.Setting(8, 64, "affine")
+    if saliency is not None and (r.cold_layers is None or (r.cold_bits is None and r.cold_mode is None)):
+        raise UserError(f"{param('saliency')} needs {param('cold_layers')} N and {param('cold_bits')} B (the N "
+                        f"coldest MoE layers' experts get B bits).")
+    if saliency is None and (r.cold_layers, r.cold_bits, r.cold_mode) != (None, None, None):
+        raise UserError(f"{param('cold_layers')} / {param('cold_bits')} pick layers by saliency; add "
+                        f"{param('saliency')} (a .npz from `mlx-fun collect`).")
+    require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")
+    cold = None if r.cold_layers is None else q.setting("cold", r.cold_bits, r.expert_group_size,
+                                                        r.cold_mode or r.expert_mode, group_param="expert_group_size")
+    return dense, experts, router, cold
 
 
 def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[int, float]:

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..dispatch_tune_options import Measurement, int_list
 from ..errors import UserError, param
 from .common import Log, quiet
 
-DEFAULT_MS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
+DEFAULT_MS = Measurement().ms
 
 
 @dataclass
@@ -27,12 +28,7 @@ def run(
     dtype: str | None = None,
     gpt_oss: bool = False,
     top_k: int | None = None,
-    ms: str = DEFAULT_MS,
-    max_m: int | None = None,
-    blocks: str = "8,16,32,64",
-    no_dequant: bool = False,
-    margin: float = 0.05,
-    repeats: int = 3,
+    measure: Measurement = Measurement(),
     output: str | Path | None = None,
     merge_into: str | Path | None = None,
     progress: bool = False,
@@ -40,20 +36,21 @@ def run(
     on_entry=None,
 ) -> TuneResult:
     """Measure every dispatch plan for each distinct expert shape of ``model`` (or each ``shape`` D,H,E,k with
-    ``quant``) for token counts ``ms`` and write the cut-offs (merged into ``output``, default the user table;
-    also into ``merge_into``). ``on_entry(entry)`` is called as each shape is done."""
+    ``quant``) for token counts ``measure.ms`` and write the cut-offs (merged into ``output``, default the user
+    table; also into ``merge_into``). ``on_entry(entry)`` is called as each shape is done.
+
+    ``measure`` (:class:`mlx_fun.dispatch_tune_options.Measurement`): token counts, largest M, block sizes, whether to
+    try dequantized plans, the margin a plan must win by and the minimum repeats."""
     import mlx.core as mx
     from tqdm import tqdm
 
     from .. import dispatch as dsp
-    from ..dispatch_tune import device_description, measure, entry_from, parse_quant
+    from ..dispatch_tune import device_description, entry_from, parse_quant
+    from ..dispatch_tune import measure as time_plans
 
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
-    ms_list = sorted(set(_int_list(ms, "ms")))
-    if max_m:
-        ms_list = [m for m in ms_list if m <= max_m] or [min(ms_list)]
-    block_list = sorted(set(_int_list(blocks, "blocks")))
+    ms_list, block_list = measure.token_counts(), measure.block_sizes()
     backend = dsp.backend_name()
 
     if model:
@@ -62,8 +59,9 @@ def run(
         targets = _specs_from_shapes(shape, quant, dtype, gpt_oss, backend)
 
     out_path = Path(output) if output else dsp.user_table_path()
-    for path in (out_path, Path(merge_into) if merge_into else None):
-        if path is not None and path.is_file():
+    tables = [out_path] + ([Path(merge_into)] if merge_into else [])
+    for path in tables:
+        if path.is_file():
             try:
                 dsp.read_table(path)
             except ValueError as e:
@@ -76,7 +74,7 @@ def run(
         if backend == "cpu" and spec.dtype != "float32" and parse_quant(spec.quant) is None:
             raise UserError(f"{spec.label()}: MLX's CPU gather_mm is float32 only, so float {spec.dtype} experts "
                             "cannot run on the CPU (mlx-lm's SwitchGLU fails too); tune float32 or on a GPU.")
-        dequant = not no_dequant and not (backend == "cpu" and spec.dtype != "float32")
+        dequant = not measure.no_dequant and not (backend == "cpu" and spec.dtype != "float32")
         layer = module if module is not None else item[2](spec)
         total = len(ms_list)
         bar = tqdm(total=total, desc=spec.label(), unit="M", dynamic_ncols=True, leave=True, disable=not progress)
@@ -91,34 +89,21 @@ def run(
             bar.set_postfix_str(text, refresh=True)
 
         try:
-            meas = measure(layer, spec, ms=ms_list, blocks=tuple(block_list), dequant=dequant,
-                           min_repeats=repeats, progress=report)
+            meas = time_plans(layer, spec, ms=ms_list, blocks=block_list, dequant=dequant,
+                              min_repeats=measure.repeats, progress=report)
         finally:
             bar.update(total - bar.n)
             bar.close()
-        entry = entry_from(meas, margin=margin)
+        entry = entry_from(meas, margin=measure.margin)
         entries.append(entry)
         if on_entry is not None:
             on_entry(entry)
         del layer
 
     new = dsp.Table(entries)
-    written = []
-    for path in [out_path] + ([Path(merge_into)] if merge_into else []):
-        target = dsp.read_table(path) if path.is_file() else dsp.Table()
-        dsp.write_table(target.merged(new), path)
-        written.append(str(path))
-    return TuneResult(entries, written, user_table=not output)
-
-
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
-    except ValueError:
-        raise UserError(f"{param(what)} must be comma-separated integers, got {text!r}.") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{param(what)} must list positive integers, got {text!r}.")
-    return values
+    for path in tables:
+        dsp.write_table((dsp.read_table(path) if path.is_file() else dsp.Table()).merged(new), path)
+    return TuneResult(entries, [str(p) for p in tables], user_table=not output)
 
 
 def _model_top_k(model, config: dict, override: int | None) -> int:
@@ -160,7 +145,7 @@ def _specs_from_shapes(shapes, quants, dtype, gpt_oss: bool, backend: str):
     act = dtype or ("float32" if backend == "cpu" else "bfloat16")
     out = []
     for shape in shapes:
-        dims = _int_list(shape, "shape")
+        dims = int_list(shape, "shape")
         if len(dims) != 4:
             raise UserError(f"{param('shape')} takes D,H,E,k (4 integers), got {shape!r}.")
         D, H, E, k = dims

@@ -73,6 +73,7 @@ from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError, param
 from .driver import LayerDriver
 from .weights import dense, stored, write
+from .merge_options import Ream  # noqa: F401 - the merge job's option group ``ream``
 from .prune import check_keep_map, prune_block, pruned_config
 
 SIMILARITY_MODES = ("gated", "average")

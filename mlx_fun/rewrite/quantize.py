@@ -73,6 +73,29 @@ def setting(name: str, bits: int | None, group_size: int | None, mode: str, *, g
 
 
 @dataclass(frozen=True)
+class QuantRecipe:
+    """What the quantize job is asked for (its option group ``recipe``; fields = its options), checked and
+    resolved into a :class:`Recipe` by the job.
+
+    ``expert_*``: bits / format / group size of the routed experts (``None`` group size: the mode's default;
+    ``None`` bits: the mode's own, for mxfp4 / nvfp4 / mxfp8); ``dense_*``: the same for attention, shared experts,
+    dense MLPs, embeddings and head; ``router_bits``: 16 (float) or 8 (8-bit affine); ``cold_layers`` /
+    ``cold_bits`` / ``cold_mode``: with a saliency file, that many coldest MoE layers' routed experts get these
+    bits and format (default ``expert_mode``), with ``expert_group_size``."""
+
+    expert_bits: int | None = 4
+    expert_mode: str = "affine"
+    expert_group_size: int | None = None
+    dense_bits: int | None = 4
+    dense_mode: str = "affine"
+    dense_group_size: int | None = None
+    router_bits: int = 16
+    cold_layers: int | None = None
+    cold_bits: int | None = None
+    cold_mode: str | None = None
+
+
+@dataclass(frozen=True)
 class Recipe:
     dense: Setting
     experts: Setting
