@@ -378,16 +378,6 @@ def run_generation(
     return result
 
 
-def prefill_step(settings, config: dict, dispatch_mode: str, top_k: int | None = None) -> int | None:
-    """:func:`run_generation`'s ``prefill_step_size`` from ``settings.token_budget``
-    (:class:`mlx_fun.settings.RunSettings`; :meth:`~mlx_fun.settings.RunSettings.budget` lowers it where the backend
-    caps mlx-lm's expert call), so no prompt forward holds more tokens; None (mlx-lm's own step) without a budget.
-    Decoding feeds one token a forward (speculative decoding: ``num_draft_tokens`` + 1)."""
-    if settings.token_budget is None:
-        return None
-    return settings.budget(config, dispatch_mode=dispatch_mode, top_k=top_k)
-
-
 def generate_tokens(
     model,
     tokenizer,

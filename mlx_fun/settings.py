@@ -90,6 +90,14 @@ class RunSettings:
         except UserError as e:
             raise UserError(f"{param('token_budget')}: {e}") from None
 
+    def prefill_step(self, config: dict, *, dispatch_mode: str, top_k: int | None = None) -> int | None:
+        """mlx-lm's ``prefill_step_size`` for a generation (smoke-test, steer): :meth:`budget` when
+        ``token_budget`` is given, so no prompt forward holds more tokens; None (mlx-lm's own step) without one.
+        Decoding feeds one token a forward (speculative decoding: ``num_draft_tokens`` + 1)."""
+        if self.token_budget is None:
+            return None
+        return self.budget(config, dispatch_mode=dispatch_mode, top_k=top_k)
+
 
 def option_groups(func) -> dict[str, type]:
     """The parameters of ``func`` that group options (those whose default is a dataclass instance, like

@@ -68,11 +68,13 @@ def test_the_stub_would_catch_an_import_of_torch(stub_torch):
 
 def test_commands_that_never_tokenize_import_neither_transformers_nor_torch(stub_torch, qwen_model, saliency,
                                                                             tmp_path):
+    other = tmp_path / "other.npz"
+    jobs.collect.run(model=qwen_model, dataset=DATA, output=other, max_samples=3, max_tokens=24, seed=1)
     runs = {
         "prune": ["prune", "--model", qwen_model, "--saliency", saliency, "--n-prune", "1", "--output",
                   tmp_path / "pruned"],
         "quantize": ["quantize", "--model", qwen_model, "--output", tmp_path / "q4"],
-        "stats-merge": ["stats-merge", "--files", saliency, "--files", saliency, "--output", tmp_path / "m.npz"],
+        "stats-merge": ["stats-merge", "--files", saliency, "--files", other, "--output", tmp_path / "m.npz"],
     }
     for name, args in runs.items():
         proc, modules = mlx_fun(stub_torch, *args)

@@ -50,7 +50,7 @@ def run(
     require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
     inputs = {param("model"): model, param("domain_map"): domain_map}
     with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log)
+        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log, tokenizer=False)
         snapshot = Snapshot(mdl, model, config)  # streaming: untouched tensors are copied from the files
         found = target(adapter, adapter.blocks()[0])
         if found is None:

@@ -73,37 +73,6 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
     return [line]
 
 
-def apply_dispatch(model, *, dispatch: str, dispatch_table, dequant_cache, log: Log = quiet):
-    """Install mlx-fun's runtime expert dispatch (``auto``) or keep mlx-lm's (``mlx-lm``); returns the report."""
-    from ..dispatch import DispatchSettings
-    from ..sizes import parse_bytes
-
-    try:
-        budget = parse_bytes(dequant_cache)
-    except ValueError as e:
-        raise UserError(f"{param('dequant_cache')}: {e}") from None
-    return DispatchSettings(dispatch, None if dispatch_table is None else str(dispatch_table), budget).apply(
-        model, echo=log)
-
-
-def forward_budget(requested: int | None, *, config: dict, dispatch_mode: str, top_k: int | None = None) -> int:
-    """Tokens per forward for the engine: ``requested`` (default :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`),
-    lowered under mlx-lm's own expert call where the backend caps a grouped matmul's rows (CUDA: 65,535 routed
-    rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch splits such calls itself. ``top_k``: the loaded
-    adapter's (else read from ``config``)."""
-    from .. import engine
-    from ..adapters import adapter_class
-
-    try:
-        top_k = top_k or adapter_class(config).config_top_k(config)
-    except (UserError, KeyError, TypeError, ValueError):  # a dense or unknown model: assume the widest usual top-k
-        top_k = int(config.get("num_experts_per_tok") or 8)
-    try:
-        return engine.budget_for(requested, top_k=top_k, dispatched=dispatch_mode == "auto")
-    except UserError as e:
-        raise UserError(f"{param('token_budget')}: {e}") from None
-
-
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      max_samples: int, max_tokens: int, text_key: str, threshold_percentile: float,
                      seed: int | None, batch_size: int, settings, log: Log, extra: dict | None = None) -> dict:

@@ -66,7 +66,7 @@ def run(
     options (:mod:`mlx_fun.genopts`)."""
     from ..genopts import load_draft
     from ..io import context_length, load_model
-    from ..sampling import encode_prompt, make_sampler, prefill_step, run_generation
+    from ..sampling import encode_prompt, make_sampler, run_generation
 
     generation.check(draft=draft_model)
     settings.check()
@@ -93,5 +93,5 @@ def run(
         log(f"Warning: {warnings[-1]}")
     result = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k,
                             top_p=top_p, chat=chat, on_text=on_text, options=generation, draft_model=draft,
-                            prefill_step_size=prefill_step(settings, config, report.mode))
+                            prefill_step_size=settings.prefill_step(config, dispatch_mode=report.mode))
     return SmokeTestResult(result, repr(sampler), warnings)

@@ -63,7 +63,7 @@ def run(
     speculative decoding options (:mod:`mlx_fun.genopts`); a draft model is never steered."""
     from .. import moe_hook
     from ..genopts import load_draft
-    from ..sampling import encode_prompt, make_sampler, prefill_step, run_generation
+    from ..sampling import encode_prompt, make_sampler, run_generation
     from ..steering import for_adapter
 
     generation.check(draft=draft_model)
@@ -94,7 +94,7 @@ def run(
     report = settings.apply(mdl, log=log)
     draft = load_draft(draft_model, tokenizer)
     gen = dict(max_tokens=max_tokens, temp=temp, seed=seed, options=generation, draft_model=draft,
-               prefill_step_size=prefill_step(settings, config, report.mode, adapter.top_k))
+               prefill_step_size=settings.prefill_step(config, dispatch_mode=report.mode, top_k=adapter.top_k))
     ids = encode_prompt(tokenizer, prompt, chat)
     baseline = None
     if compare:

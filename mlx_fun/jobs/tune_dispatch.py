@@ -124,7 +124,7 @@ def _specs_from_model(model_path: str, top_k: int | None):
     from ..dispatch_tune import spec_of
     from ..io import load_model
 
-    model, _tok, config = load_model(model_path, lazy=True)
+    model, _tok, config = load_model(model_path, lazy=True, tokenizer=False)
     modules = expert_modules(model)
     if not modules:
         raise UserError(f"{model_path} has no mlx-lm SwitchGLU experts to tune.")
