@@ -68,25 +68,12 @@ def build_gpu_model(out: Path) -> Path:
 
 
 def random_saliency(model: Path, out: Path) -> Path:
-    """Random REAP statistics of the right shape (as scripts/bench_prune.py makes them): no collect run."""
-    import numpy as np
-
-    from mlx_fun.adapters import get_adapter
-    from mlx_fun.io import load_model
-    from mlx_fun.saliency import SaliencyAccumulator
-
-    mdl, _, config = load_model(model, lazy=True, tokenizer=False)
-    acc = SaliencyAccumulator.for_adapter(get_adapter(mdl, config))
-    rng = np.random.default_rng(0)
-    shape = (acc.num_layers, acc.num_experts)
-    acc.freq[...] = rng.integers(50, 500, shape)
-    acc.reap_count[...] = acc.freq
-    acc.weighted_freq_sum[...] = acc.freq * rng.uniform(0.05, 0.3, shape)
-    acc.ean_sum[...] = acc.freq * rng.uniform(0.5, 2.0, shape)
-    acc.reap_sum[...] = acc.ean_sum * rng.uniform(0.05, 0.3, shape)
-    acc.max_activation_norm[...] = rng.uniform(2.0, 4.0, shape)
-    acc.total_tokens = int(acc.freq.sum()) // acc.top_k
-    acc.save(out)
+    """Random REAP statistics of the right shape, made by scripts/bench_prune.py's own snippet (no collect run)."""
+    spec = importlib.util.spec_from_file_location("bench_prune", ROOT / "scripts" / "bench_prune.py")
+    bench_prune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_prune)
+    subprocess.run([sys.executable, "-c", bench_prune.SALIENCY, str(model), str(out)], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out
 
 
