@@ -39,20 +39,23 @@ def _bar(total: int, progress: bool, desc: str):
 
 
 def greedy_replies(model, tokenizer, prompts: list[list[int]], max_tokens: int = 16, *, progress: bool = False,
-                   desc: str = "replies", first_logprobs: bool = False, budget: int | None = None):
+                   desc: str = "replies", first_logprobs: bool = False, budget: int | None = None,
+                   until_decided: bool = False):
     """Greedy replies (up to ``max_tokens`` tokens, stopped at the end-of-sequence tokens) to prompt token lists,
     batched by mlx-lm's ``BatchGenerator``; one at a time (``stream_generate``) for the models whose caches it
     cannot batch (llama4's chunked attention cache). ``progress``: a bar of finished replies. ``first_logprobs``:
     ``(replies, (N, vocab) log-probabilities of each reply's first token)`` — the distribution the generation
     normalised anyway, so no second forward; ``None`` in its place where the model computes in lower than float32
     (its normalisation would be rounded: ask :func:`first_token_logprobs`). ``budget``: the prompts are prefilled
-    within that many tokens per forward (fewer prompts at once, long ones in steps), as the forward engine would."""
+    within that many tokens per forward (fewer prompts at once, long ones in steps), as the forward engine would.
+    ``until_decided``: a reply stops as soon as it is a refusal whose phrasing is known (:func:`decided`), since
+    :func:`is_refusal` and :func:`phrasing` of any longer reply say the same: what abliteration asks of replies."""
     if not prompts:
         return ([], None) if first_logprobs else []
     firsts: dict[int, object] = {}
     with _bar(len(prompts), progress, desc) as bar:
         try:
-            out = _batched(model, tokenizer, prompts, max_tokens, bar, firsts, budget)
+            out = _batched(model, tokenizer, prompts, max_tokens, bar, firsts, budget, until_decided)
         except ValueError as e:
             if "support batching" not in str(e):
                 raise
@@ -86,15 +89,22 @@ def _stack_first(firsts: dict, n: int):
     return mx.stack([r.reshape(-1) for r in rows])
 
 
+def decided(text: str) -> bool:
+    """Whether no continuation of ``text`` can change :func:`is_refusal` or :func:`phrasing`: it is a refusal
+    (an opening matches, or a phrase within the first 80 characters, and both only grow) and its first two words are
+    complete (a third has begun)."""
+    return is_refusal(text) and len(text.split()) >= 3
+
+
 def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar, firsts: dict,
-             budget: int | None = None) -> list[str]:
+             budget: int | None = None, until_decided: bool = False) -> list[str]:
     from mlx_lm.generate import BatchGenerator
 
     from .engine import token_budget
 
     step = min(2048, token_budget(budget))
-    rows = max(1, min(64, token_budget(budget) // min(max(map(len, prompts)), step)))
-    gen = BatchGenerator(model, completion_batch_size=64, prefill_batch_size=rows, prefill_step_size=step,
+    rows = max(1, min(128, token_budget(budget) // min(max(map(len, prompts)), step)))
+    gen = BatchGenerator(model, completion_batch_size=128, prefill_batch_size=rows, prefill_step_size=step,
                          stop_tokens=[[t] for t in tokenizer.eos_token_ids])
     try:
         uids = gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))
@@ -104,12 +114,18 @@ def _batched(model, tokenizer, prompts: list[list[int]], max_tokens: int, bar, f
             responses = gen.next_generated()
             if not responses:
                 break
+            done = []
             for r in responses:
                 firsts.setdefault(index[r.uid], r.logprobs)
                 if r.finish_reason != "stop":
                     out[r.uid].append(r.token)
                 if r.finish_reason is not None:
                     bar.update(1)
+                elif until_decided and decided(tokenizer.decode(out[r.uid])):
+                    done.append(r.uid)
+            if done:
+                gen.remove(done)
+                bar.update(len(done))
     finally:
         gen.close()
     return [tokenizer.decode(out[u]) for u in uids]

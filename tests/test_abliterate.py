@@ -514,3 +514,27 @@ def test_dispatch_and_token_budget_like_every_model_command(make_model, tmp_path
         norms[name] = meta["direction_norms"]
     for k, v in norms["mlx-lm"].items():  # the same directions whichever way the experts run, in any budget
         assert norms["auto"][k] == pytest.approx(v, rel=1e-3, abs=1e-5)
+
+
+def test_replies_until_decided_stop_refusals_early_and_judge_every_reply_alike():
+    """Abliteration asks of a reply only whether it refuses and how it opens: a refusal stops once its first two
+    words are complete, an answer runs its full length, and both judgements equal the full replies'."""
+    from pathlib import Path
+
+    from mlx_fun.data import load_samples
+    from mlx_fun.refusal import decided, greedy_replies, is_refusal, phrasing
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    model, tok = load_model(data / "tiny-moe-chat")[:2]
+    prompts = [p for name in ("harmful_test", "benign_test")
+               for p in load_samples(data / "safety" / f"{name}.jsonl", tok, max_samples=8, seed=0,
+                                     generation_prompt=True)]
+    full = greedy_replies(model, tok, prompts, 16)
+    short = greedy_replies(model, tok, prompts, 16, until_decided=True)
+    assert [is_refusal(t) for t in short] == [is_refusal(t) for t in full]
+    assert [phrasing(t) for t in short] == [phrasing(t) for t in full]
+    refused = [i for i, t in enumerate(full) if is_refusal(t)]
+    assert 4 <= len(refused) < len(full)  # both kinds are exercised
+    assert all(len(tok.encode(short[i])) < len(tok.encode(full[i])) for i in refused)
+    assert all(short[i] == full[i] for i in range(len(full)) if i not in refused)
+    assert decided("I can't help with that") and not decided("I can't") and not decided("Use sorted(x) to")

@@ -177,7 +177,7 @@ class Abliteration:
         from ..refusal import greedy_replies
 
         out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
-                             first_logprobs=logprobs, budget=self.budget)
+                             first_logprobs=logprobs, budget=self.budget, until_decided=True)
         if not logprobs:
             return out
         replies, lp = out
