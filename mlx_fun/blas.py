@@ -15,7 +15,8 @@ Environment:
   ``scipy-openblas32`` wheel's OpenBLAS even when a system one is installed.
 - ``MLX_FUN_BLAS_REEXEC=1``: set by the re-exec (inherited by children); no further re-exec is tried.
 - ``OPENBLAS_NUM_THREADS``: left to OpenBLAS (all cores) unless you set it; see
-  :data:`DEFAULT_OPENBLAS_THREADS` for why no default is imposed.
+  :data:`DEFAULT_OPENBLAS_THREADS` for why no default is imposed. Unset, :mod:`mlx_fun.blas_threads` lowers it
+  to one thread while other processes use the CPU (``MLX_FUN_BLAS_GOVERNOR=0``: off).
 
 This module must not import ``mlx`` at import time (it runs before ``mlx`` may be imported).
 """
@@ -234,11 +235,17 @@ def maybe_reexec() -> None:
     Only on Linux, when not disabled (``MLX_FUN_NO_FAST_BLAS=1``), no CUDA backend is installed, a
     fast BLAS is found, loads, and is not already preloaded, no re-exec was tried before
     (``MLX_FUN_BLAS_REEXEC``) and ``mlx`` is not imported yet. If the exec fails, the process goes on with the
-    slow BLAS. Problems with ``MLX_FUN_BLAS`` are reported on stderr, once.
+    slow BLAS. Problems with ``MLX_FUN_BLAS`` are reported on stderr, once. In the re-executed process it starts
+    :mod:`mlx_fun.blas_threads`' governor (OpenBLAS's threads give way to other processes).
     """
     notes: list[str] = []
     try:
-        if not _is_linux() or _disabled() or os.environ.get(MARKER_ENV):
+        if not _is_linux() or _disabled():
+            return
+        if os.environ.get(MARKER_ENV):  # the re-executed process (or one that gave up): govern the threads
+            from .blas_threads import start
+
+            start()
             return
         if "mlx" in sys.modules or "mlx.core" in sys.modules:
             return
@@ -302,6 +309,10 @@ def blas_status() -> str:
         threads_env = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
         threads = _openblas_threads(mapped) if name == "OpenBLAS" else None
         detail = f"OPENBLAS_NUM_THREADS={threads_env}" + (f", {threads} threads" if threads else "")
+        from .blas_threads import running
+
+        if running() is not None:
+            detail += ", one while other processes use the CPU"
         return f"blas: {name} preloaded ({mapped}, {detail})"
     if _disabled():
         return f"blas: disabled by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}"

@@ -81,6 +81,9 @@ def measure(args) -> dict:
     def run_collect():
         collect(model, adapter, samples, batch_size=1)
 
+    if args.dispatch_only:  # --contended: only what `mlx-fun collect` runs
+        dispatch.apply(model, "auto")
+        return {"blas": blas_status(), "collect_dispatch_s": time_it(run_collect)}
     t_collect = time_it(run_collect)  # plain hooks on mlx-lm's expert call (`--dispatch mlx-lm`)
     t_trunk = time_it(trunk)
     t_forward = time_it(forward)
@@ -106,18 +109,74 @@ def measure(args) -> dict:
     }
 
 
-def child(args, fast_blas: bool) -> dict:
+def child(args, fast_blas: bool, extra_env: dict | None = None, dispatch_only: bool = False,
+          timeout: float | None = None) -> dict | None:
+    """The measurement in a fresh process (with or without the fast BLAS); None when it ran past ``timeout``."""
     env = dict(os.environ)
     env.pop("MLX_FUN_BLAS_REEXEC", None)
     if fast_blas:
         env.pop("MLX_FUN_NO_FAST_BLAS", None)
     else:
         env["MLX_FUN_NO_FAST_BLAS"] = "1"
+    env.update(extra_env or {})
     cmd = [sys.executable, __file__, "--blas", "current", "--json",
            "--bits", str(args.bits), "--samples", str(args.samples), "--tokens", str(args.tokens),
-           "--repeats", str(args.repeats), "--vocab", str(args.vocab)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+           "--repeats", str(args.repeats), "--vocab", str(args.vocab)] + (["--dispatch-only"] if dispatch_only else [])
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(out.strip().splitlines()[-1])
+
+
+#: --contended: (name, fast BLAS?, environment)
+CONFIGS = (("fast BLAS, governed threads (default)", True, {}),
+           ("fast BLAS, all threads (before)", True, {"MLX_FUN_BLAS_GOVERNOR": "0"}),
+           ("fast BLAS, 1 thread", True, {"OPENBLAS_NUM_THREADS": "1"}),
+           ("no fast BLAS", False, {}))
+
+
+def contended(args) -> int:
+    """collect with the dispatch (what `mlx-fun collect` runs) quiet and beside ``--contended`` busy processes,
+    for each of :data:`CONFIGS`, each in a fresh process; a run past ``--timeout`` is reported as such."""
+    rows = {}
+    for label, busy in (("quiet", 0), ("contended", args.contended)):
+        with busy_processes(busy):
+            for name, fast, env in CONFIGS:
+                r = child(args, fast, env, dispatch_only=True, timeout=args.timeout)
+                rows[(label, name)] = None if r is None else r["collect_dispatch_s"]
+                shown = "timed out" if r is None else f"{r['collect_dispatch_s']:.2f} s"
+                print(f"{label:<9} ({busy} busy) {name:<40} {shown}", flush=True)
+
+    def t(label, name):
+        return rows[(label, name)] or float(args.timeout)
+
+    gov, before, none = CONFIGS[0][0], CONFIGS[1][0], CONFIGS[3][0]
+    print(f"quiet_collect_s={t('quiet', gov):.2f}")
+    print(f"quiet_vs_all_threads={t('quiet', before) / t('quiet', gov):.2f}")
+    print(f"contended_collect_s={t('contended', gov):.2f}")
+    print(f"contended_vs_all_threads={t('contended', before) / t('contended', gov):.2f}")
+    print(f"contended_vs_no_fast_blas={t('contended', none) / t('contended', gov):.2f}")
+    return 0
+
+
+def busy_processes(n: int):
+    """``n`` processes spinning on the CPU while the block runs (stopped, and waited for, at its end)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def spinning():
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, n))]
+        try:
+            time.sleep(0.3 if procs else 0)
+            yield procs
+        finally:
+            for proc in procs:
+                proc.kill()
+            for proc in procs:
+                proc.wait()
+
+    return spinning()
 
 
 def main() -> int:
@@ -129,14 +188,20 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--blas", choices=("both", "current"), default="both" if sys.platform == "linux" else "current")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dispatch-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contended", type=int, default=0, metavar="N",
+                   help="time collect (with the dispatch) quiet and beside N busy processes, for each BLAS set-up")
+    p.add_argument("--timeout", type=float, default=240.0, help="--contended: seconds before a run counts as stuck")
     args = p.parse_args()
+    if args.contended:
+        return contended(args)
 
     if args.blas == "current":
         from mlx_fun.blas import maybe_reexec
 
         maybe_reexec()
         result = measure(args)
-        if args.json:
+        if args.json or args.dispatch_only:
             print(json.dumps(result))
             return 0
         results = [result]

@@ -15,6 +15,11 @@ tokens) and stops it. Throughput is completion tokens per second over all rounds
 
 (goals on the 2-core CPU: ≥ 0.95 lightweight, ≥ 0.85 full), each mlx-fun run also checking counts_exact.
 `--dispatch mlx-lm` runs mlx-fun serve on mlx-lm's own expert call, so the ratio is the counting hooks alone.
+
+`--contended N`: the same load on `mlx_lm.server` as a user starts it (no preloaded BLAS) and on `mlx-fun serve
+--mode lightweight` (its fast BLAS, governed threads: mlx_fun.blas_threads), quiet and then beside N busy processes
+(started for the round and stopped at its end); the last lines are ``quiet_vs_mlx_lm=<ratio>`` and
+``contended_vs_mlx_lm=<ratio>`` (goal ≥ 1.0 under contention).
 """
 
 from __future__ import annotations
@@ -64,11 +69,12 @@ def command(kind: str, model: str, port: int) -> list[str]:
 DISPATCH = ["auto"]
 
 
-def one(kind: str, args) -> tuple[int, float, bool | None]:
+def one(kind: str, args, env: dict | None = None) -> tuple[int, float, bool | None]:
     from mlx_fun.serve.loadtest import run_load
 
     port = free_port()
-    proc = subprocess.Popen(command(kind, args.model, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(kind, args.model, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
     try:
         wait_healthy(port, proc)
         url = f"http://127.0.0.1:{port}"
@@ -87,6 +93,33 @@ def one(kind: str, args) -> tuple[int, float, bool | None]:
             proc.kill()
 
 
+def contended(args) -> int:
+    """mlx_lm.server as a user starts it against mlx-fun serve, quiet and beside ``--contended`` busy processes."""
+    import os
+
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # mlx_lm.server as installed
+    rate = {}
+    for phase, busy in (("quiet", 0), ("contended", args.contended)):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            for kind, env in (("mlx-lm", plain), ("lightweight", None)):
+                tokens, seconds = 0, 0.0
+                for _ in range(args.rounds):
+                    t, s, ok = one(kind, args, env)
+                    if ok is False:
+                        raise RuntimeError(f"{kind}: counts are not exact")
+                    tokens, seconds = tokens + t, seconds + s
+                rate[(phase, kind)] = tokens / seconds
+                print(f"{phase:<9} ({busy} busy) {kind:<12} {rate[(phase, kind)]:.1f} tok/s", flush=True)
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
+    for phase in ("quiet", "contended"):
+        print(f"{phase}_vs_mlx_lm={rate[(phase, 'lightweight')] / rate[(phase, 'mlx-lm')]:.2f}")
+    return 0
+
+
 def main() -> int:
     from mlx_fun.blas import maybe_reexec
 
@@ -100,11 +133,15 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--dispatch", choices=["auto", "mlx-lm"], default="auto",
                     help="mlx-fun's expert dispatch (its default) or mlx-lm's: the latter isolates counting's cost")
+    ap.add_argument("--contended", type=int, default=0, metavar="N",
+                    help="mlx_lm.server (as installed) vs mlx-fun serve, quiet and beside N busy processes")
     args = ap.parse_args()
     DISPATCH[0] = args.dispatch
     from mlx_fun.blas import blas_status
 
     print(blas_status(), flush=True)
+    if args.contended:
+        return contended(args)
     kinds = ("mlx-lm", "lightweight", "full")
     totals = {k: [0, 0.0] for k in kinds}
     exact = True

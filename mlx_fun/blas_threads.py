@@ -1,0 +1,142 @@
+"""OpenBLAS threads that give way when other processes want the CPU.
+
+A multi-threaded OpenBLAS call splits its work across one thread per core and waits for all of them. When another
+process holds a core, one part waits for the scheduler and the whole call with it; between calls, the idle threads
+spin on cores the other process wants. On a shared 2-core machine that made `collect` 2-30x slower than with one
+thread (and slower than with no fast BLAS at all), while on a quiet machine the threads are worth 15-40%
+(scripts/bench_collect.py --contended N).
+
+:class:`Governor` watches how much CPU the *other* processes of the machine used in the last interval
+(``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets OpenBLAS's thread count through its
+own ``openblas_set_num_threads``: all cores while the others use less than a quarter of a core, one thread
+once they use half a core or more (in between: as it was). It runs on a daemon thread, every
+:data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
+(:func:`mlx_fun.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` (always respected).
+``MLX_FUN_BLAS_GOVERNOR=0`` turns it off. Linux only (where the preload happens).
+
+This module must not import ``mlx``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+GOVERNOR_ENV = "MLX_FUN_BLAS_GOVERNOR"
+#: seconds between two looks at the machine (the first one this soon after the start)
+INTERVAL, FIRST_LOOK = 0.25, 0.05
+#: the other processes' CPU use (in cores) from which OpenBLAS runs one thread, and below which it runs all again
+BUSY, QUIET = 0.5, 0.25
+
+_started: "Governor | None" = None
+
+
+def _machine_ticks() -> tuple[int, int] | None:
+    """(busy ticks, all ticks) of every CPU since boot, from ``/proc/stat``'s first line."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - idle, total
+
+
+def _own_ticks() -> int | None:
+    """This process's user + system ticks, all threads (``/proc/self/stat`` fields 14 and 15)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            rest = f.read().rsplit(b")", 1)[1].split()
+        return int(rest[11]) + int(rest[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Governor:
+    """Sets OpenBLAS's threads from the other processes' CPU use (:meth:`decide`), on a daemon thread."""
+
+    def __init__(self, set_threads, cores: int):
+        self.set_threads, self.cores = set_threads, int(cores)
+        self.threads = self.cores
+        self.switches = 0
+        self._last: tuple[int, int, int] | None = None
+        self._stop = threading.Event()
+
+    def decide(self, others: float) -> int:
+        """The thread count for ``others`` cores used by other processes (hysteresis between QUIET and BUSY)."""
+        if others >= BUSY:
+            return 1
+        if others < QUIET:
+            return self.cores
+        return self.threads
+
+    def sample(self) -> float | None:
+        """Cores the other processes used since the last sample (None on the first, or without /proc)."""
+        machine, own = _machine_ticks(), _own_ticks()
+        if machine is None or own is None:
+            return None
+        last, self._last = self._last, (machine[0], machine[1], own)
+        if last is None or machine[1] <= last[1]:
+            return None
+        cores = os.cpu_count() or 1
+        busy = (machine[0] - last[0]) - (own - last[2])
+        return max(0.0, busy / (machine[1] - last[1]) * cores)
+
+    def step(self) -> None:
+        others = self.sample()
+        if others is None:
+            return
+        want = self.decide(others)
+        if want != self.threads:
+            self.set_threads(want)
+            self.threads, self.switches = want, self.switches + 1
+
+    def run(self) -> None:
+        self.sample()  # the baseline, then a first look after FIRST_LOOK: a short command is governed too
+        wait = FIRST_LOOK
+        while not self._stop.wait(wait):
+            wait = INTERVAL
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - never take the process down: stay as it is
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _openblas_setter():
+    """(set_num_threads, current thread count) of the OpenBLAS mapped into this process, or None."""
+    try:
+        lib = ctypes.CDLL(None)
+        setter, getter = lib.openblas_set_num_threads, lib.openblas_get_num_threads
+    except (OSError, AttributeError):
+        return None
+    setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+    return setter, int(getter())
+
+
+def running() -> Governor | None:
+    """The governor of this process, if it was started."""
+    return _started
+
+
+def start() -> Governor | None:
+    """Start the governor once per process (see the module docstring for when); returns it, or None."""
+    global _started
+    if _started is not None:
+        return _started
+    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get(GOVERNOR_ENV, "1").strip() in ("0", "false", "off"):
+        return None
+    found = _openblas_setter()
+    if found is None or found[1] < 2:
+        return None
+    setter, threads = found
+    _started = Governor(setter, threads)
+    threading.Thread(target=_started.run, name="mlx-fun-blas-governor", daemon=True).start()
+    return _started
+
+
+__all__ = ["BUSY", "FIRST_LOOK", "GOVERNOR_ENV", "Governor", "INTERVAL", "QUIET", "running", "start"]
