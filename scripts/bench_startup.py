@@ -73,7 +73,8 @@ def random_saliency(model: Path, out: Path) -> Path:
     bench_prune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_prune)
     subprocess.run([sys.executable, "-c", bench_prune.SALIENCY, str(model), str(out)], check=True,
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   capture_output=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                       [str(ROOT), os.environ.get("PYTHONPATH", "")])})
     return out
 
 
