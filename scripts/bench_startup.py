@@ -12,7 +12,8 @@ job) as seen from here. ``eager`` runs with ``MLX_FUN_EAGER_IMPORTS=1``: imports
   (default: the bundled data/tiny-moe): the fixed start of a command that tokenizes;
 - ``prune`` (``--n-prune 8`` from a random saliency file of the right shape) against ``cp -r`` of the same
   directory, on ``--model`` or on the 4-bit Qwen3-30B-A3B-shaped 12-layer model ``--build-gpu-model DIR`` builds
-  there (~4 GB; scripts/bench_gpu.py's shape, saved with the bundled tokenizer).
+  there (~4 GB; scripts/bench_gpu.py's shape, saved with the bundled tokenizer). Each run, the copy's and prune's
+  alike, starts from a removed destination with dirty pages flushed (``os.sync``), the model files in the page cache.
 
 Last lines: ``torch_installed=<bool>``, ``<command>_eager_s=...``, ``<command>_lean_s=...``, ``cp_s=...``,
 ``prune_vs_cp=<lean prune / cp>``.
@@ -97,7 +98,7 @@ def main() -> int:
                        "--max-tokens", "8"],
         "smoke-test": cli + ["smoke-test", "--model", str(model), "--prompt", "def f(x):", "--max-tokens", "1"],
         "prune": cli + ["prune", "--model", str(big), "--saliency", str(random_saliency(big, tmp / "r.npz")),
-                        "--n-prune", "8", "--output", str(tmp / "pruned"), "--force"],
+                        "--n-prune", "8", "--output", str(tmp / "pruned")],
     }
     best: dict[str, float] = {}
     try:
@@ -105,6 +106,8 @@ def main() -> int:
             for name, cmd in commands.items():
                 for eager in ((False, True) if r % 2 else (True, False)):
                     key = f"{name}_{'eager' if eager else 'lean'}_s"
+                    shutil.rmtree(tmp / "pruned", ignore_errors=True)  # as for cp: a clean destination,
+                    os.sync()  # and no dirty pages of the run before it to write back
                     best[key] = min(best.get(key, float("inf")), wall(cmd, eager=eager))
             shutil.rmtree(tmp / "copy", ignore_errors=True)
             os.sync()
