@@ -130,3 +130,29 @@ print(linear_sum_assignment(np.array([[1.0, 2.0], [2.0, 1.0]]))[1].tolist())
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(stub_torch), str(ROOT)])})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[0, 1]"
+
+
+def test_a_deferred_tokenizer_still_loads_whole_when_something_asks_for_it():
+    """A tokenizer-free command that ends up needing the tokenizer gets mlx-lm's real one: the placeholders import
+    the real module on first use and mlx-lm's own names are rebound, so its type checks hold."""
+    code = f"""
+import sys
+from pathlib import Path
+from mlx_fun import lean_imports
+assert lean_imports.defer_tokenizers()
+from mlx_lm.utils import load_model
+load_model(Path({str(ROOT / 'data' / 'tiny-moe')!r}), lazy=True)
+assert "transformers" not in sys.modules
+from mlx_lm import load
+import mlx_lm.utils
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+model, tokenizer = load({str(ROOT / 'data' / 'tiny-moe')!r})
+assert isinstance(tokenizer, TokenizerWrapper) and mlx_lm.utils.TokenizerWrapper is TokenizerWrapper
+print(tokenizer.encode("def f(x): return x"))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from mlx_lm import load
+
+    assert proc.stdout.strip() == str(load(str(ROOT / "data" / "tiny-moe"))[1].encode("def f(x): return x"))
