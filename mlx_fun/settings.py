@@ -110,4 +110,25 @@ def option_groups(func) -> dict[str, type]:
             if dataclasses.is_dataclass(p.default) and not isinstance(p.default, type)}
 
 
-__all__ = ["RunSettings", "option_groups"]
+def checking_groups(run):
+    """Wrap a job's ``run`` so that each option group it is given is an instance of its dataclass: anything else
+    (a dict, a string) is a one-line ``UserError`` saying how to build it, not an AttributeError deep inside."""
+    import functools
+
+    groups = option_groups(run)
+    if not groups:
+        return run
+
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        for name, cls in groups.items():
+            value = kwargs.get(name)
+            if value is not None and not isinstance(value, cls):
+                raise UserError(f"{param(name)} must be a {cls.__name__} (from {cls.__module__} import "
+                                f"{cls.__name__}; {name}={cls.__name__}(...)), got {type(value).__name__}.")
+        return run(*args, **kwargs)
+
+    return wrapped
+
+
+__all__ = ["RunSettings", "checking_groups", "option_groups"]

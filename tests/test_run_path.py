@@ -246,3 +246,17 @@ def test_dense_quantized_linears_run_dequantized_from_the_cpu_cut_off():
     keys = sorted(k for k, _ in tree_flatten(net.parameters()))
     assert keys == ["a.bias", "a.biases", "a.scales", "a.weight", "b.bias", "b.weight"]  # saved files unchanged
     assert dispatch_dense.remove(net) == 1 and type(net.a) is nn.QuantizedLinear
+
+
+def test_an_option_group_of_the_wrong_type_is_one_line_naming_how_to_build_it(tmp_path, qwen_model):
+    """A careless caller passing a dict (or anything) where a job takes an option group gets one line before
+    anything is read or written, for every group of every job."""
+    seen = 0
+    for name in COMMANDS:
+        job = getattr(jobs, module_name(name))
+        for group, cls in option_groups(job.run).items():
+            with pytest.raises(UserError, match=rf"^{group}= must be a {cls.__name__} \(from {cls.__module__} "
+                                                rf"import {cls.__name__}; .*got dict\.$"):
+                job.run(**{group: {"x": 1}})
+            seen += 1
+    assert seen >= 15 and not list(tmp_path.iterdir())

@@ -14,6 +14,9 @@ that, by :func:`mlx_fun.hub.resolving`: ``model`` (``reference``, ``draft_model`
 (``org/name``, with ``revision=``), resolved once to its snapshot in the Hugging Face cache as mlx-lm does (a
 local directory of the same name wins) before anything else runs.
 
+Option groups (``settings=RunSettings(...)`` and the others: :func:`mlx_fun.settings.option_groups`) must be
+instances of their dataclass (:func:`mlx_fun.settings.checking_groups` says how to build one otherwise).
+
 Errors are one-line ``UserError`` s that name the parameter at fault (``n_prune=`` here, ``--n-prune`` under the
 CLI: :func:`mlx_fun.errors.param`).
 """
@@ -41,6 +44,7 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
 )
 
 from ..hub import resolving as _resolving  # noqa: E402
+from ..settings import checking_groups as _checking_groups  # noqa: E402
 from ..writer import job_inputs as _job_inputs  # noqa: E402
 
 #: every job, once: command name order of mlx_fun.cli.COMMANDS
@@ -51,4 +55,4 @@ ALL = (collect, prune, merge, eval, smoke_test, demo, serve, safety_scan, domain
 ANY_MODEL = (eval, smoke_test, tune_dispatch)
 for _job in ALL:
     if not hasattr(_job.run, "reads"):
-        _job.run = _resolving(_job_inputs(_job.run), needs_moe=_job not in ANY_MODEL)
+        _job.run = _resolving(_job_inputs(_checking_groups(_job.run)), needs_moe=_job not in ANY_MODEL)
