@@ -3,7 +3,7 @@
 ``import mlx_lm`` imports transformers (its tokenizer wrapper, its generate module), and transformers imports
 PyTorch wherever PyTorch is installed: 15-18 s before an mlx-fun command starts on a typical ML host, although no
 command uses PyTorch (mlx-lm's tokenizers are the fast, Rust ``tokenizers`` ones) and the rewriting commands
-(prune, quantize, amplify, stats-*, doctor, tune-dispatch) never tokenize at all.
+(prune, quantize, amplify, stats-*, tune-dispatch) never tokenize at all.
 
 - :func:`block_torch`: while transformers itself is imported, ``sys.modules["torch"] = None`` (Python's documented
   way to make a module unimportable): transformers finds no PyTorch (``importlib.util.find_spec`` answers None),

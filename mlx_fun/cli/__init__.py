@@ -34,8 +34,8 @@ COMMANDS = ("collect", "prune", "merge", "eval", "smoke-test", "demo", "serve", 
 
 #: commands that never tokenize: the console entry (mlx_fun.launcher) never imports mlx-lm's tokenizer module (and
 #: so transformers) for them
-TOKENIZER_FREE = ("prune", "quantize", "amplify", "tune-dispatch", "stats-diff", "stats-merge", "stats-purge",
-                  "doctor")
+#: (doctor is not one of them: it checks the names mlx-fun uses in mlx-lm's generate module, which imports transformers)
+TOKENIZER_FREE = ("prune", "quantize", "amplify", "tune-dispatch", "stats-diff", "stats-merge", "stats-purge")
 
 
 def module_name(command: str) -> str:
