@@ -37,9 +37,9 @@ class RunSettings:
 
         if self.dispatch not in MODES:
             raise UserError(f"{param('dispatch')} must be one of {', '.join(MODES)}, got {self.dispatch!r}.")
-        if self.dispatch_table is not None and not Path(self.dispatch_table).expanduser().exists():
-            raise UserError(f"{param('dispatch_table')} {self.dispatch_table} does not exist; pass a JSON table "
-                            f"written by `mlx-fun tune-dispatch`.")
+        from .jobs.common import require_path
+
+        require_path("dispatch_table", self.dispatch_table, "pass a JSON table written by `mlx-fun tune-dispatch`")
         self.dequant_bytes()
         require_whole("token_budget", self.token_budget, 1, none_ok=True)
         return self
