@@ -110,6 +110,19 @@ def option_groups(func) -> dict[str, type]:
             if dataclasses.is_dataclass(p.default) and not isinstance(p.default, type)}
 
 
+def grouped(run, kwargs: dict) -> dict:
+    """``kwargs`` given by option name (as on the command line) with the fields of ``run``'s option groups
+    (:func:`option_groups`: ``selection``, ``settings``, ...) folded into those groups; the rest as they are."""
+    import dataclasses
+
+    out = dict(kwargs)
+    for name, group in option_groups(run).items():
+        names = {f.name for f in dataclasses.fields(group)}
+        if names & set(out):
+            out[name] = group(**{k: out.pop(k) for k in list(out) if k in names})
+    return out
+
+
 def checking_groups(run):
     """Wrap a job's ``run`` so that each option group it is given is an instance of its dataclass: anything else
     (a dict, a string) is a one-line ``UserError`` saying how to build it, not an AttributeError deep inside."""
@@ -131,4 +144,4 @@ def checking_groups(run):
     return wrapped
 
 
-__all__ = ["RunSettings", "checking_groups", "option_groups"]
+__all__ = ["RunSettings", "checking_groups", "grouped", "option_groups"]

@@ -42,21 +42,6 @@ def projection(model_dir, prompts_path, layers, dirs, max_samples) -> float:
     return float(sum(mean[i] @ dirs[i] for i in layers) / max(len(layers), 1))
 
 
-def grouped(options: dict) -> dict:
-    """``abliterate``'s options by their CLI names (``rounds``, ``target``, ``eval_samples``, ...) → the job's
-    keywords: those of an option group (:mod:`mlx_fun.rewrite.abliterate_options`) built into it, the rest as
-    they are."""
-    import dataclasses
-
-    from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
-
-    rest = dict(options)
-    for name, group in (("estimate", Estimate), ("projection", Projection), ("evaluation", Evaluation)):
-        fields = {f.name for f in dataclasses.fields(group)}
-        rest[name] = group(**{k: rest.pop(k) for k in list(rest) if k in fields})
-    return rest
-
-
 #: the code before abliterate ran on the forward engine (issue 31 part 1): --quick's default baseline
 BASELINE = "f3057af"
 
@@ -169,6 +154,7 @@ def main() -> int:
 
     from mlx_fun import jobs
     from mlx_fun.io import dir_size
+    from mlx_fun.settings import grouped
     from mlx_fun.writer import write_text
 
     data = Path(args.data)
@@ -193,7 +179,7 @@ def main() -> int:
     for n, ((fmt, model), target, extra) in enumerate(runs):
         out = tmp / f"out{n}"
         kw = dict(common, **extra, **({"safety_map": report} if target == "safety-experts" else {}))
-        r = jobs.abliterate.run(model=model, output=out, **grouped(dict(kw, target=target)))
+        r = jobs.abliterate.run(model=model, output=out, **grouped(jobs.abliterate.run, dict(kw, target=target)))
         dirs = r.directions
         p0 = projection(model, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)
         p1 = projection(out, data / "harmful_test.jsonl", r.layers, dirs, args.eval_samples)

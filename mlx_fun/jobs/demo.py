@@ -7,7 +7,6 @@ option groups), then a table of sizes and perplexities written to ``summary.md``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, param
+from ..settings import grouped
 from .common import Log, quiet
 
 MARKER = ".mlx-fun-demo"
@@ -47,19 +47,6 @@ def command_line(name: str, kwargs: dict) -> str:
         elif value is not None:
             parts += [flag, str(value)]
     return " ".join(shlex.quote(p) for p in parts)
-
-
-def grouped(run, kwargs: dict) -> dict:
-    """``kwargs`` given by option name (as on the command line) with the fields of ``run``'s option groups
-    (:func:`mlx_fun.settings.option_groups`: ``selection``, ``settings``, ...) folded into those groups."""
-    from ..settings import option_groups
-
-    out = dict(kwargs)
-    for name, group in option_groups(run).items():
-        names = {f.name for f in dataclasses.fields(group)}
-        if names & set(out):
-            out[name] = group(**{k: out.pop(k) for k in list(out) if k in names})
-    return out
 
 
 def check_workdir(out: Path) -> None:
