@@ -145,8 +145,9 @@ def cuda_backend_installed() -> bool:
 
 
 def _disabled(environ=None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    from .env import flag
+
+    return flag(DISABLE_ENV, environ=environ)
 
 
 def _is_blas_name(path: str, library: str | None) -> bool:

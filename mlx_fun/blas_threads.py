@@ -128,7 +128,9 @@ def start() -> Governor | None:
     global _started
     if _started is not None:
         return _started
-    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get(GOVERNOR_ENV, "1").strip() in ("0", "false", "off"):
+    from .env import flag
+
+    if os.environ.get("OPENBLAS_NUM_THREADS") or not flag(GOVERNOR_ENV, default=True):
         return None
     found = _openblas_setter()
     if found is None or found[1] < 2:

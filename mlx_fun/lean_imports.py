@@ -34,7 +34,9 @@ _STANDIN = "_mlx_fun_standin"
 
 def eager() -> bool:
     """``MLX_FUN_EAGER_IMPORTS=1``: import as mlx-lm does (PyTorch allowed, the tokenizer module at once)."""
-    return os.environ.get(EAGER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    from .env import flag
+
+    return flag(EAGER_ENV)
 
 
 class _TransformersWithoutTorch:

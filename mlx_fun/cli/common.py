@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import functools
 import math
-import os
 import sys
 
 import click
@@ -20,7 +19,9 @@ DEBUG_ENV = "MLX_FUN_DEBUG"
 
 def debug_enabled() -> bool:
     """``mlx-fun --debug`` or ``MLX_FUN_DEBUG=1``: let unexpected exceptions show their traceback."""
-    if os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+    from ..env import flag
+
+    if flag(DEBUG_ENV):
         return True
     ctx = click.get_current_context(silent=True)
     root = ctx.find_root() if ctx is not None else None
