@@ -9,7 +9,11 @@ thread (and slower than with no fast BLAS at all), while on a quiet machine the 
 :class:`Governor` watches how much CPU the *other* processes of the machine used in the last interval
 (``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets OpenBLAS's thread count through its
 own ``openblas_set_num_threads``: all cores while the others use less than a quarter of a core, one thread
-once they use half a core or more (in between: as it was). It runs on a daemon thread, every
+once they use half a core or more (in between: as it was). Small forwards run one thread whatever the machine
+does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS` tokens (a decode
+step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a core that
+MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
+(``scripts/bench_decode.py``). It runs on a daemon thread, every
 :data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
 (:func:`mlx_fun.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` (always respected).
 ``MLX_FUN_BLAS_GOVERNOR=0`` turns it off. Linux only (where the preload happens).
@@ -28,6 +32,8 @@ GOVERNOR_ENV = "MLX_FUN_BLAS_GOVERNOR"
 INTERVAL, FIRST_LOOK = 0.25, 0.05
 #: the other processes' CPU use (in cores) from which OpenBLAS runs one thread, and below which it runs all again
 BUSY, QUIET = 0.5, 0.25
+#: forwards on at most this many tokens run OpenBLAS on one thread (:func:`call_size`)
+SMALL_TOKENS = 16
 
 _started: "Governor | None" = None
 
@@ -55,14 +61,18 @@ def _own_ticks() -> int | None:
 
 
 class Governor:
-    """Sets OpenBLAS's threads from the other processes' CPU use (:meth:`decide`), on a daemon thread."""
+    """Sets OpenBLAS's threads from the other processes' CPU use (:meth:`decide`) and the size of the forwards
+    (:meth:`small_calls`), on a daemon thread."""
 
     def __init__(self, set_threads, cores: int):
         self.set_threads, self.cores = set_threads, int(cores)
-        self.threads = self.cores
+        self.threads = self.cores  # what OpenBLAS runs now
+        self.wanted = self.cores  # what the machine's load asks for
+        self.small = False  # the forwards are small (decode): one thread
         self.switches = 0
         self._last: tuple[int, int, int] | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
 
     def decide(self, others: float) -> int:
         """The thread count for ``others`` cores used by other processes (hysteresis between QUIET and BUSY)."""
@@ -70,7 +80,20 @@ class Governor:
             return 1
         if others < QUIET:
             return self.cores
-        return self.threads
+        return self.wanted
+
+    def small_calls(self, small: bool) -> None:
+        """The forwards are small (one thread) or not (what the machine's load asks for)."""
+        if small != self.small:
+            with self._lock:
+                self.small = small
+                self._apply()
+
+    def _apply(self) -> None:
+        want = 1 if self.small else self.wanted
+        if want != self.threads:
+            self.set_threads(want)
+            self.threads, self.switches = want, self.switches + 1
 
     def sample(self) -> float | None:
         """Cores the other processes used since the last sample (None on the first, or without /proc)."""
@@ -88,10 +111,9 @@ class Governor:
         others = self.sample()
         if others is None:
             return
-        want = self.decide(others)
-        if want != self.threads:
-            self.set_threads(want)
-            self.threads, self.switches = want, self.switches + 1
+        with self._lock:
+            self.wanted = self.decide(others)
+            self._apply()
 
     def run(self) -> None:
         self.sample()  # the baseline, then a first look after FIRST_LOOK: a short command is governed too
@@ -118,6 +140,13 @@ def _openblas_setter():
     return setter, int(getter())
 
 
+def call_size(tokens: int) -> None:
+    """A forward on ``tokens`` tokens is about to run (the hooked MoE call says so at every call): up to
+    :data:`SMALL_TOKENS`, OpenBLAS runs one thread. Nothing without a governor."""
+    if _started is not None:
+        _started.small_calls(tokens <= SMALL_TOKENS)
+
+
 def running() -> Governor | None:
     """The governor of this process, if it was started."""
     return _started
@@ -141,4 +170,5 @@ def start() -> Governor | None:
     return _started
 
 
-__all__ = ["BUSY", "FIRST_LOOK", "GOVERNOR_ENV", "Governor", "INTERVAL", "QUIET", "running", "start"]
+__all__ = ["BUSY", "FIRST_LOOK", "GOVERNOR_ENV", "Governor", "INTERVAL", "QUIET", "SMALL_TOKENS", "call_size",
+           "running", "start"]

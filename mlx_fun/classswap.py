@@ -17,6 +17,17 @@ from __future__ import annotations
 from typing import Callable
 
 _SUBCLASSES: dict[tuple[type, str, Callable], type] = {}
+_EPOCH = [0]
+
+
+def epoch() -> int:
+    """A counter that moves on every swap, restore and state change: a graph traced through swapped calls (the
+    hooked call's compiled decode graph, :mod:`mlx_fun.moe_hook`) is stale once it moves."""
+    return _EPOCH[0]
+
+
+def _changed() -> None:
+    _EPOCH[0] += 1
 
 
 def _marker(tag: str) -> str:
@@ -53,6 +64,7 @@ def swap(obj, tag: str, call: Callable, name: str | None = None) -> None:
     """Make ``obj`` call ``call(obj, ...)``; a no-op when it is already swapped under ``tag``."""
     if not is_swapped(obj, tag):
         obj.__class__ = swapped_class(type(obj), tag, call, name)
+        _changed()
 
 
 def restore(obj, tag: str) -> bool:
@@ -61,12 +73,14 @@ def restore(obj, tag: str) -> bool:
     if original is None:
         return False
     obj.__class__ = original
+    _changed()
     return True
 
 
 def set_state(obj, key: str, value) -> None:
     """Per-instance state outside the parameter tree (``mlx.nn.Module.__setattr__`` would register arrays)."""
     object.__setattr__(obj, key, value)
+    _changed()
 
 
 def get_state(obj, key: str, default=None):
@@ -74,4 +88,5 @@ def get_state(obj, key: str, default=None):
 
 
 def drop_state(obj, key: str) -> None:
-    obj.__dict__.pop(key, None)
+    if obj.__dict__.pop(key, None) is not None:
+        _changed()

@@ -17,17 +17,30 @@ A tap is any callable ``tap(layer, inds, weights, logits, y)``: ``layer`` is the
 one). Taps must not change their inputs; they keep lazy arrays and let the caller evaluate them together with
 the forward pass. A tap that also needs the experts' input defines ``on_input(layer, h)``; it is called with
 what the experts are called on (after routing, before the experts run).
+
+A hooked call on at most :data:`COMPILE_MAX_TOKENS` tokens (a decode step, a speculative check, a small serve
+batch) runs route → experts → combine as one ``mx.compile``-d graph per block, whose inputs are the block's
+weights as they are at each call (``inputs=block``) and the steering arrays: one node where the plain call
+launches several (softmax, top-k, renormalisation and the weighted sum fuse), outputs bit for bit those of the
+plain call. The graph is traced once per shape, steering scheme, with or without taps, and retraced once anything
+is class-swapped (``classswap.epoch``); a family whose routing cannot be traced (it reads a value back on the
+host) runs the plain call from its first try on. Taps get the graph's outputs; taps that need the experts' input
+(``on_input``), split-router families and larger calls always run the plain call. On the CPU only
+(:func:`graph_backend`): under MLX 0.32.4's CUDA backend the same graphs gave other outputs (and, for taps, other
+routing weights) than the plain call for 4 of the tiny test families on an H100 (``tests/test_decode_graph.py``),
+and Metal is unmeasured.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from . import classswap
+from . import blas_threads, classswap
 from .errors import UserError
 from .adapters.base import MoEAdapter
 from .adapters.steer import RouteSteer
@@ -36,6 +49,8 @@ Tap = Callable[[int, mx.array, mx.array, mx.array, mx.array], None]
 
 _STATE = "_mlxfun_hook"
 _TAG = "hook"
+#: most tokens a hooked call runs as its compiled graph (decode is 1 per sequence)
+COMPILE_MAX_TOKENS = 16
 
 
 @dataclass
@@ -46,6 +61,13 @@ class HookState:
     taps: list = field(default_factory=list)
     steer: RouteSteer | None = None
     pending: tuple | None = None  # split_router: (inds, logits) the router handed to the experts call
+    compile: bool = False  # small calls run the compiled graph (graph_backend(); off once routing won't trace)
+    graphs: dict = field(default_factory=dict)  # (epoch, steering scheme, taps?) -> compiled function
+
+
+def graph_backend() -> bool:
+    """Whether small hooked calls run the compiled graph here: on the CPU (see the module doc)."""
+    return mx.default_device() == mx.cpu
 
 
 def _state(module) -> HookState:
@@ -69,14 +91,67 @@ def _experts_and_combine(state: HookState, h, inds, weights, logits):
 
 def _hooked_call(self, x):
     state = _state(self)
+    tokens = x.size // x.shape[-1]
+    blas_threads.call_size(tokens)
+    if state.compile and tokens <= COMPILE_MAX_TOKENS:
+        out = _compiled_call(state, x)
+        if out is not None:
+            return out
     h = state.adapter.prepare(self, x)
     inds, weights, logits = state.adapter.route(self, h, state.steer)
     out = _experts_and_combine(state, h, inds, weights, logits)
     return out if h is x else out.reshape(x.shape)
 
 
+def _graph(state: HookState, scheme, taps: bool, x, *steer_arrays):
+    """The hooked call as one traced function: ``out`` (and, for taps, ``inds, mixing, logits, y``)."""
+    adapter, block = state.adapter, state.block
+    steer = None if scheme is None else RouteSteer(scheme[0], *steer_arrays, eps=scheme[1])
+    h = adapter.prepare(block, x)
+    inds, weights, logits = adapter.route(block, h, steer)
+    y = adapter.experts(block)(adapter.expert_input(block, h, inds, weights), inds)
+    out = adapter.combine(block, h, y, weights)
+    out = out if h is x else out.reshape(x.shape)
+    return (out, inds, adapter.mixing_weights(block, h, weights), logits, y) if taps else out
+
+
+def _compiled_call(state: HookState, x):
+    """The small call through the block's compiled graph; None where it must run plainly (see the module doc)."""
+    if any(hasattr(tap, "on_input") for tap in state.taps):
+        return None
+    steer = state.steer
+    scheme = None if steer is None else (steer.scheme, steer.eps)
+    key = (classswap.epoch(), scheme, bool(state.taps))
+    graph = state.graphs.get(key)
+    if graph is None:
+        if any(k[0] != key[0] for k in state.graphs):
+            state.graphs = {}  # something was swapped since: drop the stale graphs
+        fn = mx.compile(partial(_graph, state, scheme, bool(state.taps)), inputs=state.block)
+        graph = state.graphs[key] = (fn, set())
+    fn, shapes = graph
+    args = () if steer is None else (steer.boost, steer.suppress, steer.value)
+    if (x.shape, x.dtype) in shapes:
+        result = fn(x, *args)
+    else:  # this call traces: MLX leaves tracers in the block's weights when a trace raises, so keep them
+        weights = state.block.parameters()
+        try:
+            result = fn(x, *args)
+        except (ValueError, RuntimeError):  # routing that evaluates on the host (untraceable): plain calls now
+            state.block.update(weights)
+            state.compile, state.graphs = False, {}
+            return None
+        shapes.add((x.shape, x.dtype))
+    if not state.taps:
+        return result
+    out, inds, mixing, logits, y = result
+    for tap in state.taps:
+        tap(state.layer, inds, mixing, logits, y)
+    return out
+
+
 def _hooked_router_call(self, x):
     state = _state(self)
+    blas_threads.call_size(x.size // x.shape[-1])
     inds, weights, logits = state.adapter.route(state.block, x, state.steer)
     state.pending = (inds, logits)
     return inds, weights
@@ -122,7 +197,8 @@ def install(
             raise UserError("tensor-parallel MoE blocks (mlx-lm's shard(): experts split across ranks) are not "
                             "supported by the hooks yet; split the model by layers instead (collect --pipeline under "
                             "mlx.launch), or load it unsharded.")
-        state = HookState(adapter, pos, block, list(taps), None if steer is None else steer.get(pos))
+        state = HookState(adapter, pos, block, list(taps), None if steer is None else steer.get(pos),
+                          compile=graph_backend())
         classswap.set_state(block, _STATE, state)
         for module, call in _swaps(adapter, block):
             classswap.set_state(module, _STATE, state)
@@ -137,6 +213,23 @@ def remove(adapter: MoEAdapter) -> None:
             classswap.restore(module, _TAG)
             classswap.drop_state(module, _STATE)
         classswap.drop_state(block, _STATE)
+
+
+def for_generation(model, config: dict) -> MoEAdapter | None:
+    """Hook ``model`` with no taps and no steering, so that its decode steps run the compiled graph and OpenBLAS one
+    thread (smoke-test; steer and serve install hooks of their own): its adapter, or None, with nothing installed,
+    where the graph does not run (:func:`graph_backend`) or mlx-fun has no adapter for the family (mlx-lm's own
+    call runs)."""
+    from .adapters import get_adapter
+
+    if not graph_backend():
+        return None
+    try:
+        adapter = get_adapter(model, config)
+    except UserError:
+        return None
+    install(adapter)
+    return adapter
 
 
 def set_steer(adapter: MoEAdapter, steer: dict[int, RouteSteer] | None) -> None:

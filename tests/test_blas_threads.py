@@ -20,9 +20,9 @@ def test_one_thread_from_half_a_core_of_others_all_below_a_quarter_as_it_was_bet
     calls = []
     g = Governor(calls.append, cores=4)
     assert g.decide(0.0) == 4 and g.decide(BUSY) == 1 and g.decide(3.0) == 1
-    g.threads = 1
+    g.wanted = 1
     assert g.decide((QUIET + BUSY) / 2) == 1  # hysteresis: no flapping around one threshold
-    g.threads = 4
+    g.wanted = 4
     assert g.decide((QUIET + BUSY) / 2) == 4
     assert g.decide(QUIET - 0.01) == 4
 
@@ -50,6 +50,52 @@ def test_step_switches_only_on_a_change_and_counts_what_others_used(monkeypatch)
     assert calls == [1, 2] and g.threads == 2 and g.switches == 2
     g.step()
     assert calls == [1, 2]
+
+
+def test_small_forwards_run_one_thread_and_larger_ones_what_the_load_asks_for(monkeypatch):
+    calls = []
+    g = Governor(calls.append, cores=4)
+    monkeypatch.setattr(blas_threads, "_started", g)
+    blas_threads.call_size(1)
+    assert calls == [1] and g.threads == 1
+    blas_threads.call_size(blas_threads.SMALL_TOKENS)
+    assert calls == [1]  # no call when nothing changes
+    blas_threads.call_size(blas_threads.SMALL_TOKENS + 1)
+    assert calls == [1, 4] and g.threads == 4
+    g.wanted = 1  # the machine is busy: larger forwards stay on one thread too
+    blas_threads.call_size(1)
+    blas_threads.call_size(500)
+    assert calls == [1, 4, 1] and g.threads == 1
+
+
+DECODE_PROBE = """
+from mlx_fun.blas import maybe_reexec
+maybe_reexec()
+import mlx.core as mx
+from mlx_fun import blas_threads, moe_hook
+from mlx_fun.io import load_model
+g = blas_threads.start()
+g.stop()  # the test decides, not the machine's load
+model, _, config = load_model("data/tiny-moe", tokenizer=False)
+moe_hook.for_generation(model, config)
+mx.eval(model(mx.array([list(range(40))])))
+print("prefill", g.threads, flush=True)
+mx.eval(model(mx.array([[5]])))
+print("decode", g.threads, flush=True)
+"""
+
+
+@linux_only
+@needs_openblas
+def test_a_preloaded_process_decodes_on_one_openblas_thread_and_prefills_on_all():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", DECODE_PROBE], env=clean_env(), cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split() for line in out.stdout.splitlines())
+    assert int(lines["prefill"]) >= 2 and lines["decode"] == "1"
 
 
 PROBE = """

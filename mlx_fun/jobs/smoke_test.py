@@ -64,6 +64,7 @@ def run(
     and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its ``progress`` is
     unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and speculative decoding
     options (:mod:`mlx_fun.genopts`)."""
+    from .. import moe_hook
     from ..genopts import load_draft
     from ..io import context_length, load_model
     from ..sampling import encode_prompt, make_sampler, run_generation
@@ -80,6 +81,8 @@ def run(
     log(f"Loading {model} ...")
     mdl, tokenizer, _config = load_model(model)
     report = settings.apply(mdl, log=log)
+    if report.mode == "auto":
+        moe_hook.for_generation(mdl, _config)  # decode steps run one compiled graph per MoE block
     if draft_model is not None:
         log(f"Loading the draft model {draft_model} ...")
     draft = load_draft(draft_model, tokenizer)
