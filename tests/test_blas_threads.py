@@ -74,8 +74,13 @@ maybe_reexec()
 import mlx.core as mx
 from mlx_fun import blas_threads, moe_hook
 from mlx_fun.io import load_model
+import time
 g = blas_threads.start()
-g.stop()  # the test decides, not the machine's load
+g.stop()  # the test decides, not the machine's load: all cores for large forwards
+time.sleep(3 * blas_threads.INTERVAL)
+g.wanted = g.cores
+g.small_calls(True)
+g.small_calls(False)
 model, _, config = load_model("data/tiny-moe", tokenizer=False)
 moe_hook.for_generation(model, config)
 mx.eval(model(mx.array([list(range(40))])))
