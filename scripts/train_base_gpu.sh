@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The recipe of a bundled-base candidate, end to end on one GPU machine (MLX CUDA), as run for issue 33:
-# corpus from what the machine has installed -> training -> REAP/frequency/random quality table -> bfloat16 shards.
+# corpus from what the machine has installed -> training -> REAP/frequency/random quality table -> bfloat16 shards
+# (OUT_DIR/shards: files of at most 14 MB, what a lent machine can return; scripts/shard_model.py).
 #
 #   bash scripts/train_base_gpu.sh [MINUTES] [OUT_DIR]      # defaults: 9 minutes, /tmp/base
 #
@@ -14,7 +15,8 @@ MIN=${1:-9}
 OUT=${2:-/tmp/base}
 mkdir -p "$OUT"
 { date; nproc; python -c "import mlx.core as mx; print(mx.__version__, mx.default_device())"; } > "$OUT/corpus.log" 2>&1
-python scripts/prepare_dataset.py --source all --max-package-bytes 2000000 --output "$OUT/corpus" >> "$OUT/corpus.log" 2>&1
+python scripts/prepare_dataset.py --source all --max-package-bytes 2000000 --output "$OUT/corpus" \
+  >> "$OUT/corpus.log" 2>&1
 D=code,prose,packages,packagedocs; W=2,4,1,2
 [ -s "$OUT/corpus/manpages/train.jsonl" ] && D=$D,manpages && W=$W,1
 [ -s "$OUT/corpus/debdocs/train.jsonl" ] && D=$D,debdocs && W=$W,1
@@ -25,5 +27,6 @@ python scripts/train_tiny_moe.py --data "$OUT/corpus" --domains $D --weights $W 
   --lr 2e-3 ${AUX_COEF:+--aux-coef $AUX_COEF} > "$OUT/train.log" 2>&1
 python scripts/bench_quality.py --model "$OUT/model" --data "$OUT/corpus" --no-quantize --output "$OUT/quality.md" \
   --json "$OUT/quality.json" --merge-group-sizes 16 > "$OUT/quality.log" 2>&1
+python scripts/shard_model.py "$OUT/model" "$OUT/shards" --dtype bfloat16 --max-mb 14 >> "$OUT/quality.log" 2>&1
 date >> "$OUT/quality.log"
 touch "$OUT/DONE"
