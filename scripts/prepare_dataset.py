@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="List the sources and whether each is installed")
     args = p.parse_args(argv)
     if args.max_package_bytes is not None:
+        if args.max_package_bytes < 1:
+            print(f"Error: --max-package-bytes must be at least 1, got {args.max_package_bytes}; it is the source "
+                  "bytes read per package (e.g. 2000000).", file=sys.stderr)
+            return 2
         corpus_machine.MAX_PACKAGE_BYTES = args.max_package_bytes
     have = corpus.available_sources(args.openzeppelin)
     if args.list:

@@ -113,6 +113,10 @@ def test_prepare_dataset_script(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--output", str(out),
                         "--source", "klingon"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("Error: unknown source")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--output", str(out / "p"),
+                        "--source", "packages", "--max-package-bytes", "-5"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("Error: --max-package-bytes must be at least 1, got -5")
+    assert not (out / "p").exists()
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--list"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:2] == ["code", "yes"]
