@@ -74,19 +74,30 @@ def _state(module) -> HookState:
     return classswap.get_state(module, _STATE)
 
 
-def _experts_and_combine(state: HookState, h, inds, weights, logits):
+def _experts_and_combine(state: HookState, h, inds, weights, on_input: bool = True):
+    """The experts on the routed input ``h`` and the family's combine: ``(out, mixing weights, y)``. Taps that
+    also need the experts' input (``on_input``: REAM capture) see it first."""
     adapter, block = state.adapter, state.block
     xe = adapter.expert_input(block, h, inds, weights)
-    for tap in state.taps:
-        on_input = getattr(tap, "on_input", None)
-        if on_input is not None:  # taps that also need the experts' input (REAM capture)
-            on_input(state.layer, xe)
+    for tap in state.taps if on_input else ():
+        if hasattr(tap, "on_input"):
+            tap.on_input(state.layer, xe)
     y = adapter.experts(block)(xe, inds)
-    if state.taps:
-        mixing = adapter.mixing_weights(block, h, weights)
-        for tap in state.taps:
-            tap(state.layer, inds, mixing, logits, y)
-    return adapter.combine(block, h, y, weights)
+    return adapter.combine(block, h, y, weights), adapter.mixing_weights(block, h, weights), y
+
+
+def _block_call(state: HookState, x, steer, on_input: bool = True):
+    """The whole hooked call without taps: ``(out, inds, mixing, logits, y)``."""
+    h = state.adapter.prepare(state.block, x)
+    inds, weights, logits = state.adapter.route(state.block, h, steer)
+    out, mixing, y = _experts_and_combine(state, h, inds, weights, on_input)
+    return (out if h is x else out.reshape(x.shape)), inds, mixing, logits, y
+
+
+def _tapped(state: HookState, out, inds, mixing, logits, y):
+    for tap in state.taps:
+        tap(state.layer, inds, mixing, logits, y)
+    return out
 
 
 def _hooked_call(self, x):
@@ -97,22 +108,14 @@ def _hooked_call(self, x):
         out = _compiled_call(state, x)
         if out is not None:
             return out
-    h = state.adapter.prepare(self, x)
-    inds, weights, logits = state.adapter.route(self, h, state.steer)
-    out = _experts_and_combine(state, h, inds, weights, logits)
-    return out if h is x else out.reshape(x.shape)
+    return _tapped(state, *_block_call(state, x, state.steer))
 
 
 def _graph(state: HookState, scheme, taps: bool, x, *steer_arrays):
     """The hooked call as one traced function: ``out`` (and, for taps, ``inds, mixing, logits, y``)."""
-    adapter, block = state.adapter, state.block
     steer = None if scheme is None else RouteSteer(scheme[0], *steer_arrays, eps=scheme[1])
-    h = adapter.prepare(block, x)
-    inds, weights, logits = adapter.route(block, h, steer)
-    y = adapter.experts(block)(adapter.expert_input(block, h, inds, weights), inds)
-    out = adapter.combine(block, h, y, weights)
-    out = out if h is x else out.reshape(x.shape)
-    return (out, inds, adapter.mixing_weights(block, h, weights), logits, y) if taps else out
+    result = _block_call(state, x, steer, on_input=False)
+    return result if taps else result[0]
 
 
 def _compiled_call(state: HookState, x):
@@ -141,12 +144,7 @@ def _compiled_call(state: HookState, x):
             state.compile, state.graphs = False, {}
             return None
         shapes.add((x.shape, x.dtype))
-    if not state.taps:
-        return result
-    out, inds, mixing, logits, y = result
-    for tap in state.taps:
-        tap(state.layer, inds, mixing, logits, y)
-    return out
+    return _tapped(state, *result) if state.taps else result
 
 
 def _hooked_router_call(self, x):
@@ -162,7 +160,8 @@ def _hooked_experts_call(self, x, inds, weights):
     pending, state.pending = state.pending, None
     if pending is None or pending[0] is not inds:
         raise RuntimeError(f"MoE layer {state.layer}: the experts were called without their router's routing")
-    return _experts_and_combine(state, x, inds, weights, pending[1])
+    out, mixing, y = _experts_and_combine(state, x, inds, weights)
+    return _tapped(state, out, inds, mixing, pending[1], y)
 
 
 def _swaps(adapter: MoEAdapter, block) -> list[tuple[object, Callable]]:
