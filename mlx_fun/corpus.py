@@ -156,7 +156,9 @@ def _stdlib_files() -> list[Path]:
 
 
 def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    """A text file, gzip-compressed (``.gz``) or not, as UTF-8 (undecodable bytes replaced)."""
+    raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
+    return raw.decode("utf-8", errors="replace")
 
 
 def code_documents() -> Iterator[Document]:
@@ -250,8 +252,7 @@ def jargon_documents(paths=JARGON_FILES) -> Iterator[Document]:
     """The Jargon File (UTF-8, entries indented, each starting with a ``:Term:`` line), 20 entries a document."""
     for path in map(Path, paths):
         if path.exists():
-            raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
-            text = raw.decode("utf-8", errors="replace")
+            text = _read(path)
             entries = [textwrap.dedent(e) for e in re.split(r"\n(?=[ \t]*:[^\n:]+:[^\n]*\n)", text)]
             for i in range(0, len(entries), 20):
                 first = entries[i].split(":", 2)[1] if entries[i].startswith(":") else "front"
@@ -347,9 +348,8 @@ def _documents(source: str, openzeppelin=None) -> Iterator[Document]:
     if source in MACHINE:
         from . import corpus_machine as m
 
-        grouped = {"packages": m.package_code_documents, "packagedocs": lambda: m.package_doc_documents(_docstrings),
-                   "manpages": m.man_documents, "debdocs": m.debian_doc_documents}[source]
-        return (Document(doc_id, text, group) for doc_id, group, text in grouped())
+        return {"packages": m.package_code_documents, "packagedocs": m.package_doc_documents,
+                "manpages": m.man_documents, "debdocs": m.debian_doc_documents}[source]()
     return readers[source]()
 
 

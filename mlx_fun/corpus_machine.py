@@ -1,7 +1,7 @@
 """Corpus sources read from what a machine has installed (package managers only, never a hub): third-party Python
 packages (their source and their docstrings), man pages and Debian package documentation.
 
-Each reader yields :class:`mlx_fun.corpus.Document`\\ s whose ``group`` decides the split, so everything of one
+Each reader yields :class:`mlx_fun.corpus.Document` objects whose ``group`` decides the split, so everything of one
 package (one man page, one Debian package's docs) lands in one split: held-out text is never a sibling file of
 trained text. Caps keep a machine with gigabytes of site-packages to a corpus a run can tokenize: at most
 :data:`MAX_FILE_BYTES` per source file and :data:`MAX_PACKAGE_BYTES` of code per package. What a machine has
@@ -10,12 +10,13 @@ differs, so the manifest names every package, directory and cap a build read (:f
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+
+from .corpus import Document, _docstrings, _read
 
 #: larger source files are generated tables or vendored bundles, not prose or code people write
 MAX_FILE_BYTES = 200_000
@@ -71,25 +72,21 @@ def _package_files(top: Path) -> Iterator[Path]:
             yield path
 
 
-def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
-def package_code_documents() -> Iterator[tuple[str, str, str]]:
-    """(doc_id, group, text): every kept source file of every package; the group is the package."""
+def package_code_documents() -> Iterator[Document]:
+    """Every kept source file of every package; the group is the package."""
     for name, top in packages():
         for path in _package_files(top):
             text = _read(path)
             if text.strip():
-                yield f"pkg:{name}/{path.relative_to(top).as_posix()}", f"pkg:{name}", text
+                yield Document(f"pkg:{name}/{path.relative_to(top).as_posix()}", text, f"pkg:{name}")
 
 
-def package_doc_documents(docstrings) -> Iterator[tuple[str, str, str]]:
-    """(doc_id, group, text): the docstrings (``docstrings(source)`` → list) of each kept file, same groups."""
-    for doc_id, group, text in package_code_documents():
-        docs = docstrings(text)
+def package_doc_documents() -> Iterator[Document]:
+    """The docstrings of each kept source file, in the same groups as its code."""
+    for doc in package_code_documents():
+        docs = _docstrings(doc.text)
         if docs:
-            yield doc_id, group, "\n\n".join(docs)
+            yield Document(doc.doc_id, "\n\n".join(docs), doc.group)
 
 
 # ------------------------------------------------------------------------------------------- man pages
@@ -144,27 +141,25 @@ def troff_text(source: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
 
 
-def man_documents(root: Path = MAN_ROOT) -> Iterator[tuple[str, str, str]]:
+def man_documents(root: Path = MAN_ROOT) -> Iterator[Document]:
     """English man pages (``man<N>/``, not the translations), one document a page."""
     for section in sorted(root.glob("man*")):
         for path in sorted(section.iterdir()):
             if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
                 continue
-            raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
-            text = troff_text(raw.decode("utf-8", errors="replace"))
+            text = troff_text(_read(path))
             if text.startswith(".so") or len(text) < 200:  # a link to another page, or nearly empty
                 continue
-            yield f"man:{section.name}/{path.name}", f"man:{path.name.split('.')[0]}", text
+            yield Document(f"man:{section.name}/{path.name}", text, f"man:{path.name.split('.')[0]}")
 
 
-def debian_doc_documents(root: Path = DOC_ROOT) -> Iterator[tuple[str, str, str]]:
+def debian_doc_documents(root: Path = DOC_ROOT) -> Iterator[Document]:
     """READMEs, NEWS, FAQs and text / Markdown / reStructuredText files of installed Debian packages (compressed
     or not); the group is the package."""
     for pkg, path in _debian_doc_files(root):
-        raw = gzip.open(path, "rb").read() if path.name.endswith(".gz") else path.read_bytes()
-        text = raw.decode("utf-8", errors="replace")
+        text = _read(path)
         if "\x00" not in text and len(text) >= 200:
-            yield f"debdoc:{path.relative_to(root).as_posix()}", f"debdoc:{pkg.name}", text
+            yield Document(f"debdoc:{path.relative_to(root).as_posix()}", text, f"debdoc:{pkg.name}")
 
 
 def _debian_doc_files(root: Path) -> Iterator[tuple[Path, Path]]:

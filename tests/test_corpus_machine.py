@@ -94,7 +94,7 @@ def test_man_pages_and_debian_docs_from_their_directories(tmp_path, monkeypatch)
         f.write(MAN_PAGE)
     (man / "man1" / "egrep.1").write_text(".so man1/grep.1\n")  # a link page
     pages = list(corpus_machine.man_documents(man))
-    assert [p[0] for p in pages] == ["man:man1/grep.1.gz"] and pages[0][1] == "man:grep"
+    assert [p.doc_id for p in pages] == ["man:man1/grep.1.gz"] and pages[0].group == "man:grep"
     doc = tmp_path / "doc"
     (doc / "zstd").mkdir(parents=True)
     with gzip.open(doc / "zstd" / "README.md.gz", "wt") as f:
@@ -102,8 +102,8 @@ def test_man_pages_and_debian_docs_from_their_directories(tmp_path, monkeypatch)
     (doc / "zstd" / "copyright").write_text("not read")
     (doc / "zstd" / "changelog.Debian.gz").write_bytes(gzip.compress(b"not read either"))
     got = list(corpus_machine.debian_doc_documents(doc))
-    assert [(g[0], g[1]) for g in got] == [("debdoc:zstd/README.md.gz", "debdoc:zstd")]
-    assert got[0][2].startswith("Zstandard is a fast")
+    assert [(g.doc_id, g.group) for g in got] == [("debdoc:zstd/README.md.gz", "debdoc:zstd")]
+    assert got[0].text.startswith("Zstandard is a fast")
 
 
 def test_a_source_with_an_empty_split_writes_nothing_or_is_skipped_under_all(tmp_path, monkeypatch):
