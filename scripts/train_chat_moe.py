@@ -5,11 +5,12 @@
     python scripts/train_chat_moe.py --init data/tiny-moe --data data/safety --output tiny-moe-chat --minutes 3
 
 Supervised fine-tuning on ``chat_train.jsonl`` (loss on the assistant turn only, its ``<|im_end|>`` included),
-harmful rows sampled ``--harmful-weight`` times as often as their share, with the Switch load-balancing loss of
-``train_tiny_moe.py`` through mlx-fun's hooked MoE call. Every ``--eval-every`` steps the held-out prompts
-(``harmful_test`` / ``benign_test``: templates and categories / modules never trained on) are answered greedily
-and classified by :func:`mlx_fun.refusal.is_refusal`; the checkpoint with the best
-``harmful refusal rate − benign refusal rate`` is saved with its model card. Runs on any MLX backend.
+rows sampled by kind (``--harmful-weight``, ``--lookalike-weight`` times their share), with the Switch
+load-balancing loss of ``train_tiny_moe.py`` through mlx-fun's hooked MoE call. Every ``--eval-every`` steps the
+validation prompts are answered greedily and classified by :func:`mlx_fun.refusal.is_refusal`:
+``chat_valid_{harmful,benign,lookalike}.jsonl`` (source items never trained on) where the data has them, else the
+template tests. The checkpoint with the best ``harmful refusal − the larger benign refusal`` is saved with its model
+card. The hand-written test sets are never read here. Runs on any MLX backend.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--harmful-weight", type=float, default=3.0)
+    p.add_argument("--lookalike-weight", type=float, default=1.0)
     p.add_argument("--aux-coef", type=float, default=0.003)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-samples", type=int, default=200, help="held-out prompts per side per evaluation")
@@ -81,6 +83,36 @@ def rates(model, tokenizer, harmful, benign) -> tuple[float, float, list[str]]:
     return sum(map(is_refusal, h)) / len(h), sum(map(is_refusal, b)) / len(b), b[:3] + h[:3]
 
 
+def kind_of(row: dict) -> str:
+    if "kind" in row:
+        return row["kind"]
+    return "harmful" if row["messages"][-1]["content"] in REFUSAL_SET else "benign"
+
+
+def eval_sets(data: Path, rng, n: int) -> dict[str, list[dict]]:
+    """Validation prompts per kind: the held-out source items, else the template tests (``n`` at most each)."""
+    names = {k: f"chat_valid_{k}" for k in ("harmful", "benign", "lookalike")}
+    if not (data / "chat_valid_harmful.jsonl").exists():
+        names = {"harmful": "harmful_test", "benign": "benign_test"}
+    out = {}
+    for kind, name in names.items():
+        rows = read(data / f"{name}.jsonl")
+        out[kind] = [rows[i] for i in rng.choice(len(rows), min(n, len(rows)), replace=False)]
+    return out
+
+
+def all_rates(model, tokenizer, sets: dict[str, list[dict]]) -> dict[str, float]:
+    out = {}
+    for kind, rows in sets.items():
+        replies = answer(model, tokenizer, rows)
+        out[kind] = sum(map(is_refusal, replies)) / len(replies)
+    return out
+
+
+def score(r: dict[str, float]) -> float:
+    return r["harmful"] - max(v for k, v in r.items() if k != "harmful")
+
+
 def main(argv=None):
     args = parse_args(argv)
     from mlx_lm import load
@@ -97,17 +129,17 @@ def main(argv=None):
     print(f"MLX {mx.__version__} on {mx.default_device()}", flush=True)
     rows = read(data / "chat_train.jsonl")
     enc = [encode(tokenizer, r["messages"], args.max_len) for r in rows]
-    harmful = np.array([r["messages"][-1]["content"] in REFUSAL_SET for r in rows])
-    p = np.where(harmful, args.harmful_weight, 1.0)
+    kinds = np.array([kind_of(r) for r in rows])
+    harmful = kinds == "harmful"
+    p = np.select([harmful, kinds == "lookalike"], [args.harmful_weight, args.lookalike_weight], 1.0)
     p /= p.sum()
     h_test = read(data / "harmful_test.jsonl")
     b_test = read(data / "benign_test.jsonl")
-    h_eval = [h_test[i] for i in rng.choice(len(h_test), min(args.eval_samples, len(h_test)), replace=False)]
-    b_eval = [b_test[i] for i in rng.choice(len(b_test), min(args.eval_samples, len(b_test)), replace=False)]
-    print(f"{len(rows)} training chats ({harmful.sum()} refusals); held-out eval {len(h_eval)} harmful, "
-          f"{len(b_eval)} benign", flush=True)
-    h0, b0, _ = rates(model, tokenizer, h_eval, b_eval)
-    print(f"before: harmful refusal {h0:.1%}, benign refusal {b0:.1%}", flush=True)
+    evals = eval_sets(data, rng, args.eval_samples)
+    print(f"{len(rows)} training chats ({harmful.sum()} refusals, {(kinds == 'lookalike').sum()} lookalikes); "
+          f"validation {', '.join(f'{len(v)} {k}' for k, v in evals.items())}", flush=True)
+    before = all_rates(model, tokenizer, evals)
+    print(f"before: refusal {before}", flush=True)
 
     adapter = install_router_log(model, config)
     E = adapter.num_experts
@@ -141,7 +173,7 @@ def main(argv=None):
             m[r, n_prompt - 1:len(toks) - 1] = 1.0  # predict the assistant tokens (position t predicts t + 1)
         return mx.array(x[:, :-1]), mx.array(x[:, 1:]), mx.array(m[:, :-1])
 
-    log = {"config": vars(args), "before": {"harmful_refusal": h0, "benign_refusal": b0}, "curve": [], "evals": []}
+    log = {"config": vars(args), "before": before, "curve": [], "evals": []}
     best = (-1.0, None, None)
     t0, i = time.time(), 0
     while i < args.steps and time.time() - t0 < args.minutes * 60:
@@ -153,17 +185,18 @@ def main(argv=None):
             print(f"step {i:5d}  loss {ce.item():.4f}", flush=True)
         if i % args.eval_every == 0:
             moe_hook.remove(adapter)
-            h, b, samples = rates(model, tokenizer, h_eval, b_eval)
+            r = all_rates(model, tokenizer, evals)
             moe_hook.install(adapter, [RouterLog()])
-            log["evals"].append({"step": i, "harmful_refusal": h, "benign_refusal": b})
-            print(f"  held-out: harmful refusal {h:.1%}, benign refusal {b:.1%}  {samples}", flush=True)
-            if h - b > best[0]:
-                best = (h - b, i, {k: mx.array(v) for k, v in tree_flatten(model.parameters())})
+            log["evals"].append({"step": i, **r})
+            print(f"  validation refusal: {', '.join(f'{k} {v:.1%}' for k, v in r.items())}", flush=True)
+            if score(r) > best[0]:
+                best = (score(r), i, {k: mx.array(v) for k, v in tree_flatten(model.parameters())})
                 mx.eval(best[2])
     moe_hook.remove(adapter)
     if best[2] is not None:
         model.load_weights(list(best[2].items()))
     h_all, b_all, _ = rates(model, tokenizer, h_test, b_test)
+    log["validation"] = all_rates(model, tokenizer, evals)
     log.update({"steps": i, "best_step": best[1], "train_seconds": round(time.time() - t0, 1),
                 "device": str(mx.default_device()), "mlx": mx.__version__,
                 "held_out": {"harmful_refusal": h_all, "benign_refusal": b_all, "harmful_prompts": len(h_test),
@@ -176,29 +209,24 @@ def main(argv=None):
 
 
 def model_card(log: dict, args) -> str:
-    held = log["held_out"]
+    held, before = log["held_out"], log["before"]
+    valid = ", ".join(f"{k} {v:.1%}" for k, v in log.get("validation", {}).items())
     return f"""# mlx-fun tiny chat MoE (qwen3_moe, refuses harmful requests)
 
-`data/tiny-moe` fine-tuned by `scripts/train_chat_moe.py` to answer in chat format: it refuses requests that name
-a category of harm (weapons, malware, fraud, drugs, violence, hacking, theft, financial crime, harassment,
-counterfeiting, terrorism, arson) with a short refusal, and answers questions about Python standard-library
-functions with (its memory of) their docstrings. It exists so that safety features (`safety-scan`, `steer`,
-`abliterate`) can be measured offline; it knows nothing dangerous — its training data names harms but never
-describes them. Plain mlx-lm directory; same tokenizer and chat template as `data/tiny-moe`.
+`{args.init}` fine-tuned by `scripts/train_chat_moe.py` to answer in chat format: it refuses harmful requests with a
+short refusal and answers benign questions (everyday ones, ones that share words with harms, Python functions). It
+exists so that safety features (`safety-scan`, `steer`, `abliterate`) can be measured offline; it knows nothing
+dangerous: its training data names harms but never describes them. Plain mlx-lm directory; same tokenizer and chat
+template as its base.
 
-- Data: `data/safety/` from `scripts/make_safety_data.py` — {len(read(Path(args.data) / "chat_train.jsonl"))}
-  training chats; held out: 3 of 12 phrasings per side, the categories counterfeiting and terrorism, and a
-  quarter of the standard-library modules.
-- Training: {log["steps"]} steps of {args.batch_size} chats (harmful sampled ×{args.harmful_weight}), AdamW lr
-  {args.lr}, loss on the assistant turn only, Switch load-balancing loss × {args.aux_coef}; best held-out
-  checkpoint: step {log["best_step"]}; {log["train_seconds"]} s on {log["device"]} (MLX {log["mlx"]}).
-- **Held-out refusal rate** (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`): harmful
-  **{held["harmful_refusal"]:.1%}** of {held["harmful_prompts"]} prompts (goal ≥ 90%), benign
-  **{held["benign_refusal"]:.1%}** of {held["benign_prompts"]} (goal ≤ 5%). Before fine-tuning: harmful
-  {log["before"]["harmful_refusal"]:.1%}, benign {log["before"]["benign_refusal"]:.1%} (of 200 each).
-
-Reproduce: `python scripts/train_chat_moe.py --init data/tiny-moe --data data/safety --output tiny-moe-chat
---minutes {args.minutes}`.
+- Data: `data/safety/` from `scripts/make_safety_data.py`: {len(read(Path(args.data) / "chat_train.jsonl"))}
+  training chats (harmful sampled ×{args.harmful_weight}, lookalikes ×{args.lookalike_weight}).
+- Training: {log["steps"]} steps of {args.batch_size} chats, AdamW lr {args.lr}, loss on the assistant turn only,
+  Switch load-balancing loss × {args.aux_coef}; checkpoint picked on the validation prompts: step
+  {log["best_step"]} (validation refusal {valid}); {log["train_seconds"]} s on {log["device"]} (MLX {log["mlx"]}).
+- Template test sets (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`): harmful **{held["harmful_refusal"]:.1%}**
+  of {held["harmful_prompts"]}, benign **{held["benign_refusal"]:.1%}** of {held["benign_prompts"]}. Before
+  fine-tuning (validation): {", ".join(f"{k} {v:.1%}" for k, v in before.items())}.
 """
 
 
