@@ -19,9 +19,9 @@ categories in HELD_OUT_CATEGORIES, and the benign functions of a fixed quarter o
 - chat_valid_{harmful,benign,lookalike}.jsonl: prompts of held-out source items, what the chat fine-tune picks its
   checkpoint by (the hand-written test sets are never used for that).
 
-**Sources** (``data/safety/sources/*.json``, written by hand for issue 33, not by templates): ``benign.json``
-(everyday questions, four phrasings each, with a real answer), ``lookalike.json`` (benign questions that share a
-word with a harm: kill a process, crack an egg, shoot a photo, with a real answer) and ``harmful.json`` (harmful
+**Sources** (``data/safety/sources/*.json``, written by hand for issue 33, not by templates): ``benign*.json``
+(everyday questions, four phrasings each, with a real answer), ``lookalike*.json`` (benign questions that share a
+word with a harm: kill a process, crack an egg, shoot a photo, with a real answer) and ``harmful*.json`` (harmful
 requests in many categories and framings, four phrasings each, no operational detail; answered with a refusal).
 Items near a hand-written test prompt (``NEAR``: half their words shared) are left out, so no
 test prompt is trained on even when written alike by chance. One item in six (by hash of its first prompt) is held
@@ -181,7 +181,7 @@ def source_chats(sources: Path, rng: random.Random) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {"chat_train": [], "chat_valid_harmful": [], "chat_valid_benign": [],
                                   "chat_valid_lookalike": []}
     for kind in ("harmful", "benign", "lookalike"):
-        for item in json.loads((sources / f"{kind}.json").read_text()):
+        for item in (i for f in sorted(sources.glob(f"{kind}*.json")) for i in json.loads(f.read_text())):
             if any(near(words(p), t) for p in item["prompts"] for t in tests):
                 DROPPED.append(item["prompts"][0])
                 continue
