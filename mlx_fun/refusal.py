@@ -28,6 +28,23 @@ def phrasing(text: str) -> str:
     return " ".join([w for w in words if w][:2])
 
 
+def is_degenerate(ids: list[int], times: int = 4, max_period: int = 4) -> bool:
+    """Has a reply (its token ids) fallen into a loop: one token, or a block of up to ``max_period`` tokens, repeated
+    ``times`` times in a row ("LLLL", "Jo aJo aJo aJo a")? What steering that leaves a model nothing to say
+    produces; the steering benchmark reports the rate."""
+    for period in range(1, max_period + 1):
+        run = 0
+        for i in range(period, len(ids)):
+            run = run + 1 if ids[i] == ids[i - period] else 0
+            if run >= period * (times - 1):
+                return True
+    return False
+
+
+def degenerate_rate(tokenizer, replies: list[str]) -> float:
+    return sum(is_degenerate(tokenizer.encode(r, add_special_tokens=False)) for r in replies) / max(1, len(replies))
+
+
 def refusal_rate(replies: list[str]) -> float:
     return sum(map(is_refusal, replies)) / len(replies) if replies else 0.0
 

@@ -202,9 +202,8 @@ def quantize_rows(args, model_dir, saliency, score, ready):
              f"(float32, {base:.1f} MiB) quantized by mlx-lm's uniform `convert` (group size 64; its router is "
              "quantized too) and by `mlx-fun quantize` recipes (affine group size 64 unless named; routers kept in "
              "float). Held-out test split of each domain: perplexity, and KL(float original ‖ quantized) per token. "
-             "This model's expert down projections are 48 wide, which no affine group size divides, so every affine "
-             "recipe leaves them in float (nvfp4, group 16, quantizes them). The cold-layer row gives the two MoE "
-             "layers with the smallest summed REAP (code calibration) 2-bit experts.", "",
+             f"{_down_note(model_dir)} The cold-layer row gives the two MoE layers with the smallest summed REAP "
+             "(code calibration) 2-bit experts.", "",
              "| recipe | size MiB | code ppl | code KL | prose ppl | prose KL |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['mib']:.2f} | {r['code_ppl']:.2f} | {r['code_kl']:.4f} | "
@@ -270,10 +269,9 @@ def interpretation(rows) -> list[str]:
     if merges:
         m = get("ream-merge", top, "code")
         out.append(
-            f"- REAM merging (default `--max-group-size 16`, REAP centroids) lands next to REAP pruning with the "
-            f"same centroids ({m['code_ppl']:.2f} vs {reap['code_ppl']:.2f} code perplexity at {top:.0%}): with "
-            "C = 16 and at most 16 experts to fold in, the most salient centroid claims all or all but one of "
-            "them, and the saliency-weighted average keeps it close to itself, so the result is close to pruning.")
+            f"- REAM merging (default `--max-group-size 16`, REAP centroids) against REAP pruning with the same "
+            f"centroids: {m['code_ppl']:.2f} vs {reap['code_ppl']:.2f} code perplexity at {top:.0%} "
+            f"({'better' if m['code_ppl'] < reap['code_ppl'] else 'worse'} than pruning).")
         small = sorted({r["method"] for r in rows if r["method"].startswith("ream-merge C=")})
         if small:
             out.append(
@@ -282,6 +280,15 @@ def interpretation(rows) -> list[str]:
                 + f" code perplexity at {top:.0%}. Averaging experts of similar saliency moves the centroid "
                 "further than folding low-saliency experts into a strong one.")
     return out
+
+
+def _down_note(model_dir) -> str:
+    """What group size 64 does to this model's expert down projections (their input is the expert width)."""
+    width = json.loads((Path(model_dir) / "config.json").read_text()).get("moe_intermediate_size")
+    if not width or width % 64 == 0:
+        return ""
+    return (f"This model's expert down projections are {width} wide, which group size 64 does not divide, so the "
+            "group-64 affine recipes leave them in float (nvfp4, group 16, quantizes them).")
 
 
 def _device() -> str:

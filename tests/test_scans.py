@@ -95,9 +95,9 @@ def test_safety_scan_on_the_refusing_model(tmp_path):
     from mlx_fun.expert_files import load_report_experts
     from mlx_fun.steering import from_reports
 
-    sets = load_report_experts(tmp_path / "safety_report.json", "safety", [0, 1, 2, 3], 32)
+    sets = load_report_experts(tmp_path / "safety_report.json", "safety", [0, 1, 2, 3], 48)
     assert sum(map(len, sets.values())) == sizes["safety_critical"]
-    s = from_reports(moe_layer_indices=[0, 1, 2, 3], num_experts=32, top_k=4,
+    s = from_reports(moe_layer_indices=[0, 1, 2, 3], num_experts=48, top_k=6,
                      safety_map=tmp_path / "safety_report.json", safety_mode="unsafe")
     assert sum(map(len, s.deactivate.values())) == sizes["safety_critical"]
 

@@ -18,7 +18,8 @@ from mlx_fun.serve.options import ServerOptions
 from .cli_helpers import run as cli
 
 MODEL = bundled_model_dir()
-TOP_K = 4
+_CONFIG = json.loads((MODEL / "config.json").read_text())
+TOP_K, EXPERTS = _CONFIG["num_experts_per_tok"], _CONFIG["num_experts"]
 MAX_BODY = 64 << 10
 
 
@@ -135,8 +136,8 @@ def test_prompt_cache_hits_are_not_recounted(server):
 def test_stats_shape_and_scores(server):
     chat(server, "hello", max_tokens=3)
     st = stats(server)
-    assert (st["num_layers"], st["num_experts"], st["top_k"], st["model_type"]) == (4, 32, 4, "qwen3_moe")
-    assert np.array(st["freq"]).shape == (4, 32) and set(st["computed_scores"]) == {"reap", "ean", "freq",
+    assert (st["num_layers"], st["num_experts"], st["top_k"], st["model_type"]) == (4, EXPERTS, TOP_K, "qwen3_moe")
+    assert np.array(st["freq"]).shape == (4, EXPERTS) and set(st["computed_scores"]) == {"reap", "ean", "freq",
                                                                                     "weighted_freq"}
     np.testing.assert_allclose(st["computed_scores"]["weighted_freq"], st["weighted_freq_sum"])
     assert st["total_samples"] == st["token_count"]
@@ -152,7 +153,7 @@ def test_save_then_prune_and_stats_diff(server, data_dir, tmp_path):
     r = cli("prune", "--model", MODEL, "--saliency", data_dir / "online.npz", "--n-prune", 8, "--metric", "freq",
             "--output", tmp_path / "pruned")
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "pruned" / "config.json").read_text())["num_experts"] == 24
+    assert json.loads((tmp_path / "pruned" / "config.json").read_text())["num_experts"] == EXPERTS - 8
     chat(server, "And itertools.islice?", max_tokens=6)
     status, out = call(server, "POST", "/v1/reap/save", {"path": "sub/two.npz"})
     assert status == 200
@@ -222,12 +223,12 @@ BAD = [
     ("POST", "/v1/reap/steer", {"deactivate": {"9": [1]}}, 400, "deactivate.9"),
     ("POST", "/v1/reap/steer", {"deactivate": [1, 2]}, 400, "deactivate"),
     ("POST", "/v1/reap/steer", {"deactivate": {"0": ["a"]}}, 400, "deactivate.0"),
-    ("POST", "/v1/reap/steer", {"deactivate": {"0": list(range(30))}}, 400, "deactivate.0"),
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": list(range(EXPERTS - 2))}}, 400, "deactivate.0"),
     ("POST", "/v1/reap/steer", {"activate": {"0": [1]}, "deactivate": {"0": [1]}}, 400, "activate.0"),
     ("POST", "/v1/reap/steer", {"deactivte": {"0": [1]}}, 400, "deactivte"),
     ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "mask_value": "big"}, 400, "mask_value"),
     ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "scheme": "ranked"}, 400, "scheme"),
-    ("POST", "/v1/reap/steer", {"activate": {"0": [1, 2, 3, 4, 5]}, "scheme": "rank"}, 400, "activate.0"),
+    ("POST", "/v1/reap/steer", {"activate": {"0": list(range(1, TOP_K + 2))}, "scheme": "rank"}, 400, "activate.0"),
     ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "sideways"}, 400, "mode"),
     ("POST", "/v1/reap/steer", {"safety_map": "missing.json", "mode": "safe"}, 400, "safety_map"),
     ("POST", "/v1/reap/steer", {"safety_map": "../outside.json", "mode": "safe"}, 403, "safety_map"),
@@ -287,8 +288,8 @@ BAD = [
     ("POST", "/v1/reap/steer", {"safety_map": "c" * 300 + ".json", "mode": "safe"}, 400, "safety_map"),
     ("POST", "/v1/reap/steer", {"deactivate": {"\u00b2": [1]}}, 400, "deactivate"),
     # steering that would do nothing (row 18c): every expert of a layer, or every one not deactivated
-    ("POST", "/v1/reap/steer", {"activate": {"1": list(range(32))}}, 400, "activate.1"),
-    ("POST", "/v1/reap/steer", {"activate": {"2": list(range(2, 32))}, "deactivate": {"2": [0, 1]}}, 400,
+    ("POST", "/v1/reap/steer", {"activate": {"1": list(range(EXPERTS))}}, 400, "activate.1"),
+    ("POST", "/v1/reap/steer", {"activate": {"2": list(range(2, EXPERTS))}, "deactivate": {"2": [0, 1]}}, 400,
      "activate.2"),
 ]
 

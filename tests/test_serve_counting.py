@@ -3,6 +3,8 @@ offline collect), steering through each family's own routing, mlx-lm's server op
 
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 
@@ -128,9 +130,11 @@ def test_steering_that_changes_nothing_is_refused(tmp_path):
             from_reports(**kw, activate=activate, deactivate=deactivate)
         assert e.value.field == f"activate.{next(iter(activate))}" and "changes nothing" in str(e.value)
     assert from_reports(**kw, activate={"2": list(range(7))}).activate == {2: list(range(7))}  # 7 of 8: a choice
-    # the CLI: boost a layer's 4 HRCG experts and suppress its 28 general ones (32 experts, top_k 4)
-    (tmp_path / "safety.json").write_text('{"hrcg": {"1": [0, 1, 2, 3]}}')
-    (tmp_path / "domain.json").write_text('{"general_experts": {"1": %s}}' % list(range(4, 32)))
+    # the CLI: boost a layer's top_k HRCG experts and suppress all its other (general) ones
+    config = json.loads((MODEL / "config.json").read_text())
+    k, n = config["num_experts_per_tok"], config["num_experts"]
+    (tmp_path / "safety.json").write_text('{"hrcg": {"1": %s}}' % list(range(k)))
+    (tmp_path / "domain.json").write_text('{"general_experts": {"1": %s}}' % list(range(k, n)))
     expect_error(cli("steer", "--model", MODEL, "--prompt", "x", "--safety-map", tmp_path / "safety.json",
                      "--mode", "safe", "--domain-map", tmp_path / "domain.json", "--domain-mode", "suppress"),
                  "layer 1", "changes nothing")

@@ -336,8 +336,9 @@ def _merge_then_prune(run: Run) -> None:
     from mlx_lm import load
 
     model, _ = load(str(pruned))
-    assert json.loads((pruned / "config.json").read_text())["num_experts"] == 24
-    assert model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0] == 24
+    kept = json.loads((CHAT_MODEL / "config.json").read_text())["num_experts"] - 8
+    assert json.loads((pruned / "config.json").read_text())["num_experts"] == kept
+    assert model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0] == kept
 
 
 def _diff(run: Run) -> None:
