@@ -57,7 +57,8 @@ from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, mo
               help="Try this many (layers, weight, direction layer) settings, each measured after every round, and keep "
                    "the fewest refusals under --max-kl.")
 @click.option("--max-kl", type=FiniteFloat(0.0, min_open=True), default=0.5, show_default=True,
-              help="Largest benign first-token KL (nats) --search accepts and a later round may reach.")
+              help="Largest benign first-token KL (nats) --search accepts and a later round may reach; a first "
+                   "round of several phrasings' directions over it falls back to one direction.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prompts per forward pass while capturing (first-token log-probs: at least 16).")
 @click.option("--refusal-filter/--no-refusal-filter", default=True, show_default=True,

@@ -185,8 +185,7 @@ def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, e
                             f"{param('layers')} {layers} at {param('weight')} {weight}.")
     if done is None:
         done, modified, _ = job.abliterate(first, chosen, float(weight), source, estimate.rounds)
-        if job.over_kl:
-            warnings.append(job.over_kl)
+        warnings += [w for w in (job.fallback, job.over_kl) if w]
     else:
         modified = job.apply(done, chosen, float(weight), source)[0]
     if not modified:

@@ -6,7 +6,8 @@ Capture (:mod:`mlx_fun.residual`) over the harmful prompts the model refuses and
 (Arditi et al.'s filter, :func:`mlx_fun.refusal.is_refusal`) → per-layer directions; a round takes one direction per
 refusal **phrasing** (:func:`mlx_fun.refusal.phrasing`; up to ``phrasings``, orthonormal), each further round
 measures them again on the model abliterated so far and removes them too; a round that takes the capture benign
-prompts' first-token KL over ``max_kl`` is undone. Every round starts from the original weights, so a quantized
+prompts' first-token KL over ``max_kl`` is undone (a first round of several phrasings' directions that does falls
+back to one direction from all refused prompts). Every round starts from the original weights, so a quantized
 model is rounded once. Every forward (captures, first-token log-probs) runs through :mod:`mlx_fun.engine` within
 the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
 log-probs, so measuring a model's refusals and its KL is one generation.
@@ -135,6 +136,7 @@ class Abliteration:
         self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
         self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
+        self.fallback: str | None = None  # why its first round took one direction where it had several
 
     def statistics(self, r: int) -> Stats | None:
         """Round ``r``'s directions on the model as it is now, from the harmful capture prompts it refuses and the
@@ -234,7 +236,7 @@ class Abliteration:
         from ..rewrite.abliterate import restore
 
         done, touched, undo = [], {}, []
-        self.over_kl = None
+        self.over_kl = self.fallback = None
         for r in range(1, rounds + 1):
             stats = first if r == 1 else self.statistics(r)
             if stats is None:
@@ -244,6 +246,9 @@ class Abliteration:
             done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs, names))
             restore(undo)
             touched, undo = self.apply(done, layers, weight, source)
+            if r == 1 and len(dirs) > 1:
+                touched, undo = self._one_direction_if_over(stats, done, layers, weight, source, undo) or (
+                    touched, undo)
             if r > 1:
                 kl = mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
                 if kl > self.max_kl:
@@ -256,6 +261,27 @@ class Abliteration:
             if on_round is not None:
                 on_round(done)
         return done, touched, undo
+
+    def _one_direction_if_over(self, stats: Stats, done: list[Round], layers, weight, source, undo):
+        """Round 1 with one direction per phrasing: when that takes the capture benign prompts' first-token KL over
+        ``max_kl``, it is replaced by one direction from all refused prompts (the phrasings' directions together
+        can remove more than refusing). Returns ``(touched, undo)`` where it replaced, else ``None``."""
+        from dataclasses import replace
+
+        from ..refusal import mean_kl
+        from ..rewrite.abliterate import restore
+
+        kl = mean_kl(self._capture_reference, self._logprobs(self.benign, "round 1 benign KL"))
+        if kl <= self.max_kl:
+            return None
+        one = replace(stats, groups=[("all", stats.refused, stats.dirs)])
+        dirs, names = self._directions(one, [], source)
+        done[0] = replace(done[0], dirs=dirs, phrasings=names)
+        restore(undo)
+        self.fallback = (f"round 1's {len(stats.groups)} directions (one per refusal phrasing) took the capture "
+                         f"benign prompts' KL to {kl:.3f}, over {param('max_kl')} {self.max_kl:g}; one direction from "
+                         "all refused prompts was removed instead.")
+        return self.apply(done, layers, weight, source)
 
     def apply(self, done: list[Round], layers, weight, source):
         """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
