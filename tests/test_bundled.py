@@ -52,7 +52,7 @@ def test_demo_runs_end_to_end_on_the_bundled_model(tmp_path):
         assert step in result.output
     assert result.output.splitlines()[0].startswith("blas: ")  # says which BLAS it runs on
     if "preloaded" not in result.output.splitlines()[0]:  # this in-process run is not re-exec'ed: the slow BLAS
-        assert "this demo takes about 5x longer (287 s instead of 52 s" in result.output
+        assert "this demo takes about 5x longer (115 s instead of 25 s" in result.output
     report = json.loads((out / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
     for d in report["datasets"].values():

@@ -149,9 +149,9 @@ def test_every_readme_block_runs_in_order_in_one_directory(tmp_path):
         "tune-dispatch", "doctor", "serve", "ui", "safety-scan", "domain-scan",
         "steer", "amplify", "quantize"}
     assert any(c.startswith("mlx.launch --backend ring -n 2 -- mlx-fun collect") for c in ran)
-    for name, experts in (("pruned", 24), ("pruned-wide", 24), ("pruned-list", 24), ("merged", 24),
-                          ("merged-list", 24), ("mlx-fun-demo/pruned", 24), ("pruned-online", 24),
-                          ("pruned-domain", 24), ("api-pruned", 24), ("api-merged", 24), ("my-pruned", 24)):
+    for name, experts in (("pruned", 40), ("pruned-wide", 40), ("pruned-list", 40), ("merged", 40),
+                          ("merged-list", 40), ("mlx-fun-demo/pruned", 36), ("pruned-online", 40),
+                          ("pruned-domain", 40), ("api-pruned", 40), ("api-merged", 40), ("my-pruned", 40)):
         assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
     report = json.loads((work / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
@@ -183,13 +183,13 @@ def _check_python_api(work: Path, printed: list[str]) -> None:
     assert len(printed) == 2, printed
     lines = printed[0].splitlines()
     tokens = SaliencyAccumulator.load(work / "saliency.npz").total_tokens
-    assert lines[0] == f"{tokens} tokens; (4, 32)" and tokens > 500, lines
+    assert lines[0] == f"{tokens} tokens; (4, 48)" and tokens > 500, lines
     assert float(lines[1].split()[0]) > 0 and lines[1].endswith(" nats KL to the original"), lines
     assert "".join(lines[2:]).strip(), lines  # the merged model's reply
     acc = SaliencyAccumulator.load(work / "pipeline.npz")
-    assert acc.scores("reap").shape == (4, 32) and acc.freq.sum() > 0
+    assert acc.scores("reap").shape == (4, 48) and acc.freq.sum() > 0
     pruned, _ = mlx_lm.load(str(work / "my-pruned"))
-    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 24
+    assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 40
 
 
 def _help_examples(cmd_name: str) -> list[str]:

@@ -74,11 +74,11 @@ def _report(name: str, result) -> None:
 
 
 def _echo_blas() -> None:
-    """Which BLAS the CPU runs on, and what a slow one costs (measured on 2 cores: 52 s vs 287 s)."""
+    """Which BLAS the CPU runs on, and what a slow one costs (measured on 2 cores: 25 s vs 115 s)."""
     from ..blas import blas_status
 
     status = blas_status()
     click.echo(status)
     if "preloaded" not in status and "not needed" not in status:
-        click.echo("Warning: with the reference BLAS this demo takes about 5x longer (287 s instead of 52 s on "
+        click.echo("Warning: with the reference BLAS this demo takes about 5x longer (115 s instead of 25 s on "
                    "2 CPU cores); `mlx-fun doctor` shows the BLAS in use.", err=True)
