@@ -314,14 +314,13 @@ def test_phrasing_directions_over_max_kl_fall_back_to_one(chat_abliterated, tmp_
                               benign_dataset=data / "safety" / "benign_train.jsonl",
                               evaluation=Evaluation(eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
                                                     eval_benign_dataset=data / "safety" / "benign_test.jsonl",
-                                                    max_kl=10.0),
-                              output=tmp_path / "four", seed=0, estimate=Estimate(rounds=1))
+                                                    max_kl=10.0, eval_samples=32),
+                              output=tmp_path / "four", seed=0, estimate=Estimate(rounds=1), max_samples=64)
     first = got.rounds[0]
     assert len(first.dirs) == 4 and set(first.phrasings) == {"sorry i", "i can't", "i won't", "i'm sorry"}
     assert sum(first.phrasings.values()) == first.refused
     assert not any("instead" in w for w in got.warnings)
-    one = chat_abliterated[0].after
-    assert got.after.harmful_refusal <= one.harmful_refusal and got.after.benign_kl > 0.5 > one.benign_kl
+    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5 > chat_abliterated[0].after.benign_kl
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +331,7 @@ def chat_4bit():
     data = Path(__file__).resolve().parents[1] / "data"
     assert "quantization" in json.loads((data / "tiny-moe-chat" / "config.json").read_text())
     common = dict(harmful_dataset=data / "safety" / "harmful_train.jsonl",
-                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=48, seed=0)
+                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=32, seed=0)
     return data / "tiny-moe-chat", common
 
 
