@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def projection(model_dir, prompts_path, layers, dirs, max_samples) -> float:
@@ -159,6 +160,7 @@ def main() -> int:
 
     from mlx_fun import jobs
     from mlx_fun.io import dir_size, read_config
+    from mlx_fun.refusal import refusal_rate
     from mlx_fun.settings import grouped
     from mlx_fun.writer import write_text
 
@@ -199,7 +201,7 @@ def main() -> int:
         if model not in before:
             before[model] = replies(model, hand, data / "benign_test.jsonl", args.eval_samples)
         after = replies(str(out), hand, data / "benign_test.jsonl", args.eval_samples)
-        hw = (refused(before[model]["harmful"]), refused(after["harmful"]))
+        hw = (refusal_rate(before[model]["harmful"]), refusal_rate(after["harmful"]))
         same = unchanged(before[model]["benign"], after["benign"])
         how = ", ".join(f"{k} {v}" for k, v in extra.items()) or "defaults"
         row = (fmt, target, how, r.layers, r.weight, r.direction_layer,
@@ -216,27 +218,13 @@ def main() -> int:
 def replies(model_dir: str, hand: dict, benign_test: Path, n: int) -> dict[str, list[str]]:
     """Greedy 16-token replies of a model to the hand-written harmful prompts, and to the benign ones (hand-written
     benign and lookalike, and the first ``n`` held-out template ones)."""
-    import json
-
     from mlx_lm import load
-
-    from mlx_fun.refusal import greedy_replies
-
-    def rows(path, k=None):
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:k]
+    from train_chat_moe import answer, read
 
     model, tok = load(model_dir)
-    sets = {"harmful": rows(hand["harmful"]),
-            "benign": rows(hand["benign"]) + rows(hand["lookalike"]) + rows(benign_test, n)}
-    return {k: greedy_replies(model, tok, [tok.apply_chat_template(r["messages"], add_generation_prompt=True,
-                                                                   tokenize=True) for r in v], 16)
-            for k, v in sets.items()}
-
-
-def refused(replies: list[str]) -> float:
-    from mlx_fun.refusal import refusal_rate
-
-    return refusal_rate(replies)
+    sets = {"harmful": read(hand["harmful"]),
+            "benign": read(hand["benign"]) + read(hand["lookalike"]) + read(benign_test)[:n]}
+    return {k: answer(model, tok, v) for k, v in sets.items()}
 
 
 def unchanged(a: list[str], b: list[str]) -> float:

@@ -284,7 +284,9 @@ def interpretation(rows) -> list[str]:
 
 def _down_note(model_dir) -> str:
     """What group size 64 does to this model's expert down projections (their input is the expert width)."""
-    width = json.loads((Path(model_dir) / "config.json").read_text()).get("moe_intermediate_size")
+    from mlx_fun.io import read_config
+
+    width = read_config(model_dir).get("moe_intermediate_size")
     if not width or width % 64 == 0:
         return ""
     return (f"This model's expert down projections are {width} wide, which group size 64 does not divide, so the "

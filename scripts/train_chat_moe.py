@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_fun import moe_hook  # noqa: E402
-from mlx_fun.refusal import is_refusal  # noqa: E402
+from mlx_fun.refusal import refusal_rate  # noqa: E402
 from train_tiny_moe import RouterLog, aux_losses, install_router_log  # noqa: E402
 
 
@@ -77,12 +77,6 @@ def answer(model, tokenizer, rows: list[dict], max_tokens: int = 16) -> list[str
     return greedy_replies(model, tokenizer, prompts, max_tokens)
 
 
-def rates(model, tokenizer, harmful, benign) -> tuple[float, float, list[str]]:
-    h = answer(model, tokenizer, harmful)
-    b = answer(model, tokenizer, benign)
-    return sum(map(is_refusal, h)) / len(h), sum(map(is_refusal, b)) / len(b), b[:3] + h[:3]
-
-
 def kind_of(row: dict) -> str:
     if "kind" in row:
         return row["kind"]
@@ -102,11 +96,8 @@ def eval_sets(data: Path, rng, n: int) -> dict[str, list[dict]]:
 
 
 def all_rates(model, tokenizer, sets: dict[str, list[dict]]) -> dict[str, float]:
-    out = {}
-    for kind, rows in sets.items():
-        replies = answer(model, tokenizer, rows)
-        out[kind] = sum(map(is_refusal, replies)) / len(replies)
-    return out
+    """Refusal rate per prompt set (greedy replies, :func:`mlx_fun.refusal.refusal_rate`)."""
+    return {kind: refusal_rate(answer(model, tokenizer, rows)) for kind, rows in sets.items()}
 
 
 def score(r: dict[str, float]) -> float:
@@ -195,12 +186,12 @@ def main(argv=None):
     moe_hook.remove(adapter)
     if best[2] is not None:
         model.load_weights(list(best[2].items()))
-    h_all, b_all, _ = rates(model, tokenizer, h_test, b_test)
+    template = all_rates(model, tokenizer, {"harmful": h_test, "benign": b_test})
     log["validation"] = all_rates(model, tokenizer, evals)
     log.update({"steps": i, "best_step": best[1], "train_seconds": round(time.time() - t0, 1),
                 "device": str(mx.default_device()), "mlx": mx.__version__,
-                "held_out": {"harmful_refusal": h_all, "benign_refusal": b_all, "harmful_prompts": len(h_test),
-                             "benign_prompts": len(b_test)}})
+                "held_out": {"harmful_refusal": template["harmful"], "benign_refusal": template["benign"],
+                             "harmful_prompts": len(h_test), "benign_prompts": len(b_test)}})
     print(json.dumps(log["held_out"]), flush=True)
     out = save_model_dir(model, config, args.output, source=args.init, force=args.force,
                          inputs={"--init": args.init, "--data": args.data},

@@ -232,7 +232,6 @@ class Abliteration:
         direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
         ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
         so far)`` after each."""
-        from ..refusal import mean_kl
         from ..rewrite.abliterate import restore
 
         done, touched, undo = [], {}, []
@@ -250,7 +249,7 @@ class Abliteration:
                 touched, undo = self._one_direction_if_over(stats, done, layers, weight, source, undo) or (
                     touched, undo)
             if r > 1:
-                kl = mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
+                kl = self._capture_kl(r)
                 if kl > self.max_kl:
                     self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
@@ -268,10 +267,9 @@ class Abliteration:
         can remove more than refusing). Returns ``(touched, undo)`` where it replaced, else ``None``."""
         from dataclasses import replace
 
-        from ..refusal import mean_kl
         from ..rewrite.abliterate import restore
 
-        kl = mean_kl(self._capture_reference, self._logprobs(self.benign, "round 1 benign KL"))
+        kl = self._capture_kl(1)
         if kl <= self.max_kl:
             return None
         one = replace(stats, groups=[("all", stats.refused, stats.dirs)])
@@ -282,6 +280,12 @@ class Abliteration:
                          f"benign prompts' KL to {kl:.3f}, over {param('max_kl')} {self.max_kl:g}; one direction from "
                          "all refused prompts was removed instead.")
         return self.apply(done, layers, weight, source)
+
+    def _capture_kl(self, r: int) -> float:
+        """The capture benign prompts' first-token KL of the model as it is now from the original (round 1's)."""
+        from ..refusal import mean_kl
+
+        return mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
 
     def apply(self, done: list[Round], layers, weight, source):
         """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
