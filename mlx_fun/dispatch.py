@@ -16,6 +16,12 @@ cut-off table keyed by ``(backend, quantization, D, H, E, k)``, among these plan
   Without a cache the experts are dequantized at every call (worth it only for large ``M``); with
   ``dequant_cache_bytes`` the dequantized experts are kept per layer, up to that budget (reported in bytes).
 
+Half-precision float experts (float16 / bfloat16, as most published MoE checkpoints are) on the CPU run in float32:
+MLX's CPU ``gather_mm`` refuses other dtypes ("[GatherMM::eval] Currently only supports float32"), so mlx-lm
+itself cannot run such a model there. Calls with fewer routed rows than experts (decode) cast only the chosen
+experts' weights; larger ones cast the layer's weights once per call; the output keeps the input's dtype and the
+stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
+
 The ``unsorted``/``sorted`` plans call the very same projections in the same order as mlx-lm, so their outputs
 are bit-identical to mlx-lm's; ``blocked`` and ``dequant`` compute the same products with a different
 accumulation order (float tolerance; greedy tokens are unchanged in the tests).
@@ -96,16 +102,38 @@ def _dequantize(proj, dtype=None):
     return dispatch_dense.dequantize_weight(proj, dtype)
 
 
-def _project(proj, w, x, idx, sorted_indices: bool):
-    """``proj(x, idx)``, or the same product on the dequantized weights ``w`` (incl. the projection's bias)."""
+def _project(proj, w, x, idx, sorted_indices: bool, bias_idx=None):
+    """``proj(x, idx)``, or the same product on the dequantized weights ``w`` (incl. the projection's bias, whose
+    rows ``bias_idx`` names where ``w`` holds selected experts rather than all of them)."""
     if w is None:
         return proj(x, idx, sorted_indices=sorted_indices)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)
     y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
     if "bias" in proj:
-        y = y + mx.expand_dims(proj["bias"][idx], -2)
+        y = y + mx.expand_dims(proj["bias"][idx if bias_idx is None else bias_idx].astype(y.dtype), -2)
     return y
+
+
+def half_on_cpu(module, backend: str) -> bool:
+    """Float experts stored in float16 / bfloat16 on the CPU, whose ``gather_mm`` runs float32 only."""
+    w = getattr(module.up_proj, "weight", None)
+    return (backend == "cpu" and not isinstance(module.up_proj, QuantizedSwitchLinear) and w is not None
+            and w.dtype in (mx.float16, mx.bfloat16))
+
+
+def run_upcast(module, x, indices, plan: Plan) -> mx.array:
+    """``run_plan`` in float32 for half-precision float experts (:func:`half_on_cpu`); output in ``x``'s dtype."""
+    x32 = x.astype(mx.float32)
+    if indices.size < int(module.up_proj.num_experts) and x.size == (indices.size // indices.shape[-1]) * x.shape[-1]:
+        # fewer routed rows than experts: cast only the chosen experts, one matrix per row
+        flat = mx.stop_gradient(indices).reshape(-1)
+        rows = mx.arange(flat.size, dtype=mx.uint32).reshape(indices.shape)
+        weights = [getattr(module, n)["weight"][flat].astype(mx.float32) for n in _PROJS]
+        y = _experts(module, mx.expand_dims(x32, (-2, -3)), rows, False, weights, bias_idx=indices)
+        return y.squeeze(-2).astype(x.dtype)
+    weights = [getattr(module, n)["weight"].astype(mx.float32) for n in _PROJS]
+    return run_plan(module, x32, indices, plan.native if plan.dequant else plan, weights=weights).astype(x.dtype)
 
 
 def blocked_layout(flat_sorted: mx.array, num_experts: int, block: int):
@@ -142,6 +170,7 @@ class DispatchState:
     plans: dict = field(default_factory=dict)  # (m, k) -> Plan (resolved: never MLX_LM)
     calls: dict = field(default_factory=dict)  # (m, k) -> Plan, or None: mlx-lm's own call does the same
     force: Plan | None = None  # tests / benchmarks: always this plan
+    upcast: bool = False  # half-precision float experts on the CPU: run in float32 (half_on_cpu)
     max_rows: int | None = None  # split calls with more (token, expert) rows than this (MAX_ROWS)
 
     def entry(self, k: int) -> tuple[Entry, str]:
@@ -179,6 +208,8 @@ class DispatchedSwitchGLU(SwitchGLU):
         if key not in state.calls:
             state.resolve(m, k)
         plan = state.calls[key]
+        if state.upcast:
+            return run_upcast(self, x, indices, plan or state.plans[key])
         if plan is None or (plan.dequant and state.backend == "cpu" and x.dtype != mx.float32):
             # mlx-lm's own choice (also where MLX's float32-only CPU gather_mm rules out a dequant plan)
             return SwitchGLU.__call__(self, x, indices)
@@ -194,23 +225,23 @@ def _split_rows(module, x, indices, step: int) -> mx.array:
     return mx.concatenate(outs, axis=0).reshape(*lead, k, -1)
 
 
-def _experts(module, x, idx, sorted_indices: bool, weights):
+def _experts(module, x, idx, sorted_indices: bool, weights, bias_idx=None):
     """up, gate, down in mlx-lm's order; ``weights`` None (stored weights) or a dequantized triple."""
     w_up, w_gate, w_down = weights if weights is not None else (None, None, None)
-    x_up = _project(module.up_proj, w_up, x, idx, sorted_indices)
-    x_gate = _project(module.gate_proj, w_gate, x, idx, sorted_indices)
-    return _project(module.down_proj, w_down, module.activation(x_up, x_gate), idx, sorted_indices)
+    x_up = _project(module.up_proj, w_up, x, idx, sorted_indices, bias_idx)
+    x_gate = _project(module.gate_proj, w_gate, x, idx, sorted_indices, bias_idx)
+    return _project(module.down_proj, w_down, module.activation(x_up, x_gate), idx, sorted_indices, bias_idx)
 
 
-def run_plan(module, x, indices, plan: Plan, cache: list | None = None) -> mx.array:
+def run_plan(module, x, indices, plan: Plan, cache: list | None = None, weights: list | None = None) -> mx.array:
     """Run a SwitchGLU-like ``module`` on ``x`` (..., D) routed to ``indices`` (..., k) with ``plan``.
 
-    Returns (..., k, D) unweighted expert outputs, as mlx-lm's ``SwitchGLU.__call__`` does.
+    Returns (..., k, D) unweighted expert outputs, as mlx-lm's ``SwitchGLU.__call__`` does. ``weights``: the
+    (E, out, in) triple to multiply by instead of the stored ones (float32 copies of half-precision experts).
     """
     if plan.layout == "mlx-lm":
         plan = mlx_lm_plan(indices.size // max(1, indices.shape[-1]), indices.shape[-1])
-    weights = None
-    if plan.dequant:
+    if plan.dequant and weights is None:
         weights = cache if cache is not None else [_dequantize(getattr(module, n), x.dtype) for n in _PROJS]
     indices = mx.stop_gradient(indices)
     if plan.layout == "blocked":
@@ -296,12 +327,15 @@ class DispatchReport:
     cached_layers: int = 0
     dense_layers: int = 0  # dense quantized linears swapped (mlx_fun.dispatch_dense)
     quantized_layers: int = 0
+    upcast_layers: int = 0  # half-precision float expert layers run in float32 (half_on_cpu)
     cache_note: str = ""
     table_sources: list = field(default_factory=list)
 
     def summary(self) -> str:
+        upcast = (f"; {self.upcast_layers} half-precision expert layer(s) run in float32 (MLX's CPU gather_mm is "
+                  "float32-only)") if self.upcast_layers else ""
         if self.mode != "auto":
-            return "dispatch: mlx-lm (its fixed rule: sort when indices.size >= 64)"
+            return "dispatch: mlx-lm (its fixed rule: sort when indices.size >= 64)" + upcast
         parts = [f"dispatch: auto on {self.backend}, {self.layers} expert layer(s)"]
         for key, (entry, how) in self.entries.items():
             if how == "default":
@@ -316,7 +350,7 @@ class DispatchReport:
             parts.append(f"dequant cache {format_bytes(self.cache_bytes)} for {self.cached_layers}/"
                          f"{self.quantized_layers} quantized layer(s) (budget {format_bytes(self.cache_budget)})"
                          + (f"; {self.cache_note}" if self.cache_note else ""))
-        return "; ".join(parts)
+        return "; ".join(parts) + upcast
 
 
 def install(
@@ -342,7 +376,9 @@ def install(
         key = LayerKey.of(module)
         quantized = any(isinstance(getattr(module, n), QuantizedSwitchLinear) for n in _PROJS)
         old = module.__dict__.get(_STATE)
-        state = DispatchState(table, backend, key, quantized, force=forced, max_rows=MAX_ROWS.get(backend))
+        state = DispatchState(table, backend, key, quantized, force=forced, max_rows=MAX_ROWS.get(backend),
+                              upcast=half_on_cpu(module, backend))
+        report.upcast_layers += state.upcast
         if key not in report.entries:
             report.entries[key] = table.lookup(backend, key, None)
         report.layers += 1
@@ -396,7 +432,13 @@ def apply(
         raise ValueError(f"unknown dispatch mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "mlx-lm":
         remove(model)
-        return DispatchReport("mlx-lm", backend_name())
+        backend = backend_name()
+        if not any(half_on_cpu(m, backend) for m in expert_modules(model)):
+            return DispatchReport("mlx-lm", backend)
+        report = install(model, Table(), force=MLX_LM)  # mlx-lm's own plans, in float32
+        dispatch_dense.remove(model)
+        report.mode, report.dense_layers = "mlx-lm", 0
+        return report
     return install(model, load_table(table_path), dequant_cache_bytes=dequant_cache_bytes)
 
 
@@ -417,7 +459,9 @@ __all__ = [
     "backend_name",
     "blocked_layout",
     "expert_modules",
+    "half_on_cpu",
     "install",
+    "run_upcast",
     "is_dispatched",
     "load_table",
     "merge_table_files",

@@ -4,13 +4,14 @@ greedy generation is token-for-token the same with and without it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
@@ -345,3 +346,73 @@ def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():
     for entry in dsp.shipped_table().entries:
         again = rebanded(entry)
         assert (again.bands, again.bands_cached) == (entry.bands, entry.bands_cached), entry.describe()
+
+
+# ------------------------------------------------------------------------ half-precision experts on the CPU
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("kind", ["float", "gpt_oss"])
+def test_half_precision_experts_run_in_float32_on_the_cpu(kind, dtype):
+    """MLX's CPU gather_mm is float32-only, so mlx-lm cannot run a bfloat16 MoE there; the dispatch runs such
+    experts in float32 (only the chosen experts' weights at decode) and keeps the stored weights and dtypes."""
+    ref_layer = _layer(kind)
+    layer = _layer(kind)
+    layer.set_dtype(dtype)
+    stored = layer.up_proj.weight
+    ref_layer.update(tree_map(lambda w: w.astype(mx.float32), layer.parameters()))  # the same (rounded) weights
+    assert dsp.half_on_cpu(layer, "cpu") and not dsp.half_on_cpu(ref_layer, "cpu")
+    assert not dsp.half_on_cpu(layer, "cuda") and not dsp.half_on_cpu(_layer("4bit"), "cpu")
+    if dsp.backend_name() == "cpu":
+        with pytest.raises(RuntimeError, match="only supports float32"):
+            x, idx = _inputs((1, 1))
+            mx.eval(SwitchGLU.__call__(layer, x.astype(dtype), idx))
+    for mode, table in (("auto", None), ("auto", _fake_table(layer, 2, [(1, "sorted"), (8, "blocked4")])),
+                        ("mlx-lm", None)):
+        report = (dsp.install(layer, table, backend="cpu") if mode == "auto" else dsp.apply(layer, "mlx-lm"))
+        assert dsp.state_of(layer).upcast == (dsp.backend_name() == "cpu" or mode == "auto")
+        if dsp.backend_name() == "cpu":
+            assert "1 half-precision expert layer(s) run in float32" in report.summary(), report.summary()
+        for shape in SHAPES:  # 2 rows (< 8 experts: the chosen experts cast), 12 and 80 rows (the layer cast)
+            x, idx = _inputs(shape)
+            out = layer(x.astype(dtype), idx)
+            want = SwitchGLU.__call__(ref_layer, x.astype(dtype).astype(mx.float32), idx)
+            assert out.dtype == dtype and out.shape == want.shape
+            np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(dtype).astype(
+                mx.float32)), rtol=2e-2, atol=2e-2, err_msg=f"{mode} {shape}")
+        dsp.remove(layer)
+    assert layer.up_proj.weight is stored and stored.dtype == dtype
+
+
+def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
+    """A bfloat16 MoE checkpoint (most published ones) collects, prunes and generates with either dispatch mode,
+    and its statistics match the float32 model's."""
+    src = make_model("qwen3_moe")
+    half = tmp_path / "bf16"
+    shutil.copytree(src, half)
+    for f in half.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.bfloat16) for k, v in weights.items()}, {"format": "mlx"})
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"content": f"def f{i}(x):\n    return x * {i} + {i * 7}\n" * 6}) + "\n"
+                            for i in range(6)))
+    stats = {}
+    for name, path in (("f32", src), ("bf16", half)):
+        res = _cli("collect", "--model", path, "--dataset", data, "--output", tmp_path / f"{name}.npz",
+                   "--max-samples", 6, "--max-tokens", 64)
+        assert res.exit_code == 0, res.output
+        stats[name] = np.load(tmp_path / f"{name}.npz")
+    assert stats["bf16"]["freq"].sum() == stats["f32"]["freq"].sum() > 0
+    assert np.corrcoef(stats["bf16"]["reap_sum"].ravel(), stats["f32"]["reap_sum"].ravel())[0, 1] > 0.95
+    res = _cli("prune", "--model", half, "--saliency", tmp_path / "bf16.npz", "--n-prune", 2,
+               "--output", tmp_path / "pruned")
+    assert res.exit_code == 0, res.output
+    pruned = {}
+    for f in (tmp_path / "pruned").glob("*.safetensors"):
+        pruned.update(mx.load(str(f)))
+    assert pruned and {v.dtype for v in pruned.values()} == {mx.bfloat16}
+    for mode in ("auto", "mlx-lm"):
+        res = _cli("smoke-test", "--model", tmp_path / "pruned", "--max-tokens", 8, "--dispatch", mode)
+        assert res.exit_code == 0, res.output
+        if dsp.backend_name() == "cpu":
+            assert "half-precision expert layer(s) run in float32" in res.stderr
