@@ -6,8 +6,8 @@
 #     setsid nohup bash scripts/train_chat_gpu.sh [BASE] [CHAT_MINUTES] [OUT_DIR] &   # data/tiny-moe, 4, /tmp/chat
 #
 # RUNS: one NAME:LR:HARMFUL_WEIGHT:LOOKALIKE_WEIGHT:BATCH:STEPS[:SEED] per run (scripts/train_chat_moe.py's
-# options; each keeps its best checkpoint on data/safety's validation items). The kept run is the best validation score
-# (harmful refusal - the larger benign refusal): OUT_DIR/pick.log. Every run's refusal rates on the validation
+# options; each keeps its best checkpoint on data/safety's validation items). The kept run is the best validation
+# score (harmful refusal - the larger benign refusal): OUT_DIR/pick.log. Every run's refusal rates on the validation
 # and test sets (scripts/bench_refusal.py) are measured after training, and only reported. OUT_DIR/return: the
 # kept run in float32 shards of at most 14 MB and every run's logs (what a lent machine returns).
 # OUT_DIR/STAGE names the step running; OUT_DIR/DONE marks the end.

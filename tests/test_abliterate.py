@@ -268,45 +268,10 @@ def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
     assert meta["evaluation"]["before"]["benign_kl"] == 0.0
 
 
-@pytest.fixture(scope="module")
-def chat_abliterated(tmp_path_factory):
-    """The bundled refusing chat model abliterated with the defaults (held-out evaluation prompts)."""
-    from pathlib import Path
-
-    data = Path(__file__).resolve().parents[1] / "data"
-    out = tmp_path_factory.mktemp("chat") / "abl"
-    got = jobs.abliterate.run(model=data / "tiny-moe-chat", harmful_dataset=data / "safety" / "harmful_train.jsonl",
-                              benign_dataset=data / "safety" / "benign_train.jsonl",
-                              evaluation=Evaluation(eval_harmful_dataset=data / "safety" / "harmful_test.jsonl",
-                                                    eval_benign_dataset=data / "safety" / "benign_test.jsonl"),
-                              output=out, seed=0)
-    return got, out
-
-
-def test_rounds_take_the_bundled_chat_model_from_refusing_to_answering(chat_abliterated):
-    got, out = chat_abliterated
-    # measured: 76.6% -> 4.7% of 128 held-out harmful prompts, benign KL 0.286, benign refusals 1.6% -> 0%
-    assert got.before.harmful_refusal >= 0.7 and got.after.harmful_refusal <= 0.10
-    assert got.after.benign_kl <= 0.3 and got.after.benign_refusal <= 0.05
-    assert got.direction == "single" and got.direction_layer == 3 and got.layers == [0, 1, 2, 3]
-    # its four refusal phrasings' directions together took the benign KL over max_kl: one direction from all
-    assert len(got.rounds) == 1 and got.rounds[0].phrasings == {"all": got.rounds[0].refused}
-    assert any("one direction from all refused prompts was removed instead" in w for w in got.warnings)
-    assert got.rounds[0].refused >= 0.9 * got.rounds[0].harmful
-    dirs = np.concatenate([r.dirs[:, 3] for r in got.rounds])
-    np.testing.assert_allclose(dirs @ dirs.T, np.eye(len(dirs)), atol=1e-6)
-    assert all(np.array_equal(r.dirs[:, 0], r.dirs[:, 3]) for r in got.rounds)  # one source layer's, everywhere
-    meta = json.loads((out / "abliteration_metadata.json").read_text())
-    assert [r["refused_harmful"] for r in meta["rounds"]] == [r.refused for r in got.rounds]
-    assert meta["rounds"][0]["phrasings"] == {"all": got.rounds[0].refused} and meta["phrasings"] == 4
-    assert meta["direction"] == "single" and meta["direction_layer"] == 3
-    assert meta["modified"]["embedding"] == ["model.embed_tokens"]
-    assert meta["evaluation"]["after"]["harmful_refusal"] == round(got.after.harmful_refusal, 4)
-
-
-def test_phrasing_directions_over_max_kl_fall_back_to_one(chat_abliterated, tmp_path):
+def test_phrasing_directions_over_max_kl_fall_back_to_one(tmp_path):
     """Why the first round falls back: on the bundled chat model one direction per refusal phrasing removes a
-    little more refusing but moves benign replies far more (measured: 1.6% at KL 1.11 against 4.7% at 0.29)."""
+    little more refusing but moves benign replies far more (measured: 1.6% at KL 1.11 against 4.7% at 0.29 for the
+    defaults, which fall back to one direction: the README's abliterate example, checked in tests/test_readme.py)."""
     from pathlib import Path
 
     data = Path(__file__).resolve().parents[1] / "data"
@@ -320,7 +285,9 @@ def test_phrasing_directions_over_max_kl_fall_back_to_one(chat_abliterated, tmp_
     assert len(first.dirs) == 4 and set(first.phrasings) == {"sorry i", "i can't", "i won't", "i'm sorry"}
     assert sum(first.phrasings.values()) == first.refused
     assert not any("instead" in w for w in got.warnings)
-    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5 > chat_abliterated[0].after.benign_kl
+    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5  # the defaults: <= 0.3 (README test)
+    np.testing.assert_allclose(first.dirs[:, 3] @ first.dirs[:, 3].T, np.eye(4), atol=1e-6)  # orthonormal
+    assert np.array_equal(first.dirs[:, 0], first.dirs[:, 3])  # one source layer's directions, everywhere
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_every_readme_block_runs_in_order_in_one_directory(tmp_path):
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     bundled_before = tree(ROOT / "data" / "tiny-moe")
     chat_before = tree(ROOT / "data" / "tiny-moe-chat")
-    ran, skipped, servers, printed = [], [], [], []
+    ran, skipped, servers, printed, outputs = [], [], [], [], {}
     for kind, body in blocks():  # files the README asks to save ("save this as …") exist from the start
         if kind.startswith("file:"):
             (work / kind[5:]).write_text(body)
@@ -136,7 +136,7 @@ def test_every_readme_block_runs_in_order_in_one_directory(tmp_path):
                     servers.append(Background(cmd, work, env))
                     ran.append(cmd)
                     continue
-                _run(cmd, cmd, work, env)
+                outputs[cmd.split()[1] if cmd.startswith("mlx-fun ") else cmd] = _run(cmd, cmd, work, env)
                 ran.append(cmd)
         while servers:
             servers.pop().stop()
@@ -159,6 +159,7 @@ def test_every_readme_block_runs_in_order_in_one_directory(tmp_path):
                  "cache/mlx-fun/dispatch_table.json", "saliency.npz", "pipeline.npz"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
     _check_python_api(work, printed)
+    _check_abliterated(work, outputs["abliterate"].stderr)
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left
     assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled models are only ever read
     assert tree(ROOT / "data" / "tiny-moe-chat") == chat_before
@@ -190,6 +191,24 @@ def _check_python_api(work: Path, printed: list[str]) -> None:
     assert acc.scores("reap").shape == (4, 48) and acc.freq.sum() > 0
     pruned, _ = mlx_lm.load(str(work / "my-pruned"))
     assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 40
+
+
+def _check_abliterated(work: Path, stderr: str) -> None:
+    """The abliterate example (the defaults on the bundled chat model, held-out evaluation prompts) takes it from
+    refusing to answering (measured: 76.6% -> 4.7% of the held-out harmful prompts, benign first-token KL 0.286,
+    benign refusals 1.6% -> 0%): its four refusal phrasings' directions together take the capture benign KL over
+    --max-kl, so round 1 removes one direction from all refused prompts, and says so."""
+    meta = json.loads((work / "abliterated" / "abliteration_metadata.json").read_text())
+    before, after = meta["evaluation"]["before"], meta["evaluation"]["after"]
+    assert meta["evaluation"]["held_out"] and before["harmful_refusal"] >= 0.7 and after["harmful_refusal"] <= 0.10
+    assert after["benign_kl"] <= 0.3 and after["benign_refusal"] <= 0.05, after
+    assert meta["direction"] == "single" and meta["direction_layer"] == 3 and meta["abliterated_layers"] == [0, 1, 2, 3]
+    assert len(meta["rounds"]) == 1 and meta["phrasings"] == 4, meta["rounds"]
+    first = meta["rounds"][0]
+    assert first["phrasings"] == {"all": first["refused_harmful"]}, first
+    assert first["refused_harmful"] >= 0.9 * first["harmful_prompts"], first
+    assert "one direction from all refused prompts was removed instead" in stderr
+    assert meta["modified"]["embedding"] == ["model.embed_tokens"]
 
 
 def _help_examples(cmd_name: str) -> list[str]:
