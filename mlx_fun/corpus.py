@@ -45,6 +45,7 @@ import sys
 import sysconfig
 import tarfile
 import textwrap
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,13 +170,22 @@ def code_documents() -> Iterator[Document]:
             yield Document(f"stdlib:{path.relative_to(root).as_posix()}", text)
 
 
+_HOLDS_DEFS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
 def _docstrings(source: str) -> list[str]:
+    """The docstrings (≥ 80 characters) of a module, its classes and functions, in ``ast.walk``'s order. The walk
+    only enters statements (and except / case clauses), where definitions live: the same order as walking every
+    node (breadth first, depths kept), without visiting the expressions, which are most of a tree."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     out = []
-    for node in ast.walk(tree):
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _HOLDS_DEFS))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=True)
             if doc and len(doc) >= 80:

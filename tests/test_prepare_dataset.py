@@ -17,7 +17,7 @@ def test_source_all_names_every_skipped_source_with_why_and_how_to_install(tmp_p
     missing = tmp_path / "no-such-package.tgz"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--source", "all", "--output",
                         str(tmp_path / "c"), "--split", "test", "--max-eval-samples", "2", "--openzeppelin",
-                        str(missing)], capture_output=True, text=True, timeout=300)
+                        str(missing), "--max-package-bytes", "20000"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     have = corpus.available_sources(str(missing))
     skipped = [line for line in r.stderr.splitlines() if line.startswith("--source all: skipped ")]
