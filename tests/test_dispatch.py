@@ -416,3 +416,9 @@ def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
         assert res.exit_code == 0, res.output
         if dsp.backend_name() == "cpu":
             assert "half-precision expert layer(s) run in float32" in res.stderr
+    # tune-dispatch times what runs: on the CPU, a float32 layer of that shape, under the stored dtype's key
+    res = _cli("tune-dispatch", "--model", half, "--ms", "1,4", "--blocks", "4", "--output", tmp_path / "t.json")
+    assert res.exit_code == 0, res.output
+    (entry,) = dsp.read_table(tmp_path / "t.json").entries
+    assert (entry.quant, entry.D, entry.E) == ("bfloat16", 64, 8)
+    assert entry.extra["dtype"] == ("float32" if dsp.backend_name() == "cpu" else "bfloat16")

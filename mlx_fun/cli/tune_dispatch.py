@@ -47,7 +47,8 @@ def command(**kwargs):
     block) and, for quantized experts, dequantize-then-gather_mm (per call, or cached with --dequant-cache).
     A plan replaces mlx-lm's only where it is --margin faster. Shows a progress bar; the file is written
     atomically. On a GPU, --shape 2048,768,128,8 --quant bfloat16 --quant affine4-g64 tunes a Qwen3-30B-A3B
-    layer without the model (MLX's CPU backend has no bfloat16 gather_mm; use --quant float32 there).
+    layer without the model (MLX's CPU backend has no bfloat16 gather_mm; use --quant float32 there: a
+    bfloat16 model's experts run in float32 on the CPU, and --model times them so).
 
     \b
     Example:

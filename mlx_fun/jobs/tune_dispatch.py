@@ -54,7 +54,7 @@ def run(
     backend = dsp.backend_name()
 
     if model:
-        targets = _specs_from_model(model, top_k)
+        targets = _specs_from_model(model, top_k, backend)
     else:
         targets = _specs_from_shapes(shape, quant, dtype, gpt_oss, backend)
 
@@ -118,10 +118,14 @@ def _model_top_k(model, config: dict, override: int | None) -> int:
     return int(get_adapter(model, config).top_k)
 
 
-def _specs_from_model(model_path: str, top_k: int | None):
-    """One (module, LayerSpec) per distinct expert key of the model (weights loaded lazily)."""
-    from ..dispatch import LayerKey, expert_modules
-    from ..dispatch_tune import spec_of
+def _specs_from_model(model_path: str, top_k: int | None, backend: str):
+    """One (module, LayerSpec) per distinct expert key of the model (weights loaded lazily). Half-precision float
+    experts on the CPU run in float32 (:func:`mlx_fun.dispatch.half_on_cpu`): their entry (keyed by the stored
+    dtype) is timed on a float32 layer of the same shape, ``(None, spec, build_layer)``."""
+    import mlx.core as mx
+
+    from ..dispatch import LayerKey, expert_modules, half_on_cpu
+    from ..dispatch_tune import build_layer, spec_of
     from ..io import load_model
 
     model, _tok, config = load_model(model_path, lazy=True, tokenizer=False)
@@ -132,7 +136,11 @@ def _specs_from_model(model_path: str, top_k: int | None):
     seen: dict = {}
     for module in modules:
         key = LayerKey.of(module)
-        if key not in seen:
+        if key in seen:
+            continue
+        if half_on_cpu(module, backend):
+            seen[key] = (None, spec_of(module, k, dtype=mx.float32), build_layer)
+        else:
             seen[key] = (module, spec_of(module, k))
     return list(seen.values())
 
