@@ -48,6 +48,8 @@ import textwrap
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 from .errors import UserError
@@ -78,6 +80,11 @@ class Document:
 def approx_tokens(text: str) -> int:
     """Words and punctuation marks: a tokenizer-free stand-in for a token count (BPE gives ~1-1.5× this)."""
     return len(_TOKEN_RE.findall(text))
+
+
+def has_tokens(text: str, n: int) -> bool:
+    """``approx_tokens(text) >= n``, counting no further than ``n``."""
+    return sum(1 for _ in islice(_TOKEN_RE.finditer(text), n)) >= n
 
 
 def split_of(doc_id: str) -> str:
@@ -370,9 +377,23 @@ def build_domain(source: str, max_chars: int = 2048, min_tokens: int = 32, openz
     for doc in _documents(source, openzeppelin):
         split = split_of(doc.group or doc.doc_id)
         for chunk in chunk_text(doc.text, max_chars):
-            if approx_tokens(chunk) >= min_tokens:
+            if has_tokens(chunk, min_tokens):
                 out[split].append(chunk)
     return out
+
+
+def _build_all(sources, max_chars: int, min_tokens: int, openzeppelin, workers: int) -> list[dict[str, list[str]]]:
+    """``build_domain`` of every source, in order: in up to ``workers`` worker processes (started afresh: the
+    caller may hold threads), else here."""
+    build = partial(build_domain, max_chars=max_chars, min_tokens=min_tokens, openzeppelin=openzeppelin)
+    workers = min(len(sources), workers)
+    if workers < 2:
+        return [build(source) for source in sources]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(build, sources))
 
 
 def _cap(samples: list[str], n: int | None, seed: int) -> list[str]:
@@ -394,13 +415,15 @@ def prepare(
     openzeppelin=None,
     log: Callable[[str], None] | None = None,
     skip_empty: bool = False,
+    workers: int = 1,
 ) -> dict:
     """Write ``output/<domain>/<split>.jsonl`` for each source and update ``output/manifest.json``.
 
     ``max_samples`` caps the train split and ``max_eval_samples`` the validation and test splits of each
     domain (a seeded random subset, in document order). A source that is not installed is a ``UserError``
     with the command that installs it; so is one with an empty split (``skip_empty``: left out, and said),
-    found before anything is written.
+    found before anything is written. ``workers`` > 1 builds that many sources at once, each in a process of its
+    own (the same files; ``scripts/prepare_dataset.py`` uses every core).
     """
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
@@ -418,8 +441,7 @@ def prepare(
     domains = manifest.get("domains", {})
     fmt = {"stdlib": stdlib_dir(), "python": sys.version.split()[0]}
     built: dict[str, dict[str, list[str]]] = {}  # every source checked before anything is written
-    for source in sources:
-        samples = build_domain(source, max_chars=max_chars, min_tokens=min_tokens, openzeppelin=openzeppelin)
+    for source, samples in zip(sources, _build_all(sources, max_chars, min_tokens, openzeppelin, workers)):
         chosen = {split: _cap(samples[split], max_samples if split == "train" else max_eval_samples, seed)
                   for split in splits}
         empty = [split for split in splits if not chosen[split]]

@@ -21,6 +21,7 @@ reads) and OUTPUT/manifest.json (source, settings, per-file samples, characters 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
                        max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
                        max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
-                       skip_empty="all" in (args.source or []))
+                       skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1)
     except UserError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

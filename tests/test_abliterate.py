@@ -298,7 +298,7 @@ def chat_4bit():
     data = Path(__file__).resolve().parents[1] / "data"
     assert "quantization" in json.loads((data / "tiny-moe-chat" / "config.json").read_text())
     common = dict(harmful_dataset=data / "safety" / "harmful_train.jsonl",
-                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=32, seed=0)
+                  benign_dataset=data / "safety" / "benign_train.jsonl", max_samples=16, seed=0)
     return data / "tiny-moe-chat", common
 
 
@@ -308,7 +308,7 @@ def test_rounds_round_a_quantized_model_once_from_its_original_weights(chat_4bit
     q4, common = chat_4bit
     got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", evaluation=Evaluation(eval_samples=8, reply_tokens=8),
                               **common)
-    assert got.rounds and sum(len(r.dirs) for r in got.rounds) >= 1
+    assert len(got.rounds) >= 2, [len(r.dirs) for r in got.rounds]  # measured: 3 directions, then 1
     model, _, config = load_model(q4)
     adapter = get_adapter(model, config)
     stack = np.concatenate([r.dirs for r in got.rounds])

@@ -100,6 +100,9 @@ def test_solidity_from_an_npm_pack_tarball(tmp_path):
     assert len(docs) == 40 and docs[0].doc_id == "solidity:token/Token0.sol" and "pragma solidity" in docs[0].text
     manifest = corpus.prepare(tmp_path / "c", sources=["solidity"], splits=("train",), openzeppelin=tgz)
     assert manifest["domains"]["solidity"]["splits"]["train"]["samples"] > 20
+    # built in worker processes (what scripts/prepare_dataset.py does with several sources): the same samples, in order
+    here = corpus.build_domain("solidity", openzeppelin=tgz)
+    assert corpus._build_all(["solidity", "solidity"], 2048, 32, tgz, workers=2) == [here, here] and here["train"]
 
 
 def test_prepare_dataset_script(tmp_path):
