@@ -133,7 +133,7 @@ def run_upcast(module, x, indices, plan: Plan) -> mx.array:
         y = _experts(module, mx.expand_dims(x32, (-2, -3)), rows, False, weights, bias_idx=indices)
         return y.squeeze(-2).astype(x.dtype)
     weights = [getattr(module, n)["weight"].astype(mx.float32) for n in _PROJS]
-    return run_plan(module, x32, indices, plan.native if plan.dequant else plan, weights=weights).astype(x.dtype)
+    return run_plan(module, x32, indices, plan, weights=weights).astype(x.dtype)  # plan: never dequant (resolve)
 
 
 def blocked_layout(flat_sorted: mx.array, num_experts: int, block: int):
