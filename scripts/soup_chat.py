@@ -9,15 +9,15 @@ chat model's goals as one number, on every prompt of ``chat_valid_{harmful,benig
 margin of harmful refusal >= 90%, benign refusal <= 10% and lookalike refusal <= 15% (positive: every goal met;
 ``--rule difference`` is the fine-tune's own checkpoint score instead: harmful - the larger benign refusal). The runs
 are ranked by their own score; starting from the best one, each next run joins the average only if the average
-then scores higher. The hand-written test sets are never read here. The output keeps the first run's
-config and tokenizer, and ``soup.json`` records every run's score, what was tried and what was kept.
+then scores higher. The hand-written test sets are never read here. The output keeps the first run's config and
+tokenizer (written atomically, as ``prune`` writes), and ``soup.json`` records every run's score, what was tried
+and what was kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -29,8 +29,8 @@ from mlx_fun.blas import maybe_reexec  # noqa: E402
 maybe_reexec()
 
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
+from mlx_fun.io import read_config, save_model_dir  # noqa: E402
 from train_chat_moe import all_rates, read  # noqa: E402
 from train_chat_moe import score as difference  # noqa: E402
 
@@ -79,27 +79,21 @@ def main(argv=None) -> int:
         print(f"{run.name}: {json.dumps({k: round(v, 3) for k, v in rates[run].items()})} score "
               f"{score(rates[run]):.3f}", flush=True)
     order = sorted(runs, key=lambda r: -score(rates[r]))
-    kept, best = [order[0]], rates[order[0]]
+    kept, best, soup = [order[0]], rates[order[0]], runs[order[0]]
     tried = []
     for run in order[1:]:
         trial = kept + [run]
-        avg = {k: sum(runs[r][k] for r in trial) / len(trial) for k in runs[order[0]]}
+        avg = {k: sum(runs[r][k] for r in trial) / len(trial) for k in soup}
         r = measure(avg)
         tried.append({"runs": [t.name for t in trial], "validation": r, "score": score(r)})
         print(f"+ {run.name}: {json.dumps({k: round(v, 3) for k, v in r.items()})} score {score(r):.3f}", flush=True)
         if score(r) > score(best):
-            kept, best = trial, r
-    soup = {k: sum(runs[r][k] for r in kept) / len(kept) for k in runs[order[0]]}
-    tmp = args.output.with_name(args.output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(order[0], tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+            kept, best, soup = trial, r, avg
     model.load_weights(list(soup.items()))
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
-    (tmp / "soup.json").write_text(json.dumps({
+    save_model_dir(model, read_config(order[0]), args.output, source=order[0], metadata={"soup.json": {
         "runs": {r.name: {"validation": rates[r], "score": score(rates[r])} for r in runs},
         "rule": args.rule, "goals": GOALS, "tried": tried, "kept": [r.name for r in kept], "validation": best,
-        "score": score(best)}, indent=1) + "\n")
-    tmp.rename(args.output)
+        "score": score(best)}})
     print(f"kept {', '.join(r.name for r in kept)}: score {score(best):.3f}; wrote {args.output}")
     return 0
 

@@ -37,12 +37,12 @@ KEPT=$(python - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 
-logs = {p.parent: json.loads(p.read_text()) for p in Path(sys.argv[1]).glob("chat-*/training_log.json")}
-def score(log):
-    r = log["validation"]
-    return r["harmful"] - max(v for k, v in r.items() if k != "harmful")
-for d, log in sorted(logs.items()):
-    print(d.name, round(score(log), 3), file=sys.stderr)
+sys.path.insert(0, "scripts")
+from train_chat_moe import score  # the fine-tune's own checkpoint score
+
+logs = {p.parent: json.loads(p.read_text())["validation"] for p in Path(sys.argv[1]).glob("chat-*/training_log.json")}
+for d, rates in sorted(logs.items()):
+    print(d.name, round(score(rates), 3), file=sys.stderr)
 print(max(logs, key=lambda d: score(logs[d])))
 EOF
 )
