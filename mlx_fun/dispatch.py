@@ -16,11 +16,14 @@ cut-off table keyed by ``(backend, quantization, D, H, E, k)``, among these plan
   Without a cache the experts are dequantized at every call (worth it only for large ``M``); with
   ``dequant_cache_bytes`` the dequantized experts are kept per layer, up to that budget (reported in bytes).
 
-Half-precision float experts (float16 / bfloat16, as most published MoE checkpoints are) on the CPU run in float32:
-MLX's CPU ``gather_mm`` refuses other dtypes ("[GatherMM::eval] Currently only supports float32"), so mlx-lm
-itself cannot run such a model there. Calls with fewer routed rows than experts (decode) cast only the chosen
-experts' weights; larger ones cast the layer's weights once per call; the output keeps the input's dtype and the
-stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
+Half-precision experts on the CPU run in float32 (:func:`half_on_cpu`): float ones stored in float16 / bfloat16
+(most published float MoE checkpoints), because MLX's CPU ``gather_mm`` refuses other dtypes ("[GatherMM::eval]
+Currently only supports float32", so mlx-lm itself cannot run such a model there); and quantized ones with
+float16 / bfloat16 scales (what ``mlx_lm.convert`` writes for such a checkpoint), because MLX's CPU
+``gather_qmm`` is 9-12× (bfloat16) to 23-45× (float16) slower than in float32 (:mod:`mlx_fun.dispatch_dense` says the
+same of dense layers). Calls with fewer routed rows than experts (decode) cast only the chosen experts' weights
+(scales and biases when quantized); larger ones cast the layer's once per call; the output keeps the input's dtype
+and the stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
 
 The ``unsorted``/``sorted`` plans call the very same projections in the same order as mlx-lm, so their outputs
 are bit-identical to mlx-lm's; ``blocked`` and ``dequant`` compute the same products with a different
@@ -104,36 +107,64 @@ def _dequantize(proj, dtype=None):
 
 def _project(proj, w, x, idx, sorted_indices: bool, bias_idx=None):
     """``proj(x, idx)``, or the same product on the dequantized weights ``w`` (incl. the projection's bias, whose
-    rows ``bias_idx`` names where ``w`` holds selected experts rather than all of them)."""
+    rows ``bias_idx`` names where ``w`` holds selected experts rather than all of them). ``w`` may also be a
+    quantized ``(weight, scales, biases)`` triple (:func:`mlx_fun.dispatch_dense.upcast_scales`)."""
     if w is None:
         return proj(x, idx, sorted_indices=sorted_indices)
-    if w.dtype != x.dtype:
-        w = w.astype(x.dtype)
-    y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+    if isinstance(w, tuple):
+        y = mx.gather_qmm(x, *w, rhs_indices=idx, transpose=True, group_size=proj.group_size, bits=proj.bits,
+                          mode=proj.mode, sorted_indices=sorted_indices)
+    else:
+        if w.dtype != x.dtype:
+            w = w.astype(x.dtype)
+        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
     if "bias" in proj:
         y = y + mx.expand_dims(proj["bias"][idx if bias_idx is None else bias_idx].astype(y.dtype), -2)
     return y
 
 
 def half_on_cpu(module, backend: str) -> bool:
-    """Float experts stored in float16 / bfloat16 on the CPU, whose ``gather_mm`` runs float32 only."""
-    w = getattr(module.up_proj, "weight", None)
-    return (backend == "cpu" and not isinstance(module.up_proj, QuantizedSwitchLinear) and w is not None
-            and w.dtype in (mx.float16, mx.bfloat16))
+    """Experts in half precision on the CPU: float ones stored in float16 / bfloat16 (the CPU ``gather_mm`` runs
+    float32 only) or quantized ones with float16 / bfloat16 scales (its ``gather_qmm`` is far slower in them)."""
+    proj = module.up_proj
+    if backend != "cpu":
+        return False
+    if isinstance(proj, QuantizedSwitchLinear):
+        return all(dispatch_dense.half_scales(getattr(module, n)) for n in _PROJS)
+    w = getattr(proj, "weight", None)
+    return w is not None and w.dtype in dispatch_dense.HALF
 
 
-def run_upcast(module, x, indices, plan: Plan) -> mx.array:
-    """``run_plan`` in float32 for half-precision float experts (:func:`half_on_cpu`); output in ``x``'s dtype."""
+def _float32_weights(module, select=None) -> list:
+    """The three projections' weights for a float32 call: float ones cast, quantized ones with float32 scales and
+    biases (rows ``select`` only, where given)."""
+    out = []
+    for n in _PROJS:
+        proj = getattr(module, n)
+        if isinstance(proj, QuantizedSwitchLinear):
+            out.append(dispatch_dense.upcast_scales(proj, select))
+        else:
+            w = proj["weight"]
+            out.append((w if select is None else w[select]).astype(mx.float32))
+    return out
+
+
+def run_upcast(module, x, indices, plan: Plan, cache: list | None = None) -> mx.array:
+    """``run_plan`` in float32 for half-precision experts (:func:`half_on_cpu`); output in ``x``'s dtype. A
+    ``dequant`` plan (quantized experts) multiplies float32 dequantized weights (``cache`` where kept)."""
     x32 = x.astype(mx.float32)
     if indices.size < int(module.up_proj.num_experts) and x.size == (indices.size // indices.shape[-1]) * x.shape[-1]:
         # fewer routed rows than experts: cast only the chosen experts, one matrix per row
         flat = mx.stop_gradient(indices).reshape(-1)
         rows = mx.arange(flat.size, dtype=mx.uint32).reshape(indices.shape)
-        weights = [getattr(module, n)["weight"][flat].astype(mx.float32) for n in _PROJS]
+        weights = _float32_weights(module, flat)
         y = _experts(module, mx.expand_dims(x32, (-2, -3)), rows, False, weights, bias_idx=indices)
         return y.squeeze(-2).astype(x.dtype)
-    weights = [getattr(module, n)["weight"].astype(mx.float32) for n in _PROJS]
-    return run_plan(module, x32, indices, plan, weights=weights).astype(x.dtype)  # plan: never dequant (resolve)
+    if plan.dequant:
+        weights = cache if cache is not None else [_dequantize(getattr(module, n), mx.float32) for n in _PROJS]
+    else:
+        weights = _float32_weights(module)
+    return run_plan(module, x32, indices, plan, weights=weights).astype(x.dtype)
 
 
 def blocked_layout(flat_sorted: mx.array, num_experts: int, block: int):
@@ -209,7 +240,7 @@ class DispatchedSwitchGLU(SwitchGLU):
             state.resolve(m, k)
         plan = state.calls[key]
         if state.upcast:
-            return run_upcast(self, x, indices, plan or state.plans[key])
+            return run_upcast(self, x, indices, plan or state.plans[key], state.cache)
         if plan is None or (plan.dequant and state.backend == "cpu" and x.dtype != mx.float32):
             # mlx-lm's own choice (also where MLX's float32-only CPU gather_mm rules out a dequant plan)
             return SwitchGLU.__call__(self, x, indices)
@@ -327,13 +358,16 @@ class DispatchReport:
     cached_layers: int = 0
     dense_layers: int = 0  # dense quantized linears swapped (mlx_fun.dispatch_dense)
     quantized_layers: int = 0
-    upcast_layers: int = 0  # half-precision float expert layers run in float32 (half_on_cpu)
+    upcast_layers: int = 0  # half-precision expert layers run in float32 (half_on_cpu)
+    half_dense: int = 0  # dense quantized linears / tied heads with half-precision scales run in float32
     cache_note: str = ""
     table_sources: list = field(default_factory=list)
 
     def summary(self) -> str:
         upcast = (f"; {self.upcast_layers} half-precision expert layer(s) run in float32 (MLX's CPU gather_mm is "
-                  "float32-only)") if self.upcast_layers else ""
+                  "float32-only, its gather_qmm far slower in half precision)") if self.upcast_layers else ""
+        if self.half_dense:
+            upcast += f"; {self.half_dense} dense quantized layer(s) with half-precision scales run in float32"
         if self.mode != "auto":
             return "dispatch: mlx-lm (its fixed rule: sort when indices.size >= 64)" + upcast
         parts = [f"dispatch: auto on {self.backend}, {self.layers} expert layer(s)"]
@@ -371,7 +405,7 @@ def install(
     forced = Plan.parse(force) if isinstance(force, str) else force
     report = DispatchReport("auto", backend, cache_budget=int(dequant_cache_bytes), table_sources=table.sources)
     budget = int(dequant_cache_bytes)
-    report.dense_layers = dispatch_dense.install(model, backend)
+    report.dense_layers, report.half_dense = dispatch_dense.install(model, backend)
     for module in expert_modules(model):
         key = LayerKey.of(module)
         quantized = any(isinstance(getattr(module, n), QuantizedSwitchLinear) for n in _PROJS)
@@ -433,11 +467,12 @@ def apply(
     if mode == "mlx-lm":
         remove(model)
         backend = backend_name()
-        if not any(half_on_cpu(m, backend) for m in expert_modules(model)):
-            return DispatchReport("mlx-lm", backend)
-        report = install(model, Table(), force=MLX_LM)  # mlx-lm's own plans, in float32
-        dispatch_dense.remove(model)
-        report.mode, report.dense_layers = "mlx-lm", 0
+        report = DispatchReport("mlx-lm", backend)
+        if any(half_on_cpu(m, backend) for m in expert_modules(model)):
+            report = install(model, Table(), force=MLX_LM)  # mlx-lm's own plans, in float32
+            dispatch_dense.remove(model)
+            report.mode, report.dense_layers = "mlx-lm", 0
+        _, report.half_dense = dispatch_dense.install(model, backend, dequantize=False)
         return report
     return install(model, load_table(table_path), dequant_cache_bytes=dequant_cache_bytes)
 

@@ -17,6 +17,13 @@ routers, the LM head) takes the dequantized path; decode (M = 1) keeps MLX's. GP
 (no entry: never swapped). The weights are dequantized at every call (nothing cached: a rewrite that changes
 them is seen at once), in the input's dtype; only float32 inputs on the CPU (MLX's CPU matmul is fast in float32).
 :func:`mlx_fun.dispatch.install` swaps them along with the experts; :func:`mlx_fun.dispatch.remove` restores them.
+
+Half-precision scales (what ``mlx_lm.convert`` writes for a bfloat16 / float16 checkpoint: nearly every published
+quantized model) on the CPU: MLX's CPU ``quantized_matmul`` is 10-13× (bfloat16) to 39-46× (float16) slower than
+in float32 (4-bit g32, 256 → 768, M = 1 or 64; ``python scripts/bench_half_cpu.py``). Such a linear runs in float32
+at every token count (:func:`upcast_scales`: the input, scales and biases cast per call, an eighth of the packed
+weight's size at 4 bits; the packed weight is read as stored), and its output keeps the input's dtype. The tied LM
+head (``QuantizedEmbedding.as_linear``) does the same. In ``--dispatch mlx-lm`` mode only this part is installed.
 """
 
 from __future__ import annotations
@@ -30,6 +37,30 @@ from . import classswap
 MIN_ROWS = {"cpu": 8}
 TAG = "dispatch-dense"
 _STATE = "_mlxfun_dense_min_rows"
+HALF = (mx.float16, mx.bfloat16)
+NEVER = float("inf")  # min_rows of a linear swapped only to run in float32 (``--dispatch mlx-lm``)
+
+
+def half_scales(module) -> bool:
+    """A quantized (switch) linear or embedding whose scales are float16 / bfloat16 (affine, as mlx-lm writes it)."""
+    scales = module.get("scales") if hasattr(module, "get") else None
+    return scales is not None and scales.dtype in HALF
+
+
+def upcast_scales(module, select=None) -> tuple:
+    """``(weight, scales, biases)`` of a quantized module with float32 scales and biases (rows ``select`` of each
+    where given: the chosen experts); the packed weight as stored."""
+    def pick(a):
+        return a if a is None or select is None else a[select]
+    biases = pick(module.get("biases"))
+    return (pick(module["weight"]), pick(module["scales"]).astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32))
+
+
+def _qmm32(module, x32):
+    w, scales, biases = upcast_scales(module)
+    return mx.quantized_matmul(x32, w, scales, biases, transpose=True, group_size=module.group_size,
+                               bits=module.bits, mode=module.mode)
 
 
 def dequantize_weight(module, dtype=None) -> mx.array:
@@ -49,30 +80,51 @@ class DequantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         min_rows = self.__dict__.get(_STATE)
-        if min_rows is None or x.dtype != mx.float32 or x.size < min_rows * x.shape[-1]:
+        half = half_scales(self)
+        if min_rows is None or not (x.dtype == mx.float32 or half):
             return nn.QuantizedLinear.__call__(self, x)
-        y = x @ dequantize_weight(self, x.dtype).T
+        x32 = x.astype(mx.float32)
+        if x.size >= min_rows * x.shape[-1]:
+            y = x32 @ dequantize_weight(self, mx.float32).T
+        elif half:
+            y = _qmm32(self, x32)
+        else:
+            return nn.QuantizedLinear.__call__(self, x)
         if "bias" in self:
-            y = y + self["bias"]
-        return y
+            y = y + self["bias"].astype(mx.float32)
+        return y.astype(x.dtype)
+
+
+class Float32HeadEmbedding(nn.QuantizedEmbedding):
+    """mlx-lm's ``QuantizedEmbedding`` whose ``as_linear`` (a tied LM head) runs in float32 (half scales, CPU)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _qmm32(self, x.astype(mx.float32)).astype(x.dtype)
 
 
 classswap.register(nn.QuantizedLinear, TAG, DequantizedLinear.__call__, DequantizedLinear)
+classswap.register(nn.QuantizedEmbedding, TAG, nn.QuantizedEmbedding.__call__, Float32HeadEmbedding)
 
 
-def install(model, backend: str) -> int:
-    """Swap every plain ``QuantizedLinear`` of ``model`` when ``backend`` has a cut-off; returns how many."""
+def install(model, backend: str, *, dequantize: bool = True) -> tuple[int, int]:
+    """Swap the plain ``QuantizedLinear`` layers (and half-scale ``QuantizedEmbedding`` ones) of ``model`` when
+    ``backend`` has a cut-off. ``dequantize=False`` (``--dispatch mlx-lm``): only the half-scale ones, to run in
+    float32. Returns (linears swapped, modules with half-precision scales swapped: linears and tied heads)."""
     min_rows = MIN_ROWS.get(backend)
     if min_rows is None:
-        return 0
-    n = 0
+        return 0, 0
+    n = half = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if cls is nn.QuantizedLinear or cls is DequantizedLinear:
-            classswap.set_state(module, _STATE, min_rows)
+        if (cls is nn.QuantizedEmbedding or cls is Float32HeadEmbedding) and half_scales(module):
+            classswap.swap(module, TAG, nn.QuantizedEmbedding.__call__)
+            half += 1
+        elif (cls is nn.QuantizedLinear or cls is DequantizedLinear) and (dequantize or half_scales(module)):
+            classswap.set_state(module, _STATE, min_rows if dequantize else NEVER)
             classswap.swap(module, TAG, DequantizedLinear.__call__)
             n += 1
-    return n
+            half += half_scales(module)
+    return n, half
 
 
 def remove(model) -> int:

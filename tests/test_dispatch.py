@@ -384,6 +384,73 @@ def test_half_precision_experts_run_in_float32_on_the_cpu(kind, dtype):
     assert layer.up_proj.weight is stored and stored.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_quantized_experts_with_half_precision_scales_run_in_float32_on_the_cpu(dtype):
+    """``mlx_lm.convert`` of a bfloat16 checkpoint (nearly every published quantized MoE) stores bfloat16 scales,
+    and MLX's CPU gather_qmm is many times slower in them: the dispatch runs such experts with float32 scales and
+    input (every plan, a dequantized one included), output in the input's dtype, stored arrays untouched."""
+    ref_layer, layer = _layer("4bit"), _layer("4bit")
+    layer.set_dtype(dtype)  # scales and biases in half precision; the packed weight stays uint32
+    scales = layer.up_proj.scales
+    ref_layer.update(tree_map(lambda w: w if w.dtype == mx.uint32 else w.astype(mx.float32), layer.parameters()))
+    assert dsp.half_on_cpu(layer, "cpu") and not dsp.half_on_cpu(ref_layer, "cpu")
+    assert not dsp.half_on_cpu(layer, "cuda")
+    for mode, table in (("auto", None), ("auto", _fake_table(layer, 2, [(1, "sorted"), (8, "dequant:blocked4")])),
+                        ("mlx-lm", None)):
+        report = (dsp.install(layer, table, backend="cpu") if mode == "auto" else dsp.apply(layer, "mlx-lm"))
+        assert dsp.state_of(layer).upcast == (dsp.backend_name() == "cpu" or mode == "auto")
+        if dsp.backend_name() == "cpu":
+            assert "1 half-precision expert layer(s) run in float32" in report.summary(), report.summary()
+        for shape in SHAPES:
+            x, idx = _inputs(shape)
+            out = layer(x.astype(dtype), idx)
+            want = SwitchGLU.__call__(ref_layer, x.astype(dtype).astype(mx.float32), idx)
+            assert out.dtype == dtype and out.shape == want.shape
+            np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(dtype).astype(
+                mx.float32)), rtol=2e-2, atol=2e-2, err_msg=f"{mode} {shape}")
+        dsp.remove(layer)
+    assert layer.up_proj.scales is scales and scales.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_dense_quantized_layers_with_half_precision_scales_run_in_float32_on_the_cpu(dtype):
+    """Attention projections and a tied LM head with half-precision scales: float32 on the CPU in both modes (the
+    same numbers as a float32-scale copy, in the input's dtype), never on a GPU backend, restored by remove()."""
+    from mlx_fun import dispatch_dense
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(96, 64)
+            self.proj = nn.Linear(64, 64, bias=True)
+
+        def __call__(self, tokens):
+            return self.embed.as_linear(self.proj(self.embed(tokens)))
+
+    mx.random.seed(3)
+    ref = Net()
+    nn.quantize(ref, group_size=32, bits=4)
+    net = Net()
+    nn.quantize(net, group_size=32, bits=4)
+    net.update(ref.parameters())
+    net.set_dtype(dtype)
+    ref.update(tree_map(lambda w: w if w.dtype == mx.uint32 else w.astype(mx.float32), net.parameters()))
+    tokens = mx.array([[1, 5, 9, 17, 33, 65, 2, 3, 4, 40]])
+    for rows in (1, 10):  # decode: quantized matmul with float32 scales; 10 rows: dequantized in float32
+        want = ref(tokens[:, :rows])
+        for mode in ("auto", "mlx-lm"):
+            report = dsp.apply(net, mode) if dsp.backend_name() == "cpu" else dsp.install(net, backend="cpu")
+            assert report.half_dense == 2 and type(net.embed) is dispatch_dense.Float32HeadEmbedding
+            assert "2 dense quantized layer(s) with half-precision scales run in float32" in report.summary()
+            got = net(tokens[:, :rows])
+            assert got.dtype == dtype
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=2e-2, atol=5e-2)
+            dsp.remove(net)
+            assert type(net.embed) is nn.QuantizedEmbedding and type(net.proj) is nn.QuantizedLinear
+    assert dispatch_dense.install(net, "cuda") == (0, 0) and type(net.proj) is nn.QuantizedLinear
+    assert net.proj.scales.dtype == dtype and net.embed.scales.dtype == dtype
+
+
 def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
     """A bfloat16 MoE checkpoint (most published ones) collects, prunes and generates with either dispatch mode,
     and its statistics match the float32 model's."""
@@ -422,3 +489,17 @@ def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
     (entry,) = dsp.read_table(tmp_path / "t.json").entries
     assert (entry.quant, entry.D, entry.E) == ("bfloat16", 64, 8)
     assert entry.extra["dtype"] == ("float32" if dsp.backend_name() == "cpu" else "bfloat16")
+    # quantized from it: bfloat16 scales, as mlx_lm.convert writes them; run (and tuned) in float32 on the CPU
+    res = _cli("quantize", "--model", half, "--expert-bits", 4, "--dense-bits", 4, "--expert-group-size", 32,
+               "--dense-group-size", 32, "--output", tmp_path / "q4")
+    assert res.exit_code == 0, res.output
+    assert mx.load(str(next((tmp_path / "q4").glob("*.safetensors"))))["lm_head.scales"].dtype == mx.bfloat16
+    for mode in ("auto", "mlx-lm"):
+        res = _cli("smoke-test", "--model", tmp_path / "q4", "--max-tokens", 8, "--dispatch", mode)
+        assert res.exit_code == 0, res.output
+        if dsp.backend_name() == "cpu":
+            assert "half-precision expert layer(s) run in float32" in res.stderr
+            assert "dense quantized layer(s) with half-precision scales run in float32" in res.stderr
+    res = _cli("tune-dispatch", "--model", tmp_path / "q4", "--ms", "1,4", "--blocks", "4",
+               "--output", tmp_path / "tq.json")
+    assert res.exit_code == 0, res.output

@@ -237,8 +237,8 @@ def test_dense_quantized_linears_run_dequantized_from_the_cpu_cut_off():
     rows = dispatch_dense.MIN_ROWS["cpu"]
     small, large = mx.random.normal((1, rows - 1, 64)), mx.random.normal((2, rows, 64))
     want_small, want_large = net.a(small), net.a(large)
-    assert dispatch_dense.install(net, "cuda") == 0 and type(net.a) is nn.QuantizedLinear
-    assert dispatch_dense.install(net, "cpu") == 1 and type(net.a) is dispatch_dense.DequantizedLinear
+    assert dispatch_dense.install(net, "cuda") == (0, 0) and type(net.a) is nn.QuantizedLinear
+    assert dispatch_dense.install(net, "cpu") == (1, 0) and type(net.a) is dispatch_dense.DequantizedLinear
     assert type(net.b) is nn.Linear
     assert np.array_equal(np.array(net.a(small)), np.array(want_small))
     got = np.array(net.a(large))
