@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The bundled base + chat pair (issue 33), end to end on one lent GPU machine (MLX CUDA), in the background:
 #
-#   setsid nohup bash scripts/train_pair_gpu.sh [BASE_MINUTES] [CHAT_MINUTES] [OUT_DIR] &   # 10, 4, /tmp/pair
+#   RUNS="..." setsid nohup bash scripts/train_pair_gpu.sh [BASE_MINUTES] [CHAT_MINUTES] [OUT_DIR] &  # 10, 4, /tmp/pair
 #
 # 1. the corpus, from what the machine has installed (scripts/prepare_dataset.py --source all);
 # 2. two base candidates at once, one per load-balancing weight in AUX_COEFS (default "0.01 0.03"), each by
-#    scripts/train_base_gpu.sh (training only: QUALITY=0; their quality tables are measured on the CPU);
+#    scripts/train_base_gpu.sh (its SHAPE; training only: QUALITY=0; quality tables are measured on the CPU);
 # 3. the pick: the lowest validation loss among the candidates whose routing is not collapsed (busiest expert of
 #    every layer at most 30x its least used on held-out text), else the least skewed one;
-# 4. the chat model fine-tuned from it on data/safety (scripts/train_chat_moe.py, checkpoint picked on the
-#    validation items), and its refusal rates on every test set (scripts/bench_refusal.py; measured only);
-# 5. OUT_DIR/return: the candidates and the chat model in float32 shards of at most 14 MB, and the logs: what a
-#    lent machine returns.
+# 4. chat models fine-tuned from it on data/safety, one per recipe in RUNS, several at once
+#    (scripts/train_chat_gpu.sh: each keeps its best checkpoint on the validation items, the best one is kept, and
+#    every run's refusal rates on every test set are measured only);
+# 5. OUT_DIR/return: the kept base and chat model in float16 shards of at most 14 MB, and the logs: what a lent
+#    machine returns.
 #
 # OUT_DIR/STAGE names the step running; OUT_DIR/DONE marks the end. Each step logs under OUT_DIR.
 set -u
@@ -42,17 +43,13 @@ EOF
 )
 echo "picked $BASE" > "$OUT/pick.log"
 echo chat > "$OUT/STAGE"
-python scripts/train_chat_moe.py --init "$BASE" --data data/safety --output "$OUT/chat" --minutes "$CMIN" \
-  --steps 8000 --eval-every 250 --harmful-weight 1.0 --lookalike-weight 2.0 > "$OUT/chat.log" 2>&1
-python scripts/bench_refusal.py --model "$OUT/chat" data/safety/chat_valid_*.jsonl data/safety/*_test.jsonl \
-  > "$OUT/refusal.log" 2>&1
+bash scripts/train_chat_gpu.sh "$BASE" "$CMIN" "$OUT/chat" > "$OUT/chat.log" 2>&1
 echo return > "$OUT/STAGE"
-for d in "$OUT"/base-*/model; do
-  python scripts/shard_model.py "$d" "$OUT/return/$(basename "$(dirname "$d")")" --max-mb 14 >> "$OUT/pick.log" 2>&1
-done
-python scripts/shard_model.py "$OUT/chat" "$OUT/return/chat" --max-mb 14 >> "$OUT/pick.log" 2>&1
+python scripts/shard_model.py "$BASE" "$OUT/return/base" --dtype float16 --max-mb 14 >> "$OUT/pick.log" 2>&1
+KEPT=$(sed -n 's/^kept //p' "$OUT/chat/pick.log")
+python scripts/shard_model.py "$KEPT" "$OUT/return/chat" --dtype float16 --max-mb 14 >> "$OUT/pick.log" 2>&1
+cp "$OUT/chat/return/logs.tgz" "$OUT/return/chat-logs.tgz"
 (cd "$OUT" && tar czf return/logs.tgz --exclude='*.safetensors' --exclude=corpus/*/*.jsonl --exclude=return \
-  --exclude=shards ./*.log base-*/*.log base-*/quality.* base-*/model/*.json base-*/model/README.md \
-  chat/*.json chat/README.md corpus/manifest.json)
+  --exclude=shards ./*.log base-*/*.log base-*/model/*.json base-*/model/README.md corpus/manifest.json)
 date >> "$OUT/pick.log"
 touch "$OUT/DONE"
