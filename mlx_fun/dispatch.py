@@ -20,7 +20,7 @@ Half-precision experts on the CPU run in float32 (:func:`half_on_cpu`): float on
 (most published float MoE checkpoints), because MLX's CPU ``gather_mm`` refuses other dtypes ("[GatherMM::eval]
 Currently only supports float32", so mlx-lm itself cannot run such a model there); and quantized ones with
 float16 / bfloat16 scales (what ``mlx_lm.convert`` writes for such a checkpoint), because MLX's CPU
-``gather_qmm`` is 9-12× (bfloat16) to 23-45× (float16) slower than in float32 (:mod:`mlx_fun.dispatch_dense` says the
+``gather_qmm`` is 7-10× (bfloat16) and 23-46× (float16) slower than in float32 (:mod:`mlx_fun.dispatch_dense` says the
 same of dense layers). Calls with fewer routed rows than experts (decode) cast only the chosen experts' weights
 (scales and biases when quantized); larger ones cast the layer's once per call; the output keeps the input's dtype
 and the stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
