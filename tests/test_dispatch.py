@@ -352,23 +352,25 @@ def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("kind", ["float", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["float", "gpt_oss", "4bit"])
 def test_half_precision_experts_run_in_float32_on_the_cpu(kind, dtype):
-    """MLX's CPU gather_mm is float32-only, so mlx-lm cannot run a bfloat16 MoE there; the dispatch runs such
-    experts in float32 (only the chosen experts' weights at decode) and keeps the stored weights and dtypes."""
+    """MLX's CPU gather_mm is float32-only, so mlx-lm cannot run a bfloat16 MoE there; and ``mlx_lm.convert`` of
+    such a checkpoint (nearly every published quantized MoE) stores bfloat16 scales, with which its CPU gather_qmm
+    is many times slower. The dispatch runs such experts in float32 (only the chosen experts' weights, or scales, at
+    decode; every plan, a dequantized one included), output in the input's dtype, stored arrays untouched."""
     ref_layer = _layer(kind)
     layer = _layer(kind)
-    layer.set_dtype(dtype)
-    stored = layer.up_proj.weight
-    ref_layer.update(tree_map(lambda w: w.astype(mx.float32), layer.parameters()))  # the same (rounded) weights
+    layer.set_dtype(dtype)  # quantized: scales and biases in half precision, the packed weight stays uint32
+    stored = layer.up_proj["scales" if kind == "4bit" else "weight"]
+    ref_layer.update(tree_map(lambda w: w if w.dtype == mx.uint32 else w.astype(mx.float32), layer.parameters()))
     assert dsp.half_on_cpu(layer, "cpu") and not dsp.half_on_cpu(ref_layer, "cpu")
     assert not dsp.half_on_cpu(layer, "cuda") and not dsp.half_on_cpu(_layer("4bit"), "cpu")
-    if dsp.backend_name() == "cpu":
+    if dsp.backend_name() == "cpu" and kind != "4bit":
         with pytest.raises(RuntimeError, match="only supports float32"):
             x, idx = _inputs((1, 1))
             mx.eval(SwitchGLU.__call__(layer, x.astype(dtype), idx))
-    for mode, table in (("auto", None), ("auto", _fake_table(layer, 2, [(1, "sorted"), (8, "blocked4")])),
-                        ("mlx-lm", None)):
+    for mode, table in (("auto", None), ("auto", _fake_table(layer, 2, [(1, "sorted"), (8, "dequant:blocked4")])),
+                        ("mlx-lm", None)):  # float experts run a dequant plan's layout (resolve)
         report = (dsp.install(layer, table, backend="cpu") if mode == "auto" else dsp.apply(layer, "mlx-lm"))
         assert dsp.state_of(layer).upcast == (dsp.backend_name() == "cpu" or mode == "auto")
         if dsp.backend_name() == "cpu":
@@ -381,35 +383,7 @@ def test_half_precision_experts_run_in_float32_on_the_cpu(kind, dtype):
             np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(dtype).astype(
                 mx.float32)), rtol=2e-2, atol=2e-2, err_msg=f"{mode} {shape}")
         dsp.remove(layer)
-    assert layer.up_proj.weight is stored and stored.dtype == dtype
-
-
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_quantized_experts_with_half_precision_scales_run_in_float32_on_the_cpu(dtype):
-    """``mlx_lm.convert`` of a bfloat16 checkpoint (nearly every published quantized MoE) stores bfloat16 scales,
-    and MLX's CPU gather_qmm is many times slower in them: the dispatch runs such experts with float32 scales and
-    input (every plan, a dequantized one included), output in the input's dtype, stored arrays untouched."""
-    ref_layer, layer = _layer("4bit"), _layer("4bit")
-    layer.set_dtype(dtype)  # scales and biases in half precision; the packed weight stays uint32
-    scales = layer.up_proj.scales
-    ref_layer.update(tree_map(lambda w: w if w.dtype == mx.uint32 else w.astype(mx.float32), layer.parameters()))
-    assert dsp.half_on_cpu(layer, "cpu") and not dsp.half_on_cpu(ref_layer, "cpu")
-    assert not dsp.half_on_cpu(layer, "cuda")
-    for mode, table in (("auto", None), ("auto", _fake_table(layer, 2, [(1, "sorted"), (8, "dequant:blocked4")])),
-                        ("mlx-lm", None)):
-        report = (dsp.install(layer, table, backend="cpu") if mode == "auto" else dsp.apply(layer, "mlx-lm"))
-        assert dsp.state_of(layer).upcast == (dsp.backend_name() == "cpu" or mode == "auto")
-        if dsp.backend_name() == "cpu":
-            assert "1 half-precision expert layer(s) run in float32" in report.summary(), report.summary()
-        for shape in SHAPES:
-            x, idx = _inputs(shape)
-            out = layer(x.astype(dtype), idx)
-            want = SwitchGLU.__call__(ref_layer, x.astype(dtype).astype(mx.float32), idx)
-            assert out.dtype == dtype and out.shape == want.shape
-            np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(dtype).astype(
-                mx.float32)), rtol=2e-2, atol=2e-2, err_msg=f"{mode} {shape}")
-        dsp.remove(layer)
-    assert layer.up_proj.scales is scales and scales.dtype == dtype
+    assert layer.up_proj["scales" if kind == "4bit" else "weight"] is stored and stored.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
