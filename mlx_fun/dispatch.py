@@ -18,12 +18,12 @@ cut-off table keyed by ``(backend, quantization, D, H, E, k)``, among these plan
 
 Half-precision experts on the CPU run in float32 (:func:`half_on_cpu`): float ones stored in float16 / bfloat16
 (most published float MoE checkpoints), because MLX's CPU ``gather_mm`` refuses other dtypes ("[GatherMM::eval]
-Currently only supports float32", so mlx-lm itself cannot run such a model there); and quantized ones with
-float16 / bfloat16 scales (what ``mlx_lm.convert`` writes for such a checkpoint), because MLX's CPU
-``gather_qmm`` is 7-10× (bfloat16) and 23-46× (float16) slower than in float32 (:mod:`mlx_fun.dispatch_dense` says the
-same of dense layers). Calls with fewer routed rows than experts (decode) cast only the chosen experts' weights
-(scales and biases when quantized); larger ones cast the layer's once per call; the output keeps the input's dtype
-and the stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
+Currently only supports float32", so mlx-lm itself cannot run such a model there); and quantized ones with float16 /
+bfloat16 scales (what ``mlx_lm.convert`` writes for such a checkpoint), because MLX's CPU ``gather_qmm`` is about
+10× (bfloat16) and 45× (float16) slower than in float32 at 64 rows (:mod:`mlx_fun.dispatch_dense` says the same of
+dense layers). Calls with fewer routed rows than experts (decode) cast only the chosen experts' weights (scales and
+biases when quantized); larger ones cast the layer's once per call; the output keeps the input's dtype and the
+stored weights are untouched. This is installed in both modes (``mlx-lm`` keeps mlx-lm's plan choice).
 
 The ``unsorted``/``sorted`` plans call the very same projections in the same order as mlx-lm, so their outputs
 are bit-identical to mlx-lm's; ``blocked`` and ``dequant`` compute the same products with a different
