@@ -393,19 +393,22 @@ def install(
     dequant_cache_bytes: int = 0,
     backend: str | None = None,
     force: Plan | str | None = None,
+    dense_dequantize: bool = True,
 ) -> DispatchReport:
     """Swap every SwitchGLU of ``model`` for :class:`DispatchedSwitchGLU` (re-installing replaces the state).
 
     ``dequant_cache_bytes`` > 0 allows keeping dequantized experts of quantized layers, in layer order, while
     they fit the budget, and only for layers whose table entry ever picks a ``dequant`` plan; they are
     dequantized (and evaluated) here. ``force`` pins one plan for every call (tests, benchmarks).
+    ``dense_dequantize=False`` (``--dispatch mlx-lm``): of the dense quantized linears, only those with
+    half-precision scales are swapped, to run in float32 (:func:`mlx_fun.dispatch_dense.install`).
     """
     table = table if table is not None else load_table()
     backend = backend or backend_name()
     forced = Plan.parse(force) if isinstance(force, str) else force
     report = DispatchReport("auto", backend, cache_budget=int(dequant_cache_bytes), table_sources=table.sources)
     budget = int(dequant_cache_bytes)
-    report.dense_layers, report.half_dense = dispatch_dense.install(model, backend)
+    report.dense_layers, report.half_dense = dispatch_dense.install(model, backend, dequantize=dense_dequantize)
     for module in expert_modules(model):
         key = LayerKey.of(module)
         quantized = any(isinstance(getattr(module, n), QuantizedSwitchLinear) for n in _PROJS)
@@ -467,12 +470,12 @@ def apply(
     if mode == "mlx-lm":
         remove(model)
         backend = backend_name()
-        report = DispatchReport("mlx-lm", backend)
         if any(half_on_cpu(m, backend) for m in expert_modules(model)):
-            report = install(model, Table(), force=MLX_LM)  # mlx-lm's own plans, in float32
-            dispatch_dense.remove(model)
-            report.mode, report.dense_layers = "mlx-lm", 0
-        _, report.half_dense = dispatch_dense.install(model, backend, dequantize=False)
+            report = install(model, Table(), force=MLX_LM, dense_dequantize=False)  # mlx-lm's own plans, in float32
+        else:
+            report = DispatchReport("mlx-lm", backend)
+            _, report.half_dense = dispatch_dense.install(model, backend, dequantize=False)
+        report.mode, report.dense_layers = "mlx-lm", 0
         return report
     return install(model, load_table(table_path), dequant_cache_bytes=dequant_cache_bytes)
 

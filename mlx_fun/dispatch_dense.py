@@ -45,7 +45,7 @@ NEVER = float("inf")  # min_rows of a linear swapped only to run in float32 (``-
 
 def half_scales(module) -> bool:
     """A quantized (switch) linear or embedding whose scales are float16 / bfloat16 (affine, as mlx-lm writes it)."""
-    scales = module.get("scales") if hasattr(module, "get") else None
+    scales = module.get("scales")
     return scales is not None and scales.dtype in HALF
 
 
