@@ -65,12 +65,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--build", default=None, help="JSON: make_tiny_model keywords for a random qwen3_moe")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_distributed.") as tmp:  # removed however the run ends
+        return measure(args, Path(tmp))
 
+
+def measure(args: argparse.Namespace, tmp: Path) -> int:
+    """The runs, their comparison and the report, with the model (``--build``), the dataset and every output in
+    ``tmp``."""
     from bench_serve import free_port  # scripts/ is this script's own directory on sys.path
 
     from mlx_fun.tiny import _stdlib_corpus
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_distributed."))
     if args.build:
         from mlx_fun.tiny import make_tiny_model
 

@@ -144,3 +144,18 @@ def test_tensor_parallel_blocks_are_refused_with_the_alternative(qwen_model):
     adapter.blocks()[0].sharding_group = object()  # what mlx-lm's shard() leaves on a tensor-parallel block
     with pytest.raises(UserError, match=r"tensor-parallel MoE blocks .* split the model by layers instead"):
         moe_hook.install(adapter, [])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--build", "{"], "JSONDecodeError"),  # fails in the script's process, once its temp dir is made
+    (["--model", "missing-model", "--samples", "2", "--tokens", "16", "--repeats", "1"], "failed: "),  # in a run
+], ids=["bad --build", "a failing collect"])
+def test_a_failed_bench_distributed_run_leaves_no_temporary_directory(tmp_path, args, needle):
+    """scripts/bench_distributed.py makes its model, dataset and outputs in a temp dir: removed on every exit."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), *args], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
+    assert list(tmpdir.iterdir()) == []
