@@ -11,8 +11,13 @@ about failing early and in one line:
   bare name that does not exist stays a path: the job says it does not exist);
 * ``config.json`` is fetched first and checked (present; for commands that need one, a Mixture-of-Experts type
   mlx-fun supports) before the weights are downloaded, so a dense or non-mlx-lm repo costs one small file;
+* ``revision`` must be what the Hub takes, a branch or tag name (git's refname rules: no ``..``, no empty,
+  leading or trailing ``/``, ...; ``refs/pr/N`` too) or a commit hash, checked before the cache is looked at
+  (huggingface_hub joins it to the cache's ``refs/`` directory as a path);
 * every ``huggingface_hub`` failure (no such repo, gated, no such revision, offline and not cached, the Hub
-  unreachable, an incomplete cached snapshot) is a :class:`~mlx_fun.errors.UserError` naming the flag.
+  unreachable, an incomplete cached snapshot: files whose blobs are missing, a ref naming a commit whose snapshot
+  is missing) is a :class:`~mlx_fun.errors.UserError` naming the flag, and for an incomplete download, how to
+  fetch it again.
 
 :func:`resolving` wraps a job's ``run`` (``mlx_fun.jobs`` wraps every job once): its model-like parameters
 (:data:`MODEL_PARAMS`) become local paths before the job body runs, it takes ``revision`` (of ``model``'s repo),
@@ -36,6 +41,8 @@ from .errors import UserError, param
 MODEL_PARAMS = ("model", "reference", "draft_model")
 #: a snapshot directory of the Hugging Face cache: ``…/models--org--name/snapshots/<commit>``
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
+#: what no branch or tag name holds (git check-ref-format): control characters, space, ``~^:?*[\``, ``..``, ``@{``
+_NOT_IN_A_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
 #: resolved path (absolute, as a string) → its provenance, for the job running now (and the jobs it calls)
 _SOURCES: contextvars.ContextVar[dict[str, dict]] = contextvars.ContextVar("mlx_fun_hub_sources", default={})
 
@@ -62,6 +69,17 @@ def is_repo_id(value) -> bool:
     return True
 
 
+def check_revision(revision) -> None:
+    """A one-line ``UserError`` naming ``revision`` unless it is a branch or tag name as git and the Hub take them
+    (``main``, ``v1.0``, ``refs/pr/3``) or a commit hash: never a path into the cache."""
+    if (not isinstance(revision, str) or revision == "@" or _NOT_IN_A_REF.search(revision) or revision.endswith(".")
+            or any(not part or part.startswith(".") or part.endswith(".lock") for part in revision.split("/"))):
+        raise UserError(f"{param('revision')} {revision!r} is not a branch, tag or commit hash of a Hugging Face "
+                        f"repo; pass a branch or tag name (main, v1.0, refs/pr/3) or a commit hash: no '..', no "
+                        f"empty, leading or trailing '/', no part starting with '.' or ending in '.lock', no "
+                        f"trailing '.', no space, control character or any of ~ ^ : ? * [ \\ @{{.")
+
+
 def source(path) -> dict | None:
     """Where the model directory ``path`` came from: ``{"repo_id", "revision", "commit"}`` when the running job
     resolved it from a repo id (``revision``: the one asked for, ``main`` by default), ``{"repo_id", "commit"}``
@@ -81,6 +99,8 @@ def resolve(value, *, name: str = "model", revision: str | None = None, needs_mo
     """``(local path, provenance)`` for parameter ``name``'s ``value``: a path that exists (or anything that is not
     a repo id) comes back unchanged with ``None``; a repo id is fetched into (or found in) the Hugging Face cache
     and comes back as its snapshot directory with ``{"repo_id", "revision", "commit"}``."""
+    if revision is not None:
+        check_revision(revision)
     if _exists(value):
         if revision is not None:
             raise UserError(f"{param('revision')} {revision} applies to a Hugging Face repo id, but {param(name)} "
@@ -135,7 +155,7 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], flag: str
 
     offline = _offline()
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline))
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline))
     except GatedRepoError:
         raise UserError(f"{flag} {repo_id} is a gated Hugging Face repo and this machine has no access to it: accept "
                         f"its terms on {constants.ENDPOINT}/{repo_id} and log in (`hf auth login`, or set HF_TOKEN)."
@@ -150,13 +170,36 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], flag: str
     except IncompleteSnapshotError as e:
         missing = re.search(r"\d+ file\(s\) are missing \([^)]*\)", str(e))
         raise UserError(f"the cached snapshot of {flag} {repo_id} ({asked}) is incomplete"
-                        f"{f' ({missing.group(0)})' if missing else ''}; run again with the network (HF_HUB_OFFLINE "
-                        f"unset) to complete it.") from None
+                        f"{f' ({missing.group(0)})' if missing else ''}; {_fetch_again(repo_id, asked, offline)}."
+                        ) from None
     except LocalEntryNotFoundError as e:
         raise UserError(_not_cached(repo_id, asked, flag, offline, e.__cause__)) from None
     except HfHubHTTPError as e:
         raise UserError(f"the Hugging Face Hub failed on {flag} {repo_id} ({_brief(e)}); try again later, or pass a "
                         f"local directory.") from None
+    missing = _missing_blobs(path, patterns)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f", ... ({len(missing) - 3} more)" if len(missing) > 3 else "")
+        raise UserError(f"the download of {flag} {repo_id} ({asked}, commit {path.name[:12]}) in the Hugging Face "
+                        f"cache is incomplete: {len(missing)} file(s) of its snapshot have no data in the cache "
+                        f"({shown}: their blobs are missing); {_fetch_again(repo_id, asked, offline)}.")
+    return path
+
+
+def _missing_blobs(snapshot: Path, patterns: list[str]) -> list[str]:
+    """The files of a cached snapshot matching ``patterns`` whose link points at no blob (an interrupted download,
+    blobs deleted by hand), as repo paths."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_symlink() or p.is_file()]
+    return sorted(n for n in filter_repo_objects(names, allow_patterns=patterns) if not (snapshot / n).exists())
+
+
+def _fetch_again(repo_id: str, asked: str, offline: bool) -> str:
+    """How to complete an incomplete download of ``repo_id`` at ``asked``."""
+    fetch = f"`hf download {repo_id} --revision {asked}`"
+    return (f"run again with HF_HUB_OFFLINE unset (mlx-fun downloads what is missing), or fetch it with {fetch}"
+            if offline else f"fetch it again with {fetch}")
 
 
 def _not_cached(repo_id: str, asked: str, flag: str, offline: bool, cause) -> str:
@@ -168,6 +211,11 @@ def _not_cached(repo_id: str, asked: str, flag: str, offline: bool, cause) -> st
     why = ("HF_HUB_OFFLINE is set" if offline else
            f"the Hugging Face Hub could not be reached ({_brief(cause) if cause else 'no connection'})")
     fix = "unset HF_HUB_OFFLINE to download it" if offline else "check the network"
+    commit = _cached_ref(storage / "refs" / asked)
+    if commit is not None:  # the ref is cached, its snapshot is not: the download stopped between the two
+        return (f"{param('revision')} {asked} of {flag} {repo_id} names commit {commit!r} in the Hugging Face cache "
+                f"{cache} (refs/{asked}), but the cache holds no snapshot of that commit: an incomplete download; "
+                f"{_fetch_again(repo_id, asked, offline) if offline else f'{fix}, then run again'}.")
     if (storage / "snapshots").is_dir():
         refs = sorted(p.name for p in (storage / "refs").iterdir()) if (storage / "refs").is_dir() else []
         cached = refs + sorted(p.name[:12] for p in (storage / "snapshots").iterdir())
@@ -175,6 +223,14 @@ def _not_cached(repo_id: str, asked: str, flag: str, offline: bool, cause) -> st
                 f"(cached: {', '.join(cached) or 'nothing'}); {fix}, or pass a cached revision.")
     return (f"{flag} {repo_id} is not a local directory, nor in the Hugging Face cache {cache}, and {why}; {fix}, "
             f"or pass a local mlx-lm model directory.")
+
+
+def _cached_ref(ref: Path) -> str | None:
+    """The commit a cached ref file names (as one short line), or None where there is none to read."""
+    try:
+        return " ".join(ref.read_text(encoding="utf-8", errors="replace").split())[:40] if ref.is_file() else None
+    except OSError:
+        return None
 
 
 def _brief(exc) -> str:

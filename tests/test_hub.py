@@ -53,6 +53,7 @@ def cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], commit: str =
         (storage / "blobs" / blob).write_bytes(data)
         (snapshot / name).symlink_to(os.path.relpath(storage / "blobs" / blob, snapshot))
     for ref in refs:
+        (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)  # refs/pr/1 is a file in refs/refs/pr/
         (storage / "refs" / ref).write_text(commit)
     return snapshot
 
@@ -254,3 +255,112 @@ def test_the_hubs_refusals_are_one_line_and_nothing_is_written(online, hf, tmp_p
     expect_error(run("prune", "--model", model, *args, "--saliency", "s.npz", "--n-prune", 2, "--output", "out"),
                  *needles)
     assert tree(tmp_path) == before
+
+
+#: revisions that are no branch, tag or commit: paths into the cache (another repo's ref), empty, git-invalid names
+BAD_REVISIONS = ["..", "/tmp", "", "main/", ".hidden", "v1.lock", "ma..in", "a b", "a\\b", "v1^", "x\ny"]
+#: the ones that crashed in huggingface_hub's own look-up (it joins the revision to refs/ as a path)
+CRASHING = ["..", "/tmp", ""]
+TRAVERSAL = "../../models--org--dense/refs/main"
+
+
+@pytest.fixture
+def neighbour(cached):
+    """A second repo in the cache whose ``main`` names the commit of ``org/tiny-moe``'s tag v1."""
+    (cached / "models--org--dense" / "refs").mkdir(parents=True)
+    (cached / "models--org--dense" / "refs" / "main").write_text(TAGGED)
+    return cached
+
+
+def _cli_args(command: str) -> list[str]:
+    """``command``'s required options (all but --model) with values good enough to parse."""
+    import click
+
+    from mlx_fun.cli import main
+
+    out = []
+    for p in main.get_command(click.Context(main), command).params:
+        if p.required and p.name != "model":
+            out += [p.opts[0], str(SAMPLE) if "dataset" in p.name else "code" if p.name == "domain_name" else "x"]
+    return out
+
+
+def _revision_commands() -> list[str]:
+    import click
+
+    from mlx_fun.cli import COMMANDS, main
+
+    return [c for c in COMMANDS if "revision" in {p.name for p in main.get_command(click.Context(main), c).params}]
+
+
+@pytest.mark.parametrize("command", _revision_commands())
+def test_every_command_takes_branches_tags_and_commits_only(neighbour, tmp_path, monkeypatch, command):
+    """Generated from the commands that take --revision: a path or a name git refuses is one line naming
+    --revision and what it may be, before the cache is looked at; nothing written, the cache intact."""
+    monkeypatch.chdir(tmp_path)
+    before, cache = tree(tmp_path), tree(neighbour)
+    for revision in CRASHING:
+        expect_error(run(command, "--model", REPO, "--revision", revision, *_cli_args(command)),
+                     f"--revision {revision!r} is not a branch, tag or commit hash", "refs/pr/3")
+    assert tree(tmp_path) == before and tree(neighbour) == cache
+
+
+def test_a_revision_is_never_a_path_into_the_cache(neighbour, tmp_path, monkeypatch):
+    """The reported case: --revision ../../models--org--dense/refs/main read another repo's ref and was recorded
+    verbatim in the pruned model's metadata and card."""
+    monkeypatch.chdir(tmp_path)
+    jobs.collect.run(model=REPO, dataset=SAMPLE, output="s.npz", max_samples=2, max_tokens=32)
+    before, cache = tree(tmp_path), tree(neighbour)
+    for revision in (TRAVERSAL, *BAD_REVISIONS):
+        expect_error(run("prune", "--model", REPO, "--revision", revision, "--saliency", "s.npz", "--n-prune", 2,
+                         "--output", "pruned"),
+                     f"--revision {revision!r} is not a branch, tag or commit hash", "no '..'")
+    assert tree(tmp_path) == before and tree(neighbour) == cache
+
+
+@pytest.mark.parametrize("job", [j for j in jobs.ALL if "revision" in __import__("inspect").signature(j.run).parameters],
+                         ids=lambda j: j.__name__.rpartition(".")[2])
+def test_every_jobs_revision_is_checked_in_the_library_api(neighbour, job):
+    """The rule lives where --revision is resolved (mlx_fun.hub), so the Python API refuses the same."""
+    from mlx_fun.errors import UserError
+
+    for revision in CRASHING:
+        with pytest.raises(UserError) as err:
+            job.run(model=REPO, revision=revision)
+        assert f"revision= {revision!r} is not a branch" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pull_request_refs_tags_and_commits_are_revisions(cached):
+    storage = cached / "models--org--tiny-moe"
+    (storage / "refs" / "refs" / "pr").mkdir(parents=True)
+    (storage / "refs" / "refs" / "pr" / "1").write_text(TAGGED)
+    for revision in ("refs/pr/1", "v1", TAGGED):
+        path, origin = hub.resolve(REPO, revision=revision)
+        assert Path(path).name == TAGGED and origin == {"repo_id": REPO, "revision": revision, "commit": TAGGED}
+
+
+@pytest.mark.parametrize("lost", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_a_snapshot_whose_blobs_are_missing_is_an_incomplete_download(cached, tmp_path, monkeypatch, lost):
+    """A snapshot file links to a blob that is not there (an interrupted download, blobs deleted by hand): the
+    download is incomplete, and the line says how to fetch it again, not how to edit the cache."""
+    monkeypatch.chdir(tmp_path)
+    link = cached / "models--org--tiny-moe" / "snapshots" / MAIN / lost
+    (link.parent / os.readlink(link)).unlink()
+    before, cache = tree(tmp_path), tree(cached)
+    result = run("collect", "--model", REPO, "--dataset", SAMPLE, "--output", "out.npz")
+    expect_error(result, f"the download of --model {REPO} (main, commit {MAIN[:12]}) in the Hugging Face cache is "
+                         f"incomplete", f"({lost}: their blobs are missing)", "HF_HUB_OFFLINE unset",
+                 f"`hf download {REPO} --revision main`")
+    assert "copy" not in result.output
+    assert tree(tmp_path) == before and tree(cached) == cache
+
+
+def test_a_ref_naming_a_commit_whose_snapshot_is_missing_is_an_incomplete_download(cached, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.rmtree(cached / "models--org--tiny-moe" / "snapshots" / MAIN)
+    before, cache = tree(tmp_path), tree(cached)
+    expect_error(run("collect", "--model", REPO, "--dataset", SAMPLE, "--output", "out.npz"),
+                 f"--revision main of --model {REPO} names commit '{MAIN}' in the Hugging Face cache",
+                 "(refs/main), but the cache holds no snapshot of that commit: an incomplete download",
+                 f"`hf download {REPO} --revision main`")
+    assert tree(tmp_path) == before and tree(cached) == cache
