@@ -11,6 +11,7 @@ the module constants the environment would have set.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -318,7 +319,7 @@ def test_a_revision_is_never_a_path_into_the_cache(neighbour, tmp_path, monkeypa
     assert tree(tmp_path) == before and tree(neighbour) == cache
 
 
-@pytest.mark.parametrize("job", [j for j in jobs.ALL if "revision" in __import__("inspect").signature(j.run).parameters],
+@pytest.mark.parametrize("job", [j for j in jobs.ALL if "revision" in inspect.signature(j.run).parameters],
                          ids=lambda j: j.__name__.rpartition(".")[2])
 def test_every_jobs_revision_is_checked_in_the_library_api(neighbour, job):
     """The rule lives where --revision is resolved (mlx_fun.hub), so the Python API refuses the same."""
