@@ -216,13 +216,13 @@ def local_ranks(environ) -> int:
     Measured (2-core Linux, bundled model, ``scripts/bench_distributed.py --samples 128``): two ranks that each
     keep OpenBLAS's default of one thread per core collect 3.5x slower than one process (OpenBLAS threads spin
     on the shared cores); with the cores divided, as here, they run as fast as one process."""
-    import json
     import socket
+
+    from .json_input import read
 
     path = environ.get("MLX_HOSTFILE")
     try:
-        with open(path) as f:
-            hosts = [str(entry).rsplit(":", 1)[0] for rank in json.load(f) for entry in rank[:1]]
+        hosts = [str(entry).rsplit(":", 1)[0] for rank in read(path, error=ValueError) for entry in rank[:1]]
         mine = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
         mine.update(socket.gethostbyname_ex(socket.gethostname())[2])
     except (TypeError, OSError, ValueError, IndexError):

@@ -350,23 +350,10 @@ MAX_TABLE_BYTES = 16 << 20
 def read_table(path: str | os.PathLike) -> Table:
     """Read a table file; a missing, unreadable or malformed file raises a one-line ``ValueError`` naming the
     file and the problem (no fix: callers add the one that fits them)."""
+    from . import json_input
+
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"dispatch table {p} does not exist")
-    if not p.is_file():
-        raise ValueError(f"dispatch table {p} is not a regular file")
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_TABLE_BYTES + 1)
-        if len(raw) > MAX_TABLE_BYTES:
-            raise ValueError(f"dispatch table {p} is larger than {MAX_TABLE_BYTES >> 20} MiB, not a table")
-        obj = json.loads(raw.decode("utf-8"))
-    except OSError as e:
-        raise ValueError(f"dispatch table {p} could not be read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"dispatch table {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"dispatch table {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    obj = json_input.read(p, "dispatch table", max_bytes=MAX_TABLE_BYTES, error=ValueError)
     try:
         return Table.from_json(obj, source=str(p))
     except ValueError as e:

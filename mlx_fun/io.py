@@ -20,13 +20,10 @@ def read_config(model_path: str | os.PathLike) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise UserError(f"{path} has no config.json; {param('model')} must be an mlx-lm model directory.")
-    fix = "fix or re-download the model."
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{cfg} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    from . import json_input
+
+    # NaN / Infinity pass here (Python's json writes them into configs): check_config refuses them where they matter
+    config = json_input.read(cfg, fix="fix or re-download the model.", allow_nan=True)
     check_config(config, where=cfg)
     return config
 
