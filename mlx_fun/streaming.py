@@ -60,9 +60,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         from . import json_input
 
         try:
-            header = json_input.parse(f.read(n), f"the header of {path}", expect=dict, error=ValueError)
-        except (ValueError, MemoryError, OverflowError) as e:
-            raise UserError(f"{path} has no valid safetensors header ({e}); re-download or re-convert it.") from None
+            header = json_input.parse(f.read(n), f"the safetensors header of {path}", expect=dict,
+                                      fix="re-download or re-convert it.")
+        except (MemoryError, OverflowError):
+            raise UserError(f"{path} has no valid safetensors header; re-download or re-convert it.") from None
     return header, 8 + n
 
 
