@@ -30,9 +30,24 @@ SHIPPED_TABLE = "dispatch_table.json"
 # --------------------------------------------------------------------------------------------------- plans
 
 
+#: the block sizes R a ``blocked<R>`` plan may have: a call pads each expert's rows to a multiple of R (up to
+#: E·(R−1) padding rows: 65k rows for 256 experts at R = 256; a table's ``blocked1000000`` grew smoke-test to
+#: 7.4 GB in 24 s); tune-dispatch tries 8 to 64 by default
+BLOCK_RANGE = (1, 256)
+
+
+def check_block(block: int, plan: str) -> None:
+    """A one-line ``ValueError`` unless ``block`` is in :data:`BLOCK_RANGE` (``plan``: how the plan was written)."""
+    low, high = BLOCK_RANGE
+    if not low <= block <= high:
+        raise ValueError(f"{plan!r} has blocks of R = {block} rows; blocked<R> takes R from {low} to {high} (each "
+                         f"expert's rows are padded to a multiple of R)")
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows), ``dequant``."""
+    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows, in
+    :data:`BLOCK_RANGE`), ``dequant``."""
 
     layout: str
     block: int = 0
@@ -54,6 +69,7 @@ class Plan:
             except ValueError:
                 block = 0
             if block >= 1:
+                check_block(block, str(text).strip())
                 return cls("blocked", block, dequant)
         raise ValueError(
             f"unknown dispatch plan {text!r} (mlx-lm, unsorted, sorted, blocked<R>; 'dequant:' before the last three)"
