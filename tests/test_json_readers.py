@@ -22,6 +22,7 @@ from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError
 
 from .cli_helpers import expect_error, run as cli
+from .test_hub import cache_repo, hf, model_files  # noqa: F401 -- hf: the fixture of an offline Hugging Face cache
 from .test_job_inputs import WRITERS, samples  # noqa: F401 -- the fixture of valid sample files
 
 #: the bad documents: name → bytes (a valid JSON document nested 100k deep, not UTF-8, cut off, a list on top)
@@ -132,6 +133,23 @@ def test_every_json_reader_refuses_bad_bytes_in_one_line(job, name, variant, bad
     expect_error(cli(*_args(job, variant, files, out if writes else None)), named)
     assert bad_file.read_bytes() == before
     assert list(outs.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_a_hugging_face_snapshots_config_is_read_by_the_one_reader(bad, hf, qwen_model, tmp_path):  # noqa: F811
+    """A repo id's config.json is read once to check the repo before the weights are fetched; a deep one was an
+    internal RecursionError there. Now the job's own check names the snapshot's file."""
+    files = {**model_files(qwen_model), "config.json": BAD[bad]}
+    snapshot = cache_repo(hf, "org/bad-config", files)
+    out = tmp_path / "out"
+    out.mkdir()
+    expect_error(cli("collect", "--model", "org/bad-config", "--dataset", samples_dataset(), "--max-samples", 1,
+                     "--output", out / "s.npz"), str(snapshot / "config.json"))
+    assert list(out.iterdir()) == [] and (snapshot / "config.json").read_bytes() == BAD[bad]
+
+
+def samples_dataset() -> Path:
+    return Path(__file__).resolve().parent.parent / "data" / "calibration_sample.jsonl"
 
 
 # ------------------------------------------------------------------------------------- reader entry points
