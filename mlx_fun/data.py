@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from .errors import UserError, param
+from . import json_input
 from .json_input import json_type_name
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
@@ -361,8 +362,6 @@ def json_whole(value: Any, minimum: int) -> bool:
 
 
 def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -> _Item:
-    from . import json_input
-
     hint = "" if path.suffix.lower() in (".jsonl", ".json") else " (for plain-text files, pass a directory)"
     # NaN / Infinity pass (Python's json writes them into other fields): the text fields must be strings anyway
     obj = json_input.parse(line, where, fix=f"each line must be one JSON object such as {{\"{text_key}\": "
