@@ -33,8 +33,9 @@ def check_config(config, *, where: str | os.PathLike) -> None:
     and ``text_config`` have the right types, whose sizes (:data:`COUNT_KEYS`: layers, hidden size, heads,
     vocabulary, ...) are whole numbers from 1 to :data:`MAX_COUNT`, whose expert facts make sense for the family's
     adapter (routed experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`),
-    and from which mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun adapter is left to
-    the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into one line)."""
+    and from which mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun
+    adapter is left to the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into
+    one line)."""
     from .adapters import REGISTRY
     from .data import json_type_name
 
