@@ -11,8 +11,8 @@ re-executes the current process once, with the library preloaded, before ``mlx``
 Environment:
 
 - ``MLX_FUN_NO_FAST_BLAS=1``: never preload / re-exec.
-- ``MLX_FUN_BLAS=/path/lib.so``: the library to preload (default: the first OpenBLAS found); ``wheel``: the
-  ``scipy-openblas32`` wheel's OpenBLAS even when a system one is installed.
+- ``MLX_FUN_BLAS=/path/lib.so``: the library to preload (default: the first OpenBLAS found); ``wheel`` (any case):
+  the ``scipy-openblas32`` wheel's OpenBLAS even when a system one is installed.
 - ``MLX_FUN_BLAS_REEXEC=1``: set by the re-exec (inherited by children); no further re-exec is tried.
 - ``OPENBLAS_NUM_THREADS``: left to OpenBLAS (all cores) unless you set it; see
   :data:`DEFAULT_OPENBLAS_THREADS` for why no default is imposed. Unset, :mod:`mlx_fun.blas_threads` lowers it
@@ -91,6 +91,19 @@ def _loads(path: str) -> str | None:
     return None if hasattr(lib, "cblas_sgemm") else "does not export cblas_sgemm (not a BLAS)"
 
 
+def _not_a_library(path: str) -> str | None:
+    """None when ``path`` is a regular file (a library to try); else what it is, for the warning."""
+    from .paths import path_kind
+
+    kind = path_kind(path)
+    if kind == "a regular file":
+        return None
+    takes = f"{LIBRARY_ENV} takes the path of a BLAS library file (libopenblas.so.0, ...) or `wheel`"
+    if kind == "missing":
+        return f"does not exist ({takes})"
+    return f"is {kind}, not a library file ({takes})"
+
+
 def find_fast_blas(notes: list[str] | None = None, *, check: bool = False) -> str | None:
     """Path of a fast BLAS to preload, or None (not Linux, or none usable).
 
@@ -104,13 +117,13 @@ def find_fast_blas(notes: list[str] | None = None, *, check: bool = False) -> st
         return None
     notes = [] if notes is None else notes
     explicit = os.environ.get(LIBRARY_ENV, "").strip()
-    if explicit == "wheel":
+    if explicit.lower() == "wheel":
         explicit = ""
         candidates: list[str] = []
     else:
         candidates = _candidates()
     if explicit:
-        problem = "does not exist" if not os.path.isfile(explicit) else (_loads(explicit) if check else None)
+        problem = _not_a_library(explicit) or (_loads(explicit) if check else None)
         if problem is None:
             return explicit
         notes.append(f"{LIBRARY_ENV}={explicit} {problem}; using the next fast BLAS found instead.")
@@ -216,13 +229,13 @@ def local_ranks(environ) -> int:
     Measured (2-core Linux, bundled model, ``scripts/bench_distributed.py --samples 128``): two ranks that each
     keep OpenBLAS's default of one thread per core collect 3.5x slower than one process (OpenBLAS threads spin
     on the shared cores); with the cores divided, as here, they run as fast as one process."""
-    import json
     import socket
+
+    from .json_input import read
 
     path = environ.get("MLX_HOSTFILE")
     try:
-        with open(path) as f:
-            hosts = [str(entry).rsplit(":", 1)[0] for rank in json.load(f) for entry in rank[:1]]
+        hosts = [str(entry).rsplit(":", 1)[0] for rank in read(path, error=ValueError) for entry in rank[:1]]
         mine = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
         mine.update(socket.gethostbyname_ex(socket.gethostname())[2])
     except (TypeError, OSError, ValueError, IndexError):

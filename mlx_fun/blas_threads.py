@@ -15,7 +15,8 @@ step) every product is too small to split, while an OpenBLAS worker woken by one
 MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
 (``scripts/bench_decode.py``). It runs on a daemon thread, every
 :data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
-(:func:`mlx_fun.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` (always respected).
+(:func:`mlx_fun.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` to a thread count (always
+respected; a value OpenBLAS ignores, such as ``abc``, is said on stderr and governed as if unset).
 ``MLX_FUN_BLAS_GOVERNOR=0`` turns it off. Linux only (where the preload happens).
 
 This module must not import ``mlx``.
@@ -147,6 +148,21 @@ def call_size(tokens: int) -> None:
         _started.small_calls(tokens <= SMALL_TOKENS)
 
 
+def _users_threads() -> bool:
+    """Whether the user set ``OPENBLAS_NUM_THREADS`` to a thread count (left alone, then). A value that is no
+    whole number >= 1 (OpenBLAS ignores it: one thread per core) is said in one line on stderr, and governed."""
+    value = os.environ.get("OPENBLAS_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return True
+    if value:
+        import sys
+
+        print(f"mlx-fun: warning: OPENBLAS_NUM_THREADS={value!r} is not a whole number of threads >= 1, so OpenBLAS "
+              f"ignores it (one thread per core); mlx-fun's thread governor runs as if it were unset. Set a number "
+              f"of threads to keep one, or unset it.", file=sys.stderr, flush=True)
+    return False
+
+
 def running() -> Governor | None:
     """The governor of this process, if it was started."""
     return _started
@@ -159,7 +175,7 @@ def start() -> Governor | None:
         return _started
     from .env import flag
 
-    if os.environ.get("OPENBLAS_NUM_THREADS") or not flag(GOVERNOR_ENV, default=True):
+    if _users_threads() or not flag(GOVERNOR_ENV, default=True):
         return None
     found = _openblas_setter()
     if found is None or found[1] < 2:

@@ -437,8 +437,11 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} is a file; give a directory for the per-domain splits.")
     manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
     domains = manifest.get("domains", {})
+    if not isinstance(domains, dict):
+        raise UserError(f"corpus manifest {manifest_path}: \"domains\" must be an object; fix or delete the file "
+                        f"(it is written again).")
     fmt = {"stdlib": stdlib_dir(), "python": sys.version.split()[0]}
     built: dict[str, dict[str, list[str]]] = {}  # every source checked before anything is written
     for source, samples in zip(sources, _build_all(sources, max_chars, min_tokens, openzeppelin, workers)):
@@ -493,8 +496,15 @@ def ensure_prepared(data_dir: str | os.PathLike, sources=ALWAYS, **kwargs) -> di
     if manifest_path.exists() and all(
         domain_file(data_dir, s, sp).exists() for s in sources for sp in SPLITS
     ):
-        return json.loads(manifest_path.read_text())
+        return _read_manifest(manifest_path)
     return prepare(data_dir, sources=sources, **kwargs)
+
+
+def _read_manifest(path: Path) -> dict:
+    """An existing ``manifest.json`` (a one-line ``UserError`` naming it for any bytes that are not one)."""
+    from . import json_input
+
+    return json_input.read(path, "corpus manifest", fix="fix or delete the file (it is written again)", expect=dict)
 
 
 __all__ = [

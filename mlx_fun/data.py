@@ -40,7 +40,6 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import stat
@@ -52,6 +51,8 @@ from typing import Any
 import numpy as np
 
 from .errors import UserError, param
+from . import json_input
+from .json_input import json_type_name
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
 DEFAULT_TEXT_KEY = "content"
@@ -272,12 +273,9 @@ def _limit() -> str:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
+    from .paths import mode_kind
+
+    return mode_kind(mode)
 
 
 def _open_regular(path: Path, what: str, fix: str):
@@ -358,30 +356,16 @@ def _jsonl_items(path: Path, text_key: str) -> list[_Item]:
     return items
 
 
-def json_type_name(value: Any) -> str:
-    """How a message names the JSON type of ``value``: "an object", "a list", "a string", "null", ..."""
-    if value is None:
-        return "null"
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number"}.get(type(value), f"a {type(value).__name__}")
-
-
 def json_whole(value: Any, minimum: int) -> bool:
     """``value`` is a JSON whole number (not a boolean) of at least ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _parse_line(line: str, where: str, source: str, text_key: str, path: Path) -> _Item:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        hint = "" if path.suffix.lower() in (".jsonl", ".json") else " (for plain-text files, pass a directory)"
-        raise UserError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object{hint}") from None
-    if not isinstance(obj, dict):
-        raise UserError(
-            f"{where}: expected a JSON object, got {json_type_name(obj)}; each line must be one JSON object "
-            f'such as {{"{text_key}": "..."}}'
-        )
+    hint = "" if path.suffix.lower() in (".jsonl", ".json") else " (for plain-text files, pass a directory)"
+    # NaN / Infinity pass (Python's json writes them into other fields): the text fields must be strings anyway
+    obj = json_input.parse(line, where, fix=f"each line must be one JSON object such as {{\"{text_key}\": "
+                                            f"\"...\"}}{hint}", expect=dict, allow_nan=True, lines=False)
 
     if "messages" in obj:
         return _Item(source=source, kind="messages", payload=_check_messages(obj["messages"], where), where=where)

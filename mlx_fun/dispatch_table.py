@@ -30,9 +30,24 @@ SHIPPED_TABLE = "dispatch_table.json"
 # --------------------------------------------------------------------------------------------------- plans
 
 
+#: the block sizes R a ``blocked<R>`` plan may have: a call pads each expert's rows to a multiple of R (up to
+#: E·(R−1) padding rows: 65k rows for 256 experts at R = 256; a table's ``blocked1000000`` grew smoke-test to
+#: 7.4 GB in 24 s); tune-dispatch tries 8 to 64 by default
+BLOCK_RANGE = (1, 256)
+
+
+def check_block(block: int, plan: str) -> None:
+    """A one-line ``ValueError`` unless ``block`` is in :data:`BLOCK_RANGE` (``plan``: how the plan was written)."""
+    low, high = BLOCK_RANGE
+    if not low <= block <= high:
+        raise ValueError(f"{plan!r} has blocks of R = {block} rows; blocked<R> takes R from {low} to {high} (each "
+                         f"expert's rows are padded to a multiple of R)")
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows), ``dequant``."""
+    """One way to run the experts: ``layout`` unsorted / sorted / blocked (with ``block`` rows, in
+    :data:`BLOCK_RANGE`), ``dequant``."""
 
     layout: str
     block: int = 0
@@ -54,6 +69,7 @@ class Plan:
             except ValueError:
                 block = 0
             if block >= 1:
+                check_block(block, str(text).strip())
                 return cls("blocked", block, dequant)
         raise ValueError(
             f"unknown dispatch plan {text!r} (mlx-lm, unsorted, sorted, blocked<R>; 'dequant:' before the last three)"
@@ -350,23 +366,10 @@ MAX_TABLE_BYTES = 16 << 20
 def read_table(path: str | os.PathLike) -> Table:
     """Read a table file; a missing, unreadable or malformed file raises a one-line ``ValueError`` naming the
     file and the problem (no fix: callers add the one that fits them)."""
+    from . import json_input
+
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"dispatch table {p} does not exist")
-    if not p.is_file():
-        raise ValueError(f"dispatch table {p} is not a regular file")
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_TABLE_BYTES + 1)
-        if len(raw) > MAX_TABLE_BYTES:
-            raise ValueError(f"dispatch table {p} is larger than {MAX_TABLE_BYTES >> 20} MiB, not a table")
-        obj = json.loads(raw.decode("utf-8"))
-    except OSError as e:
-        raise ValueError(f"dispatch table {p} could not be read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"dispatch table {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"dispatch table {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    obj = json_input.read(p, "dispatch table", max_bytes=MAX_TABLE_BYTES, error=ValueError)
     try:
         return Table.from_json(obj, source=str(p))
     except ValueError as e:

@@ -46,7 +46,17 @@ class Measurement:
         return ms
 
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(int_list(self.blocks, "blocks"))))
+        """The distinct ``blocks``, ascending, each in the range a blocked plan takes
+        (:data:`mlx_fun.dispatch_table.BLOCK_RANGE`)."""
+        from .dispatch_table import BLOCK_RANGE
+
+        sizes = tuple(sorted(set(int_list(self.blocks, "blocks"))))
+        low, high = BLOCK_RANGE
+        if sizes[0] < low or sizes[-1] > high:
+            bad = next(r for r in sizes if not low <= r <= high)
+            raise UserError(f"{param('blocks')}: a block size must be {low} to {high} rows (each expert's rows are "
+                            f"padded to a multiple of it), got {bad}.")
+        return sizes
 
 
 __all__ = ["Measurement", "int_list"]

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import csv
 import io as _io
-import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -97,12 +96,11 @@ def _no_dup_keys(path: Path):
     return hook
 
 
-def _load_json(path: Path, what: str, fix: str):
-    text = _read_text(path, what, fix)
-    try:
-        return json.loads(text, object_pairs_hook=_no_dup_keys(path))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
+def _load_json(path: Path, what: str, fix: str, *, allow_nan: bool = False):
+    from . import json_input
+
+    return json_input.read(path, what, fix=fix, encoding="utf-8-sig", object_pairs_hook=_no_dup_keys(path),
+                           allow_nan=allow_nan)
 
 
 def _parse_layer_key(key, path: Path, moe_idx: list[int], where: str = "") -> int:
@@ -325,7 +323,8 @@ def load_report_experts(
         raise ValueError(f"kind must be 'safety', 'hrcg', 'domain' or 'general', got {kind!r}")
     report = "safety" if kind in ("safety", "hrcg") else "domain"
     scan = f"{report}-scan"
-    data = _load_json(path, f"{report} report", f"create it with `mlx-fun {scan}`.")
+    # a report's scores may hold NaN as Python's json writes it: the commands that read scores refuse them
+    data = _load_json(path, f"{report} report", f"create it with `mlx-fun {scan}`.", allow_nan=True)
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a {report} report (expected a JSON object); create it with `mlx-fun {scan}`.")
     if moe_layer_indices is None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import json
 import os
 import re
 from pathlib import Path
@@ -249,9 +248,11 @@ def _check_config(snapshot: Path, repo_id: str, commit: str, flag: str, needs_mo
                         f"(e.g. from mlx-community) or convert it with `mlx_lm.convert`.")
     if not needs_moe:
         return
+    from . import json_input
+
     try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = json_input.read(cfg, allow_nan=True, error=ValueError)
+    except ValueError:
         return  # the job's own config check says what is wrong with it, naming the file
     if not isinstance(config, dict):
         return

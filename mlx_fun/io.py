@@ -20,23 +20,22 @@ def read_config(model_path: str | os.PathLike) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise UserError(f"{path} has no config.json; {param('model')} must be an mlx-lm model directory.")
-    fix = "fix or re-download the model."
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{cfg} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    from . import json_input
+
+    # NaN / Infinity pass here (Python's json writes them into configs): check_config refuses them where they matter
+    config = json_input.read(cfg, fix="fix or re-download the model.", allow_nan=True)
     check_config(config, where=cfg)
     return config
 
 
 def check_config(config, *, where: str | os.PathLike) -> None:
     """The one check of a model's config (``where``: the file, for messages): a JSON object whose ``model_type``
-    and ``text_config`` have the right types, whose expert facts make sense for the family's adapter (routed
-    experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`), and from which
-    mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun adapter is left to
-    the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into one line)."""
+    and ``text_config`` have the right types, whose sizes (:data:`COUNT_KEYS`: layers, hidden size, heads,
+    vocabulary, ...) are whole numbers from 1 to :data:`MAX_COUNT`, whose expert facts make sense for the family's
+    adapter (routed experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`),
+    and from which mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun
+    adapter is left to the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into
+    one line)."""
     from .adapters import REGISTRY
     from .data import json_type_name
 
@@ -46,10 +45,31 @@ def check_config(config, *, where: str | os.PathLike) -> None:
     for key, kind, want in (("model_type", str, "a string"), ("text_config", dict, "an object")):
         if key in config and not isinstance(config[key], kind):
             raise UserError(f"{where}: {key!r} must be {want}, got {json_type_name(config[key])}; {fix}")
+    _check_counts(config, where, fix)
     model_type = config.get("model_type")
     if model_type in REGISTRY:  # other types: mlx-fun's commands name what they support, load_model mlx-lm's error
         REGISTRY[model_type].check_config(config, where=where)
         _check_model_args(config, where, fix)
+
+
+#: sizes every model's config.json gives as whole numbers >= 1 where it has them (0 layers or heads builds nothing or
+#: divides by zero in mlx-lm; 1e30 or "48" is no count); top-level or under ``text_config``
+COUNT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "moe_intermediate_size")
+#: the largest count accepted in a config (no model has more layers, experts, heads or vocabulary entries)
+MAX_COUNT = 2**31 - 1
+
+
+def _check_counts(config: dict, where, fix: str) -> None:
+    from .data import json_type_name, json_whole
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for cfg, prefix in ((config, ""), (text, "text_config.")):
+        for key in COUNT_KEYS:
+            value = cfg.get(key)
+            if value is not None and not (json_whole(value, 1) and value <= MAX_COUNT):
+                raise UserError(f"{where}: {prefix}{key} must be a whole number from 1 to {MAX_COUNT:,}, got "
+                                f"{json_type_name(value)} {json.dumps(value)[:40]}; {fix}")
 
 
 def _check_model_args(config: dict, where, fix: str) -> None:
@@ -114,6 +134,12 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str |
             tok = None
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...
         detail = " ".join(str(e).split())[:240]
+        if "not in model" in detail or "Expected shape" in detail:  # weights the config does not describe
+            zero = [f"{k} = 0" for cfg in (config, config.get("text_config") or {}) if isinstance(cfg, dict)
+                    for k, v in cfg.items() if "expert" in k and v == 0 and not isinstance(v, bool)]
+            said = f" (it sets {', '.join(zero)}: a dense model)" if zero else ""
+            raise UserError(f"{flag} {model_path}: config.json does not describe the weights beside it{said}; fix "
+                            f"config.json or re-download the model (mlx-lm: {detail[:160]}).") from None
         raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
                         f"a complete mlx-lm model directory (an interrupted download or copy?).") from None
     return model, tok, config

@@ -196,10 +196,11 @@ def from_reports(
 def _cap(sets: dict, path, moe_layer_indices: list[int], top_k: int, *, lowest: bool, warnings: list) -> dict:
     """At most ``top_k`` boosted experts per layer (more cannot all be chosen): those with the most extreme
     composite score of the report (lowest for HRCG, highest for domain experts), else the first ``top_k``."""
-    import json
+    from . import json_input
 
     try:
-        comp = np.asarray(json.loads(Path(path).read_text())["scores"]["composite"], dtype=np.float64)
+        report = json_input.read(path, allow_nan=True, error=ValueError)
+        comp = np.asarray(report["scores"]["composite"], dtype=np.float64)
     except (OSError, ValueError, KeyError, TypeError):
         comp = None
     out = {}

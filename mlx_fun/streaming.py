@@ -57,9 +57,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         if len(raw) != 8:
             raise UserError(f"{path} is not a safetensors file (shorter than 8 bytes); re-download or re-convert it.")
         (n,) = struct.unpack("<Q", raw)
+        from . import json_input
+
         try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
+            header = json_input.parse(f.read(n), f"the safetensors header of {path}", expect=dict,
+                                      fix="re-download or re-convert it.")
+        except (MemoryError, OverflowError):
             raise UserError(f"{path} has no valid safetensors header; re-download or re-convert it.") from None
     return header, 8 + n
 

@@ -243,7 +243,7 @@ def test_load_model_names_the_missing_tokenizer(broken):
 TABLES = {
     '{"entries": "x"}': "is malformed: 'entries' must be a list of entries, got a string \"x\"",
     "[1, 2]": "is malformed: the table must be a JSON object",
-    "not json": "is not valid JSON (Expecting value at line 1)",
+    "not json": "is not valid JSON (Expecting value at line 1, column 1)",
     '{"entries": [5]}': "is malformed: entries[0] must be an object (backend, quant, D, H, E, k, bands), got a number",
     '{"entries": [{"backend": "cpu"}]}': "is malformed: entries[0] has no 'quant', 'D', 'H', 'E', 'k', 'bands'",
     '{"entries": [{"backend": "cpu", "quant": "float32", "D": 8, "H": 8, "E": 4, "k": "2", "bands": []}]}':

@@ -254,7 +254,7 @@ def test_malformed_line_reported_even_when_not_chosen(many, tok):
     lines = many.read_text().splitlines()
     lines.append("{broken")
     many.write_text("\n".join(lines) + "\n")
-    with pytest.raises(UserError, match=r"many\.jsonl line 61: not valid JSON"):
+    with pytest.raises(UserError, match=r"many\.jsonl line 61 is not valid JSON"):
         load_samples(many, tok, max_samples=1, seed=0)
 
 
@@ -276,10 +276,10 @@ def test_max_tokens_truncation(tmp_path, tok):
     [
         (
             '{"content": "a" "b"}',
-            r"line 3: not valid JSON \(Expecting ',' delimiter\); each line must be one JSON object",
+            r"line 3 is not valid JSON \(Expecting ',' delimiter at column 17\); each line must be one JSON object",
         ),
-        ('["content", "x"]', r"line 3: expected a JSON object, got a list"),
-        ('"just a string"', r"line 3: expected a JSON object, got a string"),
+        ('["content", "x"]', r"line 3 holds a list, not a JSON object; each line must be one JSON object"),
+        ('"just a string"', r"line 3 holds a string, not a JSON object"),
         (
             '{"body": "x", "title": "y"}',
             r"line 3: no 'messages', 'prompt'\+'completion' or 'content' key \(found: 'body', 'title'\).*text_key=",
@@ -312,7 +312,7 @@ def test_malformed_line_errors(tmp_path, tok, bad, expected):
     with pytest.raises(UserError) as e:
         load_samples(f, tok)
     msg = str(e.value)
-    assert msg.startswith(f"{f} line 3: ")
+    assert msg.startswith((f"{f} line 3: ", f"{f} line 3 "))
     assert "data.jsonl" in msg
     assert "\n" not in msg
     assert re.search(expected, msg), msg
@@ -327,7 +327,7 @@ def test_custom_text_key_named_in_missing_key_error(tmp_path, tok):
 def test_plain_text_file_hint(tmp_path, tok):
     f = tmp_path / "notes.txt"
     f.write_text("just some prose\n")
-    with pytest.raises(UserError, match=r"notes\.txt line 1: not valid JSON.*pass a directory"):
+    with pytest.raises(UserError, match=r"notes\.txt line 1 is not valid JSON.*pass a directory"):
         load_samples(f, tok)
 
 

@@ -75,9 +75,12 @@ class MoEAdapter:
 
         cfg, fix = config.get("text_config", config), "fix it or re-download the model."
         experts, top_k = cfg.get(cls.num_experts_key), cfg.get(cls.top_k_key)
-        if cls.num_experts_key in cfg and not json_whole(experts, 0):
-            raise UserError(f"{where}: {cls.num_experts_key} (the routed-expert count) must be a whole number, got "
-                            f"{json_type_name(experts)} {json.dumps(experts)}; {fix}")
+        from ..io import MAX_COUNT
+
+        if cls.num_experts_key in cfg and not (json_whole(experts, 0) and experts <= MAX_COUNT):
+            raise UserError(f"{where}: {cls.num_experts_key} (the routed-expert count) must be a whole number from 0 "
+                            f"(a dense checkpoint) to {MAX_COUNT:,}, got {json_type_name(experts)} "
+                            f"{json.dumps(experts)[:40]}; {fix}")
         if cls.top_k_key not in cfg:
             return
         if not all(json_whole(k, 1) for k in (top_k if isinstance(top_k, list) and top_k else [top_k])):

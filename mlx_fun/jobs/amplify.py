@@ -33,9 +33,7 @@ def run(
     """Add ``scale × max(0, composite − threshold)`` to each domain expert's router bias (the family's own
     selection-only bias, else the router's linear bias) and write the model to ``output``
     (:mod:`mlx_fun.rewrite.amplify`); families without such a parameter are refused."""
-    import json
-
-    from .. import writer
+    from .. import json_input, writer
     from ..expert_files import load_report_experts
     from ..io import params_nbytes, write_model_dir
     from ..rewrite.amplify import apply, target
@@ -62,7 +60,7 @@ def run(
         layers = adapter.moe_layers()
         domain = load_report_experts(domain_map, "domain", layers, adapter.num_experts)
         try:
-            report = json.loads(Path(domain_map).read_text())
+            report = json_input.read(domain_map, allow_nan=True, error=ValueError)
             composite = np.asarray(report["scores"]["composite"], dtype=np.float64)
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{param('domain_map')} {domain_map} has no scores.composite; write it with "

@@ -7,8 +7,6 @@ REST client's.
 
 from __future__ import annotations
 
-import json
-
 from ...errors import UserError
 from ..common import Context, guarded
 
@@ -34,14 +32,9 @@ def report_body(kind: str, path: str, mode: str, scheme: str) -> dict:
 def custom_body(text: str) -> dict:
     """A custom steering config typed as JSON (the REST body), checked to be an object; the server checks the
     rest (layers, experts, fields) and answers one line."""
-    try:
-        body = json.loads(text or "")
-    except ValueError as e:
-        msg = getattr(e, "msg", str(e))
-        raise UserError(f"the custom steering is not valid JSON ({msg}); e.g. {EXAMPLE}") from None
-    if not isinstance(body, dict):
-        raise UserError(f"the custom steering must be a JSON object, e.g. {EXAMPLE}")
-    return body
+    from ...json_input import parse
+
+    return parse(text or "", "the custom steering", fix=f"e.g. {EXAMPLE}", expect=dict)
 
 
 def describe(state: dict) -> str:
