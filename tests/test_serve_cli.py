@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -294,10 +295,21 @@ def test_an_api_key_no_client_can_send_is_refused(tmp_path, key):
         jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, api_key=key)).stop()
 
 
-def test_help_documents_the_bounds():
+def test_help_documents_the_bounds(tmp_path):
+    """The options of issue 41 rows 4 and 5 are in `serve --help`, and its example of them runs."""
     out = cli("serve", "--help").output
     for option in ("--max-prompt-tokens", "--max-connections", "--request-timeout"):
         assert option in out, option
+    example = next(line.split() for line in out.splitlines() if "--max-connections 16" in line)
+    assert example[:2] == ["mlx-fun", "serve"], example
+    args = [str(MODEL) if a == "data/tiny-moe" else a for a in example[2:]]
+    assert args[:2] == ["--model", str(MODEL)], args
+    proc, port = _start_cli(tmp_path, *args[2:])
+    try:
+        info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/reap/info", timeout=30).read())
+        assert (info["max_prompt_tokens"], info["max_connections"], info["request_timeout"]) == (2048, 16, 10.0)
+    finally:
+        _stop(proc)
 
 
 def _stop(proc) -> None:
