@@ -264,7 +264,7 @@ def test_a_chat_template_path_that_does_not_exist_is_refused(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe{{ x }}")
     for value, needle in (("sub/dir/t.j2", "does not exist"), ("templates/chat", "does not exist"),
                           ("T.JINJA", "does not exist"), (".", "is a directory"), (str(tmp_path), "is a directory"),
-                          (str(tmp_path / "bad.txt"), "not UTF-8")):
+                          (str(tmp_path / "bad.txt"), "not UTF-8"), ("mytemplate", "neither a file nor")):
         with pytest.raises(UserError, match=f"chat_template=.*{needle}"):
             jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path,
                                                                chat_template=value)).stop()

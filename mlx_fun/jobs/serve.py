@@ -65,7 +65,8 @@ TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt", ".tmpl")
 
 def _chat_template(value: str | None) -> str | None:
     """The template text of ``chat_template``: a file's contents, or the value itself when it is Jinja text. A
-    value that looks like a path (a template suffix, or a path separator and no ``{``) must name a file."""
+    value that looks like a path (a template suffix, or a path separator and no ``{``) must name a file; any other
+    value must hold Jinja (a ``{``)."""
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -81,6 +82,9 @@ def _chat_template(value: str | None) -> str | None:
         what = "is a directory" if path.is_dir() else "does not exist"
         raise UserError(f"{param('chat_template')} {value} {what}; give a Jinja template file (or the template "
                         "text itself).")
+    if "{" not in value:  # no file, and no Jinja either: a template that could not show a message
+        raise UserError(f"{param('chat_template')} {value!r} is neither a file nor a Jinja template (no {{{{ ... }}}} "
+                        "or {% ... %}); give a template file or the template text.")
     return value
 
 
