@@ -5,7 +5,8 @@ a loopback address (DNS-rebinding protection), and with an API key the ``Authori
 must match (401; ``/health`` and CORS preflights excepted). Bodies are read here, never past ``max_body_bytes``
 (413), parsed as JSON objects nested at most :data:`MAX_DEPTH` deep (400) and checked before anything else sees
 them; a request's line, headers and body must arrive within ``--request-timeout`` (:class:`TimedReads`), and
-http.server's own refusals (bad request lines, oversized headers, unserved methods) are answered in this shape too; completions are then handed to mlx-lm's own ``do_POST`` unchanged except that the model name is normalised
+http.server's own refusals (bad request lines, oversized headers, unserved methods) are answered in this shape
+too; completions are then handed to mlx-lm's own ``do_POST`` unchanged except that the model name is normalised
 to the one served model, through a :class:`WatchedGenerator` that stops a request whose client has gone and
 answers in this shape what mlx-lm's loop refuses. Every error is ``{"error": {"message", "type", "param",
 "code"}}`` (OpenAI's shape) with one line of text, never a traceback; an unexpected failure in a route is a 500
