@@ -468,3 +468,75 @@ def test_generation_stops_when_the_client_goes(server, stream):
     assert first == last, (start, first, last)
     assert last - start < 4000
     assert chat(server, "still serving?", max_tokens=2)
+
+
+# ---------------------------------------------------------------------------------------------- issue 41
+def test_prompts_over_the_context_are_400_before_any_prefill(server, tokenizer):
+    """Issue 41 row 5: a prompt longer than the model's context (max_position_embeddings, 4096 here) was
+    prefilled in full (a 62 kB prompt: 2 min, RSS 155 MB → 1.1 GB); now a 400 naming ``prompt`` / ``messages``
+    (the chat's templated tokens), nothing counted, answered before a forward runs (the limit itself:
+    test_serve_cli.py::test_max_prompt_tokens)."""
+    context = _CONFIG["max_position_embeddings"]
+    unit = " the"
+    per = len(tokenizer.encode(unit * 100)) / 100
+    long_text = unit * int(context / per + 50)
+    assert len(tokenizer.encode(long_text)) > context
+    before = call(server, "GET", "/v1/reap/info")[1]
+    for path, body, field in (("/v1/completions", {"prompt": long_text}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
+                               "messages")):
+        got, out = call(server, "POST", path, {**body, "max_tokens": 2})
+        assert got == 400 and out["error"]["param"] == field, out
+        assert f"limit of {context:,}" in out["error"]["message"] and "--max-prompt-tokens" in out["error"]["message"]
+    after = call(server, "GET", "/v1/reap/info")[1]
+    assert (after["token_count"], after["request_count"]) == (before["token_count"], before["request_count"])
+    assert after["max_prompt_tokens"] == context
+
+
+@pytest.mark.parametrize("field,bad", [("n", 5), ("n", 0), ("best_of", 3), ("echo", True), ("suffix", "}"),
+                                       ("response_format", {"type": "json_object"})])
+def test_openai_fields_that_would_be_ignored_are_refused(server, field, bad):
+    """Issue 41 row 7: ``n: 5`` got one choice and no error; every OpenAI field mlx-lm does not read but that
+    changes the answer is a 400 naming it unless it asks for what is served anyway (n 1, echo false, ...)."""
+    before = call(server, "GET", "/v1/reap/info")[1]["request_count"]
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        got, out = call(server, "POST", path, {**body, field: bad, "max_tokens": 2})
+        assert got == 400 and out["error"]["param"] == field and field in out["error"]["message"], out
+    assert call(server, "GET", "/v1/reap/info")[1]["request_count"] == before
+    inert = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "response_format": {"type": "text"}}[field]
+    got, out = call(server, "POST", "/v1/completions", {"prompt": "x", field: inert, "max_tokens": 2})
+    assert got == 200 and len(out["choices"]) == 1, out
+
+
+def test_a_symlink_loop_in_the_data_dir_is_400_naming_the_path(server, data_dir, caplog):
+    """Issue 41 row 7: a symlink loop inside --data-dir was a 500 with a traceback logged at ERROR (save and the
+    report paths); now a 400 naming the field and the path, nothing logged, nothing written."""
+    for a, b in (("loop_a", "loop_b"), ("loop_b", "loop_a")):
+        if not (data_dir / a).is_symlink():
+            (data_dir / a).symlink_to(data_dir / b)
+    before = sorted(os.listdir(data_dir))
+    with caplog.at_level("ERROR"):
+        for path, body, field in (("/v1/reap/save", {"path": "loop_a/x.npz"}, "path"),
+                                  ("/v1/reap/save", {"path": "loop_b"}, "path"),
+                                  ("/v1/reap/steer", {"safety_map": "loop_a", "mode": "safe"}, "safety_map"),
+                                  ("/v1/reap/steer", {"domain_map": "loop_b/r.json", "mode": "boost"}, "domain_map")):
+            got, out = call(server, "POST", path, body)
+            assert got == 400 and out["error"]["param"] == field, out
+            assert "symlink loop" in out["error"]["message"] and repr(body[field]) in out["error"]["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert sorted(os.listdir(data_dir)) == before
+
+
+def test_health_with_a_query_needs_no_key(tmp_path):
+    """Issue 41 row 7: with --api-key, ``GET /health?x=1`` asked for the key (the guard compared the path with its
+    query); every other route still needs it, query or not."""
+    s = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, api_key="k3y"))
+    try:
+        for path in ("/health", "/health?x=1", "/health?"):
+            assert call(s, "GET", path) == (200, {"status": "ok"}), path
+        for path in ("/v1/reap/info?x=/health", "/v1/models?/health"):
+            got, out = call(s, "GET", path)
+            assert got == 401 and out["error"]["type"] == "authentication_error", (path, out)
+    finally:
+        s.stop()

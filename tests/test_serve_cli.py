@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -221,3 +222,149 @@ def test_max_tokens_limit(tmp_path):
         assert server.app.info()["max_tokens_limit"] == 8
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------- issue 41
+def test_max_prompt_tokens(tmp_path):
+    """Issue 41 row 5: --max-prompt-tokens N takes a prompt of N tokens (the chat's after its template) and
+    refuses N + 1 with a 400 naming the field, before any forward (nothing counted)."""
+    from mlx_lm import load
+
+    tokenizer = load(str(MODEL))[1]
+    expect_error(cli("serve", "--model", MODEL, "--max-prompt-tokens", 0), "--max-prompt-tokens")
+    with pytest.raises(UserError, match="max_prompt_tokens="):
+        jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, max_prompt_tokens=-1))
+    ids = tokenizer.encode(" the" * 40)[:17]
+    server = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, max_prompt_tokens=16))
+    try:
+        status, out = _post(server.port, "/v1/completions", {"prompt": tokenizer.decode(ids[:16]), "max_tokens": 1})
+        assert status == 200 and out["usage"]["prompt_tokens"] == 16, out
+        counted = server.app.info()["token_count"]
+        status, out = _post(server.port, "/v1/completions", {"prompt": tokenizer.decode(ids), "max_tokens": 1})
+        assert status == 400 and out["error"]["param"] == "prompt", out
+        assert "17 tokens" in out["error"]["message"] and "limit of 16" in out["error"]["message"]
+        chat = [{"role": "user", "content": tokenizer.decode(ids[:6])}]
+        templated = len(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+        assert templated > 16
+        status, out = _post(server.port, "/v1/chat/completions", {"messages": chat, "max_tokens": 1})
+        assert status == 400 and out["error"]["param"] == "messages", out
+        assert f"{templated} tokens with the chat template" in out["error"]["message"]
+        assert server.app.info()["token_count"] == counted
+    finally:
+        server.stop()
+
+
+def test_a_chat_template_path_that_does_not_exist_is_refused(tmp_path):
+    """Issue 41 row 9: `--chat-template mytemplate.jinja` naming no file served the path itself as the template
+    (every chat ignored its messages, 200); a value that looks like a path (a template suffix, or a path separator
+    and no "{") must name a readable file: one line, exit 2, before the model loads."""
+    r = _refused(tmp_path, "--chat-template", "mytemplate.jinja")
+    expect_error(r, "--chat-template mytemplate.jinja", "does not exist")
+    assert "Serving" not in r.output
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe{{ x }}")
+    for value, needle in (("sub/dir/t.j2", "does not exist"), ("templates/chat", "does not exist"),
+                          ("T.JINJA", "does not exist"), (".", "is a directory"), (str(tmp_path), "is a directory"),
+                          (str(tmp_path / "bad.txt"), "not UTF-8"), ("mytemplate", "neither a file nor")):
+        with pytest.raises(UserError, match=f"chat_template=.*{needle}"):
+            jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path,
+                                                               chat_template=value)).stop()
+
+
+def test_a_chat_template_file_is_read_and_jinja_text_is_taken(tmp_path):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    for template in (str(tmp_path / "t.jinja"), "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"):
+        server = jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path,
+                                                                    chat_template=template))
+        try:
+            status, out = _post(server.port, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "abc def"}], "max_tokens": 1})
+            assert status == 200, out
+            assert out["usage"]["prompt_tokens"] == len(server.app.provider.tokenizer.encode("<<abc def>>")), out
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("key", ["a\nb", "k\x00ey", "k\tey", "clé", "キー", "k\x7fey"])
+def test_an_api_key_no_client_can_send_is_refused(tmp_path, key, monkeypatch):
+    """Issue 41 row 9: an --api-key holding a newline, a control character or non-ASCII text was accepted
+    although no HTTP client can send it; now one line, exit 2 (the option and MLX_FUN_API_KEY alike)."""
+    if key == "a\nb":  # (the command line cannot carry a NUL)
+        expect_error(_refused(tmp_path, "--api-key", key), "--api-key", "printable ASCII")
+    with pytest.raises(UserError, match="api_key=.*printable ASCII"):
+        jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path, api_key=key)).stop()
+    if "\x00" in key:
+        return  # (no environment variable holds a NUL)
+    monkeypatch.setenv("MLX_FUN_API_KEY", key)
+    with pytest.raises(UserError, match="MLX_FUN_API_KEY holds .*printable ASCII"):
+        jobs.serve.start(model=MODEL, server=ServerOptions(port=0, data_dir=tmp_path)).stop()
+
+
+def test_help_documents_the_bounds(tmp_path):
+    """The options of issue 41 rows 4 and 5 are in `serve --help`, and its example of them runs."""
+    out = cli("serve", "--help").output
+    for option in ("--max-prompt-tokens", "--max-connections", "--request-timeout"):
+        assert option in out, option
+    example = next(line.split() for line in out.splitlines() if "--max-connections 16" in line)
+    assert example[:2] == ["mlx-fun", "serve"], example
+    args = [str(MODEL) if a == "data/tiny-moe" else a for a in example[2:]]
+    assert args[:2] == ["--model", str(MODEL)], args
+    proc, port = _start_cli(tmp_path, *args[2:])
+    try:
+        info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/reap/info", timeout=30).read())
+        assert (info["max_prompt_tokens"], info["max_connections"], info["request_timeout"]) == (2048, 16, 10.0)
+    finally:
+        _stop(proc)
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+
+
+def test_a_burst_of_clients_against_the_command_is_never_reset(tmp_path):
+    """Issue 41 row 8: `mlx-fun serve` under 24 concurrent clients × 4 requests answered 12-13 of 96 with
+    "Connection reset by peer" (socketserver's listen backlog of 5); now every request is answered, twice over."""
+    from mlx_fun.serve.loadtest import run_load
+
+    proc, port = _start_cli(tmp_path)
+    try:
+        for _ in range(2):
+            result = run_load(f"http://127.0.0.1:{port}", clients=24, requests=4, max_tokens=4, time_limit=240,
+                              request_timeout=120)
+            assert result.errors == 0 and result.ok == 96, result.error_samples
+            assert result.counts_exact, (result.counted_tokens, result.expected_tokens)
+    finally:
+        _stop(proc)
+
+
+def _os_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's thread count from /proc")
+def test_the_command_holds_idle_clients_to_max_connections(tmp_path):
+    """Issue 41 row 4, on the real command: 16 idle connections against `serve --max-connections 4
+    --request-timeout 1` add at most 4 threads to the server process (they held one each, until the clients
+    left), are closed about a second later, a few at a time, and a normal request gets through meanwhile."""
+    proc, port = _start_cli(tmp_path, "--max-connections", 4, "--request-timeout", 1)
+    try:
+        status, _ = _post(port, "/v1/reap/reset", {})
+        assert status == 200
+        time.sleep(0.5)
+        baseline = _os_threads(proc.pid)
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        peak = max(_os_threads(proc.pid) for _ in range(10) if time.sleep(0.05) is None)
+        assert peak <= baseline + 4, (baseline, peak)
+        status, out = _post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 2
+        for sock in socks:
+            sock.settimeout(30)
+            assert sock.recv(1) == b""  # closed by the server, nothing sent
+            sock.close()
+        assert _os_threads(proc.pid) <= baseline + 4
+    finally:
+        _stop(proc)

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .common import (dispatch_option, echo_err, friendly_errors, generation_options, model_option, run_settings,
-                     take)
+from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
+                     run_settings, take)
 
 
 def _size(text: str) -> int:
@@ -68,6 +68,15 @@ def _size(text: str) -> int:
               help="Prompt tokens per prefill forward.")
 @click.option("--max-body-bytes", type=_size, default="8MiB", show_default=True, metavar="SIZE",
               help="Largest request body accepted (larger: 413).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Longest prompt accepted, in tokens after the chat template (longer: 400 naming prompt / "
+                   "messages, before any prefill)  [default: the model's context length (max_position_embeddings)]")
+@click.option("--max-connections", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Connections served at once; more wait, unread, in the listen queue until one ends.")
+@click.option("--request-timeout", type=FiniteFloat(min=0.0, min_open=True, max=86400.0, max_open=True),
+              default=30.0, show_default=True, metavar="SECONDS",
+              help="Time a request's line, headers and body may take to arrive (late: closed, 408 for a late body); "
+                   "an idle connection is closed after as long.")
 @click.option("--allowed-origins", default="", metavar="LIST",
               help="Comma-separated origins browsers may call from (CORS); none by default.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
@@ -87,6 +96,12 @@ def command(allowed_origins, **kwargs):
       curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
           -d '{"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 20}'
       curl -s http://127.0.0.1:8080/v1/reap/info
+
+    Bounds against clients that hog it (a prompt over the limit is a 400 before any prefill; a request that has
+    not arrived within the timeout is closed; connections past the bound wait, unread, in the listen queue):
+
+    \b
+      mlx-fun serve --model data/tiny-moe --max-prompt-tokens 2048 --max-connections 16 --request-timeout 10
 
     Ctrl+C (or SIGTERM) stops the server; with --auto-save the statistics are written atomically first, ready
     for `mlx-fun prune --saliency online.npz`.

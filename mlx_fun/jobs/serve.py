@@ -52,7 +52,55 @@ def _api_key(api_key: str | None) -> str | None:
     if key is not None and (not key.strip() or key != key.strip()):
         raise UserError(f"{where} is {'empty' if not key.strip() else 'padded with spaces'}; give the key itself "
                         f"(clients send 'Authorization: Bearer <key>'), or leave it unset to serve without one.")
+    bad = next((c for c in key or "" if not " " <= c <= "~"), None)
+    if bad is not None:  # an HTTP header carries printable ASCII only: no client could send this key
+        raise UserError(f"{where} holds {bad!r}, which no client can send in an HTTP header; use printable ASCII "
+                        "only (letters, digits, punctuation).")
     return key
+
+
+#: what a --chat-template value that names a file ends with (a Jinja template itself never does)
+TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt", ".tmpl")
+
+
+def _chat_template(value: str | None) -> str | None:
+    """The template text of ``chat_template``: a file's contents, or the value itself when it is Jinja text. A
+    value that looks like a path (a template suffix, or a path separator and no ``{``) must name a file; any other
+    value must hold Jinja (a ``{``)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    looks_like_path = value.lower().endswith(TEMPLATE_SUFFIXES) or (
+        "{" not in value and (os.sep in value or (os.altsep or os.sep) in value))
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise UserError(f"{param('chat_template')} {value}: cannot read it ({why}).") from None
+    if looks_like_path or path.is_dir():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UserError(f"{param('chat_template')} {value} {what}; give a Jinja template file (or the template "
+                        "text itself).")
+    if "{" not in value:  # no file, and no Jinja either: a template that could not show a message
+        raise UserError(f"{param('chat_template')} {value!r} is neither a file nor a Jinja template (no {{{{ ... }}}} "
+                        "or {% ... %}); give a template file or the template text.")
+    return value
+
+
+def _connection_limits(server: ServerOptions, context: int) -> int:
+    """Check ``max_connections`` / ``request_timeout`` / ``max_prompt_tokens``; returns the prompt limit
+    (default: the model's context length)."""
+    n = server.max_connections
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"{param('max_connections')} must be a positive integer, got {n!r}.")
+    t = server.request_timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 86400:
+        raise UserError(f"{param('request_timeout')} must be seconds, more than 0 and less than a day, got {t!r}.")
+    limit = context if server.max_prompt_tokens is None else server.max_prompt_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise UserError(f"{param('max_prompt_tokens')} must be a positive integer, got {limit!r}.")
+    return limit
 
 
 def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | None) -> tuple[int, int, int]:
@@ -75,7 +123,7 @@ def _checked(*, model, mode, auto_save, server: ServerOptions, steering: Startup
              generation: GenOptions, draft_model) -> dict:
     """Check everything that can be checked before binding or loading; returns the normalised values: ``server``
     (its ``data_dir`` resolved, ``chat_template`` read from its file, ``api_key`` from ``MLX_FUN_API_KEY``,
-    ``max_tokens`` / ``max_tokens_limit`` decided), ``context``, ``auto_save``."""
+    ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens`` decided), ``context``, ``auto_save``."""
     from .. import mlx_lm_compat
 
     mlx_lm_compat.require("serve")
@@ -93,12 +141,11 @@ def _checked(*, model, mode, auto_save, server: ServerOptions, steering: Startup
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UserError(f"{param('port')} must be 0..65535 (0 picks a free port), got {port!r}.")
     steering.check()
-    template = server.chat_template
-    if template is not None and Path(template).is_file():
-        template = Path(template).read_text(encoding="utf-8")
+    template = _chat_template(server.chat_template)
+    max_prompt_tokens = _connection_limits(server, context)
     _check_settings(settings)
     server = replace(server, data_dir=data.resolve(), chat_template=template, api_key=_api_key(server.api_key),
-                     max_tokens=max_tokens, max_tokens_limit=max_tokens_limit,
+                     max_tokens=max_tokens, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
                      allowed_origins=tuple(server.allowed_origins))
     return {"server": server, "context": context, "auto_save": None if auto_save is None else Path(auto_save)}
 
@@ -166,7 +213,9 @@ def start(
         context=ok["context"], chat_template=server.chat_template, decode_concurrency=server.decode_concurrency,
         prompt_concurrency=server.prompt_concurrency, prefill_step_size=server.prefill_step_size,
         prompt_cache_size=server.prompt_cache_size, prompt_cache_bytes=server.prompt_cache_bytes,
-        allowed_origins=list(server.allowed_origins), max_body_bytes=server.max_body_bytes, settings=settings,
+        allowed_origins=list(server.allowed_origins), max_body_bytes=server.max_body_bytes,
+        max_connections=server.max_connections, request_timeout=float(server.request_timeout),
+        max_prompt_tokens=server.max_prompt_tokens, settings=settings,
         auto_save=ok["auto_save"], steering=steering.builder(), options=generation,
         draft_model=None if draft_model is None else str(draft_model), name=_repo_id(model), log=log)
 
@@ -210,8 +259,9 @@ def run(
 
     ``server`` (:class:`mlx_fun.serve.options.ServerOptions`): how it listens and serves — host, port, the
     ``data_dir`` that paths a request names must stay in, ``api_key`` (or ``MLX_FUN_API_KEY``: requires a Bearer
-    token), CORS origins, the body limit, ``max_tokens`` (a request's default: 512, or ``max_tokens_limit`` when
-    lower) and ``max_tokens_limit`` (the most a request may ask for; default: the model's context length), the chat
+    token), CORS origins, the body limit, ``max_connections`` / ``request_timeout`` (connections served at once,
+    seconds a request may take to arrive), ``max_prompt_tokens`` (default: the context length), ``max_tokens`` (a
+    request's default: 512, or ``max_tokens_limit`` when lower) and ``max_tokens_limit`` (the most a request may ask for; default: the model's context length), the chat
     template, mlx-lm's prompt cache, concurrency and ``prefill_step_size``, and ``log_level`` (DEBUG / INFO /
     WARNING / ERROR: Python logging for the server's and mlx-lm's messages, INFO logs every request; None leaves
     logging as it is).

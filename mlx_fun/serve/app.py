@@ -51,6 +51,9 @@ class ServeApp:
     generator: CountingResponseGenerator
     max_tokens_limit: int
     context: int  # the model's context length (what a *_context_size may name at most)
+    max_prompt_tokens: int = 0  # the longest prompt taken, in (templated) tokens; 0: the context length
+    request_timeout: float = 30.0  # seconds a request's line, headers and body may take to arrive
+    max_connections: int = 64  # connections served at once
     auto_save: Path | None = None
     aliases: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
@@ -97,7 +100,9 @@ class ServeApp:
             "num_layers": len(adapter.moe_layers()), "moe_layer_indices": adapter.moe_layers(),
             "num_experts": adapter.num_experts, "top_k": adapter.top_k, "mode": self.mode,
             "dispatch": self.provider.dispatch_mode, **totals, "synced": synced, "counting": COUNTING,
-            "max_tokens_limit": self.max_tokens_limit, "generation": self.generation,
+            "max_tokens_limit": self.max_tokens_limit, "max_prompt_tokens": self.max_prompt_tokens,
+            "max_connections": self.max_connections, "request_timeout": self.request_timeout,
+            "generation": self.generation,
             "steering": None if steering is None else steering.to_json(),
             "data_dir": str(self.data_dir), "auto_save": None if self.auto_save is None else str(self.auto_save),
             "api_key_required": bool(self.api_key), "uptime_s": round(time.time() - self.started, 1),
@@ -105,9 +110,37 @@ class ServeApp:
         }
 
 
+#: the listen backlog: connections the kernel holds until they are accepted (socketserver's default, 5, reset
+#: connections of a burst of two dozen clients); the kernel caps it at net.core.somaxconn
+LISTEN_BACKLOG = 1024
+
+
 class _HTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` at once: at the bound, the accept loop leaves new
+    connections in the kernel's listen queue (unread, no thread, nothing counted) until a served one ends, so a
+    burst queues instead of being reset and idle clients cannot take every thread; each connection then has
+    ``app.request_timeout`` seconds to send each request (:class:`~mlx_fun.serve.handler.ReapHandler`)."""
+
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
     app: ServeApp
+    slots: threading.BoundedSemaphore
+
+    def get_request(self):
+        if not self.slots.acquire(timeout=0.05):  # at the bound: serve_forever polls again (and sees a shutdown)
+            raise OSError("at --max-connections")  # _handle_request_noblock returns on OSError, accepting nothing
+        try:
+            return super().get_request()
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def shutdown_request(self, request):
+        """Called once for every accepted connection (served, refused or failed): its slot is free again."""
+        try:
+            super().shutdown_request(request)
+        finally:
+            self.slots.release()
 
 
 class Server:
@@ -179,7 +212,7 @@ def _allowed_hosts(host: str, port: int) -> set[str] | None:
     return names | {f"{n}:{port}" for n in names}
 
 
-def _bind(host: str, port: int) -> _HTTPServer:
+def _bind(host: str, port: int, max_connections: int) -> _HTTPServer:
     import socket
 
     try:
@@ -190,6 +223,7 @@ def _bind(host: str, port: int) -> _HTTPServer:
 
     class Bound(_HTTPServer):
         address_family = family
+        slots = threading.BoundedSemaphore(max_connections)
 
     try:
         return Bound(address, lambda *a, **k: ReapHandler(_app_generator(a), *a, **k,
@@ -207,7 +241,8 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
           max_tokens: int, max_tokens_limit: int, context: int, chat_template: str | None,
           decode_concurrency: int, prompt_concurrency: int,
           prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
-          allowed_origins: list[str], max_body_bytes: int, settings=None, auto_save: Path | None,
+          allowed_origins: list[str], max_body_bytes: int, max_connections: int = 64,
+          request_timeout: float = 30.0, max_prompt_tokens: int | None = None, settings=None, auto_save: Path | None,
           steering=None, options=None, draft_model: str | None = None, name: str | None = None,
           log=lambda line: None) -> Server:
     """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``settings``: the dispatch to install
@@ -217,7 +252,7 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
     from ..genopts import GenOptions
 
     options = options or GenOptions()
-    httpd = _bind(host, port)
+    httpd = _bind(host, port, max_connections)
     probes = [PADDING_PROBE] if padding_probe_supported() else []
     if not probes and prompt_concurrency > 1:
         log("Warning: this mlx-lm pads batched prompts in a way mlx-fun cannot see; prompts are processed one at "
@@ -236,11 +271,13 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
     provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", settings=settings,
                                    max_kv_size=options.max_kv_size)
     fresh = provider.fresh_cache if options.max_kv_size is not None else None
-    generator = CountingResponseGenerator(provider, ServedPromptCache(prompt_cache_size, fresh))
+    generator = CountingResponseGenerator(provider, ServedPromptCache(prompt_cache_size, fresh),
+                                          max_prompt_tokens=max_prompt_tokens or context)
     port = httpd.server_address[1]
     generation = {**dataclasses.asdict(options), "draft_model": draft_model}
     app = ServeApp(Path(model), mode, data_dir, api_key, max_body_bytes, _allowed_hosts(host, port), provider,
-                   generator, max_tokens_limit, context, auto_save, aliases, name=name, generation=generation)
+                   generator, max_tokens_limit, context, max_prompt_tokens or context, request_timeout,
+                   max_connections, auto_save, aliases, name=name, generation=generation)
     httpd.app = app
     server = Server(httpd, app, probes)
     try:

@@ -33,6 +33,7 @@ from .. import moe_hook
 from ..genopts import GenOptions, load_draft
 from ..settings import RunSettings
 from .counting import TrafficCounter, attach
+from .errors import HTTPError
 
 
 def server_args(*, model: str, max_tokens: int, chat_template: str | None, decode_concurrency: int,
@@ -137,7 +138,8 @@ class ServedPromptCache(LRUPromptCache):
 class CountingResponseGenerator(ResponseGenerator):
     """mlx-lm's ``ResponseGenerator``; flushes counts and swaps steering between loop iterations."""
 
-    def __init__(self, model_provider: ServedModelProvider, prompt_cache):
+    def __init__(self, model_provider: ServedModelProvider, prompt_cache, *, max_prompt_tokens: int | None = None):
+        self.max_prompt_tokens = max_prompt_tokens  # None: any length
         self._context = contextvars.copy_context()  # the job's (how errors name flags) for the generation thread
         self._steering_lock = threading.Lock()
         self._steering_next = None  # (Steering or None, its route steers) posted by an HTTP thread, applied by the loop
@@ -160,6 +162,19 @@ class CountingResponseGenerator(ResponseGenerator):
         out = super().generate(request, generation_args, progress_callback)
         if self.counter is not None:
             self.counter.count_request()
+        return out
+
+    def _tokenize(self, tokenizer, request, args):
+        """mlx-lm's (templated) tokens of a request, refused (400 naming ``prompt`` / ``messages``) when longer than
+        ``max_prompt_tokens``: raised here, on the generation thread before any forward, it reaches the request's
+        handler as mlx-lm hands it every tokenizer failure (nothing ran, nothing is counted)."""
+        out = super()._tokenize(tokenizer, request, args)
+        n, limit = len(out[0]), self.max_prompt_tokens
+        if limit is not None and n > limit:
+            field = "messages" if request.request_type == "chat" else "prompt"
+            raise HTTPError(400, f"{field} is {n:,} tokens{' with the chat template' if field == 'messages' else ''}"
+                                 f", over this server's limit of {limit:,} (the model's context length, or "
+                                 "--max-prompt-tokens); send a shorter one.", field)
         return out
 
     def _between_passes(self) -> None:

@@ -4,7 +4,9 @@ Every request passes :meth:`ReapHandler._guard` first: the Host header must name
 a loopback address (DNS-rebinding protection), and with an API key the ``Authorization: Bearer <key>`` header
 must match (401; ``/health`` and CORS preflights excepted). Bodies are read here, never past ``max_body_bytes``
 (413), parsed as JSON objects nested at most :data:`MAX_DEPTH` deep (400) and checked before anything else sees
-them; completions are then handed to mlx-lm's own ``do_POST`` unchanged except that the model name is normalised
+them; a request's line, headers and body must arrive within ``--request-timeout`` (:class:`TimedReads`), and
+http.server's own refusals (bad request lines, oversized headers, unserved methods) are answered in this shape
+too; completions are then handed to mlx-lm's own ``do_POST`` unchanged except that the model name is normalised
 to the one served model, through a :class:`WatchedGenerator` that stops a request whose client has gone and
 answers in this shape what mlx-lm's loop refuses. Every error is ``{"error": {"message", "type", "param",
 "code"}}`` (OpenAI's shape) with one line of text, never a traceback; an unexpected failure in a route is a 500
@@ -19,6 +21,7 @@ import json
 import logging
 import re
 import socket
+import time
 
 from mlx_lm.server import APIHandler
 
@@ -63,8 +66,37 @@ def too_deep(body, raw: bytes):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error", 503: "unavailable", 500: "server_error"}
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               411: "invalid_request_error", 413: "invalid_request_error", 414: "invalid_request_error",
+               415: "invalid_request_error", 431: "invalid_request_error", 503: "unavailable", 500: "server_error"}
+#: the methods some route serves (the Allow header of a 405)
+ALLOWED = "GET, POST, DELETE, OPTIONS"
+
+
+class TimedReads(io.RawIOBase):
+    """A connection's reads, each bounded by what is left of the current request's time: past ``start(seconds)``'s
+    deadline a read raises ``TimeoutError``, so a client that sends its request line, headers or body slowly (or
+    not at all) holds its thread at most that long. The socket stays blocking otherwise (writes, and
+    :func:`client_gone`'s peek, which a socket timeout would turn into a wait)."""
+
+    def __init__(self, sock):
+        self._sock, self._deadline = sock, None
+
+    def readable(self) -> bool:
+        return True
+
+    def start(self, seconds: float) -> None:
+        self._deadline = time.monotonic() + seconds
+
+    def readinto(self, b) -> int:
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError("the request took too long to arrive")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(b)
+        finally:
+            self._sock.settimeout(None)
 
 
 def client_gone(sock) -> bool:
@@ -111,7 +143,9 @@ class WatchedGenerator:
     def _refused(self, request, e: Exception) -> "Answered":
         """Answer a request mlx-lm's loop refused (its template or tokenizer failed on it: 400) or could not take
         (the generation thread has stopped: 503) in this server's JSON shape, past mlx-lm's own handler."""
-        if not self._shared.generation_available():
+        if isinstance(e, HTTPError):  # refused by the generator (a prompt over the limit)
+            error = e
+        elif not self._shared.generation_available():
             error = HTTPError(503, "the generation thread has stopped; restart the server.")
         else:
             field = "messages" if request.request_type == "chat" else "prompt"
@@ -141,23 +175,69 @@ class ReapHandler(APIHandler):
         return self.server.app
 
     # ------------------------------------------------------------------ plumbing
+    def setup(self):
+        """http.server's streams, but reads through :class:`TimedReads` (each request gets ``--request-timeout``
+        seconds to arrive, from its first byte's wait on)."""
+        super().setup()
+        self.rfile.close()  # the socket's own reader: closed, or the socket would stay open after the request
+        self._reads = TimedReads(self.connection)
+        self.rfile = io.BufferedReader(self._reads)
+
+    def handle_one_request(self):
+        """http.server's, under the request's deadline: a client that has not sent its request line, headers and
+        body in time is closed (with a 408 when it was the body that was late), and nothing is counted for it."""
+        self._reads.start(self.app.request_timeout)
+        try:
+            super().handle_one_request()
+        except TimeoutError:  # in the headers (http.server itself catches the request line's)
+            logging.info("%s: request headers timed out", self.address_string())
+            self.close_connection = True
+
     def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
         logging.info("%s %s", self.address_string(), format % args)
 
-    def send_json(self, status: int, obj) -> None:
+    def send_json(self, status: int, obj, *, headers: dict | None = None, cors: bool = True) -> None:
+        """``obj`` as the JSON body (left out for a HEAD request, whose answer is the headers alone)."""
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self._set_cors_headers()
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if cors:
+            self._set_cors_headers()
         if status == 401:
             self.send_header("WWW-Authenticate", 'Bearer realm="mlx-fun"')
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    def send_error_json(self, e: HTTPError) -> None:
+    def send_error_json(self, e: HTTPError, *, headers: dict | None = None, cors: bool = True) -> None:
+        if e.status == 405:
+            headers = {**(headers or {}), "Allow": ALLOWED}
         self.send_json(e.status, {"error": {"message": str(e), "type": ERROR_TYPES.get(e.status, "error"),
-                                            "param": e.param, "code": e.status}})
+                                            "param": e.param, "code": e.status}}, headers=headers, cors=cors)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals — a malformed request line (400), one over 64 KiB (414), headers over its
+        limits (431), a method no route serves (its 501: 405 with ``Allow``), an HTTP version it does not speak (its
+        505: 400) — in this server's JSON shape; the connection is closed after it."""
+        code = int(code)
+        headers = {"Connection": "close"}
+        if code == 501:
+            code, text = 405, f"method {self.command!r} is not served; use one of {ALLOWED}."
+        elif code == 431:
+            text = ("the request's headers are over this server's limits (at most 100 headers, each line at most "
+                    "64 KiB); send fewer or shorter headers.")
+        elif code == 414:
+            text = "the request line is over 64 KiB; send a shorter URL."
+        else:
+            text = f"{message or self.responses.get(code, ('bad request',))[0]}; send a well-formed HTTP/1.1 request."
+            code = 400 if code >= 500 else code
+        logging.info("%s refused: %d %s", self.address_string(), code, text)
+        self.close_connection = True
+        self.send_error_json(HTTPError(code, " ".join(text.split())), headers=headers,
+                             cors=hasattr(self, "headers"))  # (none yet when they were what failed)
 
     def _run(self, fn) -> None:
         """Run a route; any failure becomes one JSON error line and the connection ends cleanly."""
@@ -169,6 +249,10 @@ class ReapHandler(APIHandler):
             pass
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away
+        except TimeoutError:  # the body did not arrive in time (TimedReads)
+            self.close_connection = True
+            self._safe_error(HTTPError(408, f"the request did not arrive within {self.app.request_timeout:g} s "
+                                            "(--request-timeout); send it whole, promptly."))
         except Exception as e:  # noqa: BLE001 - never a traceback to a client, never a dead server
             logging.exception("request failed: %s %s", self.command, self.path)
             self._safe_error(HTTPError(500, f"internal error {type(e).__name__}: {' '.join(str(e).split())[:200]}"))
@@ -186,7 +270,7 @@ class ReapHandler(APIHandler):
         if app.allowed_hosts is not None and host not in app.allowed_hosts:
             raise HTTPError(403, f"Host header {host or '(none)'!r} is not this server's loopback address "
                                  "(DNS-rebinding protection); connect to 127.0.0.1 or localhost.", "Host")
-        if app.api_key and self.path != "/health":
+        if app.api_key and self.path.split("?")[0] != "/health":  # the path alone, not its query
             auth = self.headers.get("Authorization") or ""
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not given or not hmac.compare_digest(given.encode(), app.api_key.encode()):
@@ -237,8 +321,7 @@ class ReapHandler(APIHandler):
         """Read (and drop) a refused body so the client can read the 413; huge ones just get the connection cut."""
         if n > cap:
             return
-        self.connection.settimeout(5)
-        try:
+        try:  # (within the request's deadline: TimedReads)
             while n > 0:
                 chunk = self.rfile.read(min(n, 1 << 20))
                 if not chunk:

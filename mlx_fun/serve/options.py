@@ -21,7 +21,10 @@ class ServerOptions:
     """How the server listens and serves: ``host`` / ``port`` (0: a free one) to bind; ``data_dir``: the only
     directory REST requests may read reports from or save statistics to; ``api_key`` (None: ``MLX_FUN_API_KEY``,
     else none) a Bearer token every route but /health requires; ``allowed_origins``: CORS origins;
-    ``max_body_bytes``: the largest request body; ``max_tokens``: a request's default (512, or
+    ``max_body_bytes``: the largest request body; ``max_connections``: connections served at once (more wait
+    in the listen queue, unread, until one ends); ``request_timeout``: seconds a request's line, headers and body
+    may take to arrive (an idle connection is closed after as long); ``max_prompt_tokens``: the longest prompt
+    (templated tokens; default: the model's context length); ``max_tokens``: a request's default (512, or
     ``max_tokens_limit`` when lower), ``max_tokens_limit``: the most a request may ask for (default: the model's
     context length); ``chat_template``: a Jinja string or a file holding one; ``prompt_cache_size`` /
     ``prompt_cache_bytes`` / ``decode_concurrency`` / ``prompt_concurrency`` / ``prefill_step_size``: mlx-lm's
@@ -35,6 +38,9 @@ class ServerOptions:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 8 << 20
+    max_connections: int = 64
+    request_timeout: float = 30.0
+    max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_tokens_limit: int | None = None
     chat_template: str | None = None

@@ -8,6 +8,7 @@ server's ``--data-dir``, else 403.
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def check_completion(handler, path: str, body: dict) -> dict:
         if body.get(key) is not None:
             raise HTTPError(400, f"{key} is not supported by mlx-fun serve (a request may not load files); "
                               "remove it.", key)
+    _check_unsupported(body)
     body["model"] = app.model_id
     if path.endswith("chat/completions"):
         _check_messages(body.get("messages"))
@@ -49,6 +51,26 @@ def check_completion(handler, path: str, body: dict) -> dict:
         raise HTTPError(400, "stop must be a string or a list of strings.", "stop")
     check_numbers(body, max_tokens_limit=app.max_tokens_limit, context=app.context, vocab_size=app.vocab_size)
     return body
+
+
+#: OpenAI fields mlx-lm's server does not read although they change the answer: ``{field: (the values that change
+#: nothing, what to do instead)}`` — any other value is a 400 rather than an answer that silently ignores it
+UNSUPPORTED = {
+    "n": ((None, 1), "one choice per request: send n 1 (or none) and repeat the request for more"),
+    "best_of": ((None, 1), "one candidate per request: send best_of 1 (or none)"),
+    "echo": ((None, False), "the prompt is not echoed: send echo false (or none)"),
+    "suffix": ((None, ""), "insertion is not served: send the text before the gap as the prompt only"),
+    "response_format": ((None, {"type": "text"}), "structured output is not served: ask for it in the prompt"),
+}
+
+
+def _check_unsupported(body: dict) -> None:
+    for key, (inert, fix) in UNSUPPORTED.items():
+        value = body.get(key)
+        if not any(value == v and type(value) is type(v) for v in inert):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise HTTPError(400, f"{key} {shown} is not supported by mlx-fun serve ({fix}).", key)
 
 
 def _check_messages(msgs) -> None:
@@ -152,7 +174,12 @@ def confined(app, value, field: str) -> Path:
     except RuntimeError:  # ~user of an unknown user
         raise HTTPError(403, f"{field} {value!r} names a home directory; name a path inside the server's data "
                           f"directory {root} (--data-dir).", field) from None
-    resolved = (p if p.is_absolute() else root / p).resolve()
+    try:
+        resolved = (p if p.is_absolute() else root / p).resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (3.11 raises RuntimeError for it), an unreadable link
+        why = "runs into a symlink loop" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP else e.strerror
+        raise HTTPError(400, f"{field} {value!r} {why}; name another path inside the server's data directory "
+                          f"{root} (--data-dir).", field) from None
     if not resolved.is_relative_to(root):
         raise HTTPError(403, f"{field} {value!r} resolves outside the server's data directory {root} (--data-dir); "
                           "name a path inside it.", field)
