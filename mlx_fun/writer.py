@@ -186,6 +186,22 @@ def _check_input(out: Path, path, flag: str, label: str, inp) -> None:
                             f"input, so write the result to a new path.")
 
 
+def _resolve_output(plain: Path, shown: str) -> tuple[Path, os.stat_result | None]:
+    """``plain`` resolved and its ``stat`` (None: missing or unreachable, which reserving it then says)."""
+    try:
+        out = plain.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: Python's word for a loop of links
+        if isinstance(e, RuntimeError) or e.errno == errno.ELOOP:
+            raise UserError(f"{shown} lies behind a loop of symbolic links; choose another path.") from None
+        out = plain
+    try:
+        return out, os.stat(out)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{shown} lies behind a loop of symbolic links; choose another path.") from None
+        return out, None
+
+
 _NOT_REGULAR = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                 (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 
@@ -209,15 +225,7 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
     if plain.is_symlink():
         raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(plain)}); mlx-fun never replaces a link "
                         f"or writes through one: give the real path, or another path.")
-    try:
-        out = plain.resolve()
-        st = os.stat(out)
-    except FileNotFoundError:
-        st = None
-    except (OSError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) or e.errno == errno.ELOOP:
-            raise UserError(f"{flag} {path} lies behind a loop of symbolic links; choose another path.") from None
-        raise UserError(f"cannot write {flag} {path}: {e.strerror or e}; choose a writable location.") from None
+    out, st = _resolve_output(plain, f"{flag} {path}")
     for label, value in {**_JOB_INPUTS.get(), **(inputs or {})}.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         for inp in values:
@@ -285,34 +293,57 @@ def _locked_by_someone(entry: Path) -> bool:
         os.close(fd)
 
 
+#: what ``link`` says on a filesystem without hard links (some FUSE, SMB and FAT mounts)
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+
+
 def _acquire_lock(lock_path: Path, flag: str, shown: str) -> int:
     """An exclusive ``flock`` on ``lock_path``; a ``UserError`` naming the holder's pid if another run has it.
 
     The lock never exists without its holder's pid in it: the pid is written into a temp sibling that is
     locked first and then hard-linked into place (``link`` fails if a lock exists), so a second run reads a
     pid, never an empty file. A lock whose holder is gone (its ``flock`` released, e.g. killed) is taken over
-    by renaming our locked temp onto it while holding its ``flock``."""
+    by renaming our locked temp onto it while holding its ``flock``. Without hard links: :func:`_lock_in_place`."""
     with _signals_blocked():  # no interruption between creating our temp and removing its name
         while True:
             mine = lock_path.parent / f"{lock_path.name}.{TOKEN}{secrets.token_hex(4)}.tmp"
-            fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except OSError as e:  # name the place, not our temp's name
+                raise OSError(e.errno, e.strerror, str(lock_path.parent)) from None
+            linked = False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this file yet
                 with contextlib.suppress(OSError):  # the pid informs a second run's message only; a full disk
                     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # is no reason to fail here
-                if _link_or_take_over(mine, lock_path, flag, shown):
-                    return fd
+                linked = _link_or_take_over(mine, lock_path, flag, shown)
             except BaseException:
                 os.close(fd)
                 raise
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(mine)
-            os.close(fd)  # a holder just finished, or our temp was taken as stale: once more
+            if linked:
+                return fd
+            os.close(fd)
+            if linked is None:
+                return _lock_in_place(lock_path, flag, shown)
+            # a holder just finished, or our temp was taken as a killed run's: once more
 
 
-def _link_or_take_over(mine: Path, lock_path: Path, flag: str, shown: str) -> bool:
-    """Make the locked ``mine`` the lock: True when it is, False to start again, ``UserError`` if it is held."""
+def _held(fd: int, flag: str, shown: str) -> UserError:
+    """The one-line refusal for a lock another run (or another request of this server) holds: its pid."""
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    if holder == str(os.getpid()):
+        return UserError(f"{flag} {shown} is being written by another request of this server, which is saving "
+                         f"there now; wait for it to finish or choose another path.")
+    return UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it to "
+                     f"finish or choose another path.")
+
+
+def _link_or_take_over(mine: Path, lock_path: Path, flag: str, shown: str) -> bool | None:
+    """Make the locked ``mine`` the lock: True when it is, False to start again, None where the filesystem has no
+    hard links; a ``UserError`` if another run holds it."""
     try:
         os.link(mine, lock_path)
         return True
@@ -320,6 +351,10 @@ def _link_or_take_over(mine: Path, lock_path: Path, flag: str, shown: str) -> bo
         pass
     except FileNotFoundError:  # our temp was removed as a killed run's leftover before we locked it
         return False
+    except OSError as e:
+        if e.errno in _NO_HARD_LINKS:
+            return None
+        raise
     try:
         other = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:  # its holder just released it
@@ -328,22 +363,39 @@ def _link_or_take_over(mine: Path, lock_path: Path, flag: str, shown: str) -> bo
         try:
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(other, 32, 0).decode(errors="replace").strip() or "?"
-            if holder == str(os.getpid()):
-                raise UserError(f"{flag} {shown} is being written by another request of this server, which is "
-                                f"saving there now; wait for it to finish or choose another path.") from None
-            raise UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it "
-                            f"to finish or choose another path.") from None
-        try:  # its holder is gone; still the lock (not unlinked by a finishing holder meanwhile)?
-            same = os.stat(lock_path).st_ino == os.fstat(other).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
+            raise _held(other, flag, shown) from None
+        if not _still_the_lock(lock_path, other):  # unlinked by a finishing holder meanwhile
             return False
-        os.replace(mine, lock_path)  # only the holder of that lock's flock (us) replaces or removes it
+        os.replace(mine, lock_path)  # its holder is gone; only the holder of its flock (us) replaces or removes it
         return True
     finally:
         os.close(other)
+
+
+def _still_the_lock(lock_path: Path, fd: int) -> bool:
+    try:
+        return os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _lock_in_place(lock_path: Path, flag: str, shown: str) -> int:
+    """The lock on a filesystem without hard links: the lock file itself is created, locked, then given the pid
+    (a second run in between reads no pid and says "pid ?")."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            error = _held(fd, flag, shown)
+            os.close(fd)
+            raise error from None
+        if _still_the_lock(lock_path, fd):
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
 
 
 @contextlib.contextmanager

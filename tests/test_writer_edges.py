@@ -161,3 +161,27 @@ def test_a_file_that_appears_during_the_run_is_not_replaced_without_force(tmp_pa
         writer.write_text(out, "ours")
     writer.write_text(out, "ours", force=True)
     assert out.read_text() == "ours" and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_without_hard_links_the_lock_and_the_rename_still_work(tmp_path, monkeypatch):
+    """Where ``link`` is not supported (some FUSE, SMB and FAT mounts) the lock is taken in place and a new file is
+    renamed after a last look: outputs are written, an existing one still refused without force."""
+    import errno
+
+    import pytest
+
+    from mlx_fun import writer
+    from mlx_fun.errors import UserError
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(writer.os, "link", no_link)
+    out = tmp_path / "n.json"
+    with writer.output(out) as res:
+        assert (tmp_path / ".n.json.lock").read_text() == f"{os.getpid()}\n"
+        res.write_text("one")
+    with pytest.raises(UserError, match="already exists"):
+        writer.write_text(out, "two")
+    writer.write_text(out, "two", force=True)
+    assert out.read_text() == "two" and sorted(tmp_path.iterdir()) == [out]
