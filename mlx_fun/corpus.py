@@ -29,7 +29,8 @@ modules whose code was trained on.
 
 Output: ``OUT/<domain>/<split>.jsonl`` with ``{"content": ...}`` lines (the plain-text format of ``data.py``)
 and ``OUT/manifest.json`` (sources, settings, per-file samples, characters and SHA-256). Files are written
-atomically; domains already in ``OUT`` that this run does not rebuild stay listed in the manifest.
+atomically, an existing one only with ``force``; domains already in ``OUT`` that this run does not rebuild stay
+listed in the manifest.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from itertools import islice
 from pathlib import Path
 
 from .errors import UserError
-from .writer import write_json, write_text
+from .writer import check_output_path, write_json, write_text
 
 SPLITS = ("train", "validation", "test")
 ALWAYS = ("code", "prose")
@@ -416,8 +417,12 @@ def prepare(
     log: Callable[[str], None] | None = None,
     skip_empty: bool = False,
     workers: int = 1,
+    force: bool = False,
 ) -> dict:
     """Write ``output/<domain>/<split>.jsonl`` for each source and update ``output/manifest.json``.
+
+    A split file or manifest that already exists is replaced only with ``force`` (every one is checked before
+    anything is built, by :func:`mlx_fun.writer.check_output_path`: the one rule of every output).
 
     ``max_samples`` caps the train split and ``max_eval_samples`` the validation and test splits of each
     domain (a seeded random subset, in document order). A source that is not installed is a ``UserError``
@@ -437,6 +442,8 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} is a file; give a directory for the per-domain splits.")
     manifest_path = out / "manifest.json"
+    for path in [out / f"{source}/{split}.jsonl" for source in sources for split in splits] + [manifest_path]:
+        check_output_path(path, kind="file", force=force)
     manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
     domains = manifest.get("domains", {})
     if not isinstance(domains, dict):
@@ -464,7 +471,7 @@ def prepare(
         for split, (chosen, available) in parts.items():
             body = "".join(json.dumps({"content": s}, ensure_ascii=False) + "\n" for s in chosen)
             rel = f"{source}/{split}.jsonl"
-            write_text(out / rel, body)
+            write_text(out / rel, body, force=force)
             entry["splits"][split] = {
                 "file": rel,
                 "samples": len(chosen),
@@ -482,7 +489,7 @@ def prepare(
                      "max_chars": max_chars, "seed": seed, "held_out_percent": HELD_OUT_PERCENT},
         "domains": dict(sorted(domains.items())),
     }
-    write_json(manifest_path, manifest)
+    write_json(manifest_path, manifest, force=force)
     return manifest
 
 
@@ -491,7 +498,8 @@ def domain_file(data_dir: str | os.PathLike, domain: str, split: str) -> Path:
 
 
 def ensure_prepared(data_dir: str | os.PathLike, sources=ALWAYS, **kwargs) -> dict:
-    """Prepare ``sources`` under ``data_dir`` unless every split file is already there; return the manifest."""
+    """Prepare ``sources`` under ``data_dir`` unless every split file is already there; return the manifest.
+    ``kwargs`` go to :func:`prepare` (``force=True`` to rebuild over a partial one)."""
     manifest_path = Path(data_dir) / "manifest.json"
     if manifest_path.exists() and all(
         domain_file(data_dir, s, sp).exists() for s in sources for sp in SPLITS

@@ -463,18 +463,19 @@ def table_text(table: Table) -> str:
     return dump(table.to_json(), 0) + "\n"
 
 
-def write_table(table: Table, path: str | os.PathLike) -> None:
-    """Write ``table`` to ``path`` atomically."""
+def write_table(table: Table, path: str | os.PathLike, *, force: bool = False) -> None:
+    """Write ``table`` to ``path`` atomically (an existing file only with ``force``)."""
     from .writer import write_text
 
-    write_text(path, table_text(table))
+    write_text(path, table_text(table), force=force)
 
 
 def merge_table_files(sources: Iterable[str | os.PathLike], into: str | os.PathLike) -> Table:
-    """Merge the entries of ``sources`` into the table file ``into`` (created if missing), atomically."""
+    """Merge the entries of ``sources`` into the table file ``into`` (created if missing; merging into it is what
+    is asked, so an existing one is replaced by the merge), atomically."""
     target = Path(into)
     table = read_table(target) if target.is_file() else Table()
     for src in sources:
         table = table.merged(read_table(src))
-    write_table(table, target)
+    write_table(table, target, force=True)
     return table

@@ -264,8 +264,12 @@ def save_expert_list(
     moe_layer_indices: list[int] | None = None,
     model_type: str | None = None,
     mode: str = "prune",
+    force: bool = False,
+    flag: str | None = None,
+    force_flag: str | None = None,
 ) -> Path:
-    """Write a kept map as an expert list (``remove`` lists), atomically. ``.csv`` suffix → CSV, else JSON."""
+    """Write a kept map as an expert list (``remove`` lists), atomically. ``.csv`` suffix → CSV, else JSON. An
+    existing file only with ``force`` (:func:`mlx_fun.writer.check_output_path`: ``flag``, ``force_flag``)."""
     from .writer import write_json, write_text
 
     path = Path(path)
@@ -278,14 +282,14 @@ def save_expert_list(
         for pos in sorted(removed):
             for e in removed[pos]:
                 w.writerow([names(pos), e, "remove"])
-        write_text(path, buf.getvalue())
+        write_text(path, buf.getvalue(), force=force, flag=flag, force_flag=force_flag)
         return path
     obj: dict = {"format": EXPERT_LIST_FORMAT, "version": EXPERT_LIST_VERSION, "mode": mode}
     if model_type is not None:
         obj["model_type"] = model_type
     obj["num_experts"] = int(num_experts)
     obj["layers"] = {str(names(pos)): {"remove": removed[pos]} for pos in sorted(removed)}
-    write_json(path, obj)
+    write_json(path, obj, force=force, flag=flag, force_flag=force_flag)
     return path
 
 

@@ -196,11 +196,11 @@ class SaliencyAccumulator:
         """Write the ``.npz`` to ``path`` as it is (a reservation's temp file; :meth:`save` reserves one)."""
         np.savez(path, **self.to_arrays())
 
-    def save(self, path: str | os.PathLike, *, inputs: dict | None = None) -> Path:
-        """Write an ``.npz`` atomically through :func:`mlx_fun.writer.output`."""
+    def save(self, path: str | os.PathLike, *, inputs: dict | None = None, force: bool = False) -> Path:
+        """Write an ``.npz`` atomically through :func:`mlx_fun.writer.output` (an existing file only with ``force``)."""
         from .writer import output
 
-        with output(path, kind="file", suffix=".npz", inputs=inputs) as res:
+        with output(path, kind="file", suffix=".npz", inputs=inputs, force=force) as res:
             self.write_npz(res.tmp)
         return Path(path)
 

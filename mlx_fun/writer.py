@@ -3,18 +3,23 @@
 ``with output(path, kind=..., inputs=..., force=...) as res:`` reserves ``path`` *before* the work starts and
 writes it only when the block succeeds:
 
-1. **Refuses** an output that is an input, lies inside an input, or contains one (so ``--force``, which replaces
-   the output, can never delete a model, saliency file, dataset or expert list), the current directory or one
-   of its parents, the home directory and the filesystem root; a directory that is not empty without
-   ``force``; a file where a directory is wanted and the other way round.
-2. **Locks** the output (``fcntl.flock`` on ``.<name>.lock`` beside it): a second run that names the same output
-   fails at once with a one-line error instead of silently replacing the first run's result.
+1. **Refuses** an output that is an input, lies inside an input, or contains one — every file an input consists
+   of counts where its symbolic links lead (the Hugging Face cache's ``snapshots/<rev>/f → ../../blobs/<hash>``)
+   — so ``--force``, which replaces the output, can never delete a model, saliency file, dataset or expert
+   list; the current directory or one of its parents, the home directory and the filesystem root; an existing
+   file or non-empty directory without ``force`` (the one rule for every output); whatever ``force`` says, a
+   symbolic link, a path that is not a regular file where a file is wanted (a device, a FIFO, a socket) and
+   one that is not a directory where a directory is wanted.
+2. **Locks** the output (``fcntl.flock`` on ``.<name>.lock`` beside it, which appears with its holder's pid in
+   it: linked into place from a locked temp): a second run that names the same output fails at once with a
+   one-line error naming that pid instead of silently replacing the first run's result.
 3. **Cleans** temp entries of its own naming beside the output left by killed runs (``.<name>.mlxfun-*.tmp``,
    ``.<name>.old-*``): under the lock nobody else can own them. One notice line each.
 4. **Proves** the location writable by creating the temp sibling (``res.tmp``) right away, so a read-only or
    missing location fails before hours of work; :meth:`Reservation.require_space` checks free space against an
    estimate as soon as the caller knows one.
-5. On success renames the temp into place (the old output, with ``force``, is swapped out and removed); on any
+5. On success renames the temp into place (the old output, with ``force``, is swapped out and removed; without
+   it a file that appeared meanwhile is never replaced: the temp is hard-linked into place); on any
    exception, on SIGTERM / SIGHUP (turned into :class:`Terminated` while the block runs) and on Ctrl-C it
    removes the temp, the lock and any parent directory it created: the output is absent or complete.
 
@@ -37,6 +42,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -132,57 +138,133 @@ def _resolve(path: str | os.PathLike) -> Path:
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).resolve()
 
 
+def _linked_targets(root: Path) -> Iterator[tuple[Path, Path]]:
+    """``(entry, resolved target)`` for every symbolic link at any depth under the directory ``root`` (resolved),
+    following linked directories once each: what the input really consists of beyond its own tree."""
+    seen, todo = {root}, [root]
+    while todo:
+        top = todo.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_symlink():
+                    target = Path(entry.path).resolve()
+                    yield Path(entry.path), target
+                    if target.is_dir() and target not in seen:
+                        seen.add(target)
+                        todo.append(target)
+                elif entry.is_dir(follow_symlinks=False):
+                    todo.append(Path(entry.path))
+            except (OSError, RuntimeError):  # a link loop or an unreadable entry: the job's reader says so
+                continue
+
+
+def _check_input(out: Path, path, flag: str, label: str, inp) -> None:
+    """Refuse ``out`` if it is, lies inside or contains the input ``inp`` or a target of a link inside it."""
+    src = _resolve(inp)
+    shown = f"{flag} {path}"
+    if out == src:
+        raise UserError(f"{shown} is the input given to {label}; write the result somewhere else.")
+    if src in out.parents:
+        raise UserError(f"{shown} is inside the input {label} {inp}; write the result somewhere else.")
+    if out in src.parents:
+        raise UserError(f"{shown} contains the input {label} {inp}; replacing it would delete that input, so write "
+                        f"the result to a new path.")
+    if not src.is_dir():
+        return
+    for entry, target in _linked_targets(src):
+        via = f"its {entry.relative_to(src) if entry.is_relative_to(src) else entry} is a link to {target}"
+        if out == target:
+            raise UserError(f"{shown} is a file of the input {label} {inp} ({via}); write the result somewhere else.")
+        if target in out.parents:
+            raise UserError(f"{shown} is inside the input {label} {inp} ({via}); write the result somewhere else.")
+        if out in target.parents:
+            raise UserError(f"{shown} contains the input {label} {inp} ({via}); replacing it would delete that "
+                            f"input, so write the result to a new path.")
+
+
+def _resolve_output(plain: Path, shown: str) -> tuple[Path, os.stat_result | None]:
+    """``plain`` resolved and its ``stat`` (None: missing or unreachable, which reserving it then says)."""
+    try:
+        out = plain.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: Python's word for a loop of links
+        if isinstance(e, RuntimeError) or e.errno == errno.ELOOP:
+            raise UserError(f"{shown} lies behind a loop of symbolic links; choose another path.") from None
+        out = plain
+    try:
+        return out, os.stat(out)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{shown} lies behind a loop of symbolic links; choose another path.") from None
+        return out, None
+
+
+_NOT_REGULAR = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
 def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str, object] | None = None,
-                      force: bool = False, flag: str | None = None, keep: bool = False,
-                      force_flag: str | None = None) -> Path:
+                      force: bool = False, flag: str | None = None, force_flag: str | None = None) -> Path:
     """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
 
     ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored); the
-    paths the running job reads (:func:`job_inputs`) are added to them. ``keep``: an existing file is refused
-    unless ``force`` (named ``force_flag`` in the message, default ``--force``).
+    paths the running job reads (:func:`job_inputs`) are added to them. An existing output (a file, a non-empty
+    directory) is refused unless ``force`` (named ``force_flag`` in the message, default ``--force``; ``""``:
+    there is no way to force, pick another name); a symbolic link, and what is not a regular file (a
+    directory) where a file (a directory) is wanted, are refused whatever ``force`` says.
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be 'file' or 'dir', not {kind!r}")
     flag = flag or param("output")
     if not os.fspath(path).strip():
         raise UserError(f"{flag} is empty; give a path to write to.")
-    out = _resolve(path)
+    plain = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if plain.is_symlink():
+        raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(plain)}); mlx-fun never replaces a link "
+                        f"or writes through one: give the real path, or another path.")
+    out, st = _resolve_output(plain, f"{flag} {path}")
     for label, value in {**_JOB_INPUTS.get(), **(inputs or {})}.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         for inp in values:
-            if inp is None or not Path(os.path.expanduser(os.fspath(inp))).exists():
-                continue
-            src = _resolve(inp)
-            if out == src:
-                raise UserError(f"{flag} {path} is the input given to {label}; write the result somewhere else.")
-            if src in out.parents:
-                raise UserError(f"{flag} {path} is inside the input {label} {inp}; write the result somewhere else.")
-            if out in src.parents:
-                raise UserError(f"{flag} {path} contains the input {label} {inp}; replacing it would delete that "
-                                f"input, so write the result to a new path.")
+            if inp is not None and Path(os.path.expanduser(os.fspath(inp))).exists():
+                _check_input(out, path, flag, label, inp)
     cwd, home = Path.cwd().resolve(), Path.home().resolve()
     if kind == "dir" and (out == cwd or out in cwd.parents or out == home or out.parent == out):
         what = "the current directory" if out == cwd else (
             "the home directory" if out == home else "a parent of the current directory")
         raise UserError(f"{flag} {path} is {what}; replacing it would delete everything in it. "
                         "Write to a new directory (e.g. ./result).")
+    if st is None:
+        return out
+    forcing = force_flag if force_flag is not None else param("force")
     if kind == "dir":
-        if out.exists() and not out.is_dir():
+        if not stat.S_ISDIR(st.st_mode):
             raise UserError(f"{flag} {path} exists and is not a directory; choose another path.")
-        if out.is_dir() and any(out.iterdir()) and not force:
-            raise UserError(f"{flag} {path} exists and is not empty; pass {param('force')} to replace it, or pick another path.")
-    elif out.is_dir():
+        if any(out.iterdir()) and not force:
+            raise UserError(f"{flag} {path} exists and is not empty; "
+                            + (f"pass {forcing} to replace it, or pick another path." if forcing
+                               else "choose another name so it is not replaced."))
+        return out
+    if stat.S_ISDIR(st.st_mode):
         raise UserError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'result'}.")
-    elif keep and out.exists() and not force:
-        raise UserError(f"{flag} {path} already exists; pass {force_flag or param('force')} to replace it, or pick "
-                        f"another path.")
+    what = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), None)
+    if what is not None:
+        raise UserError(f"{flag} {path} is {what}, not a regular file, and is never replaced; give the path of a "
+                        f"new file.")
+    if not force:
+        raise UserError(f"{flag} {path} already exists; "
+                        + (f"pass {forcing} to replace it, or pick another path." if forcing
+                           else "choose another name so it is not replaced."))
     return out
 
 
 def _stale_pattern(name: str) -> re.Pattern:
     """Temp entries a writer of ``name`` leaves when killed (plus the 8-character ``tempfile`` names of 0.1)."""
     n = re.escape(name)
-    return re.compile(rf"^\.{n}\.(({TOKEN}[0-9a-f]{{8}}|[a-z0-9_]{{8}})\.tmp(\..+)?|old-\d+)$")
+    return re.compile(rf"^\.{n}\.(({TOKEN}[0-9a-f]{{8}}|[a-z0-9_]{{8}})\.tmp(\..+)?|old-\d+|lock\.{TOKEN}[0-9a-f]{{8}}\.tmp)$")
 
 
 def _remove(path: Path) -> None:
@@ -194,27 +276,123 @@ def _remove(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- locking
+def _locked_by_someone(entry: Path) -> bool:
+    """Whether ``entry`` is the locked pid temp of a run taking the lock right now (not a killed run's)."""
+    if not entry.name.endswith(".tmp") or ".lock." not in entry.name:
+        return False
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+#: what ``link`` says on a filesystem without hard links (some FUSE, SMB and FAT mounts)
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+
+
 def _acquire_lock(lock_path: Path, flag: str, shown: str) -> int:
-    """An exclusive ``flock`` on ``lock_path`` (created with the umask); a ``UserError`` if another run has it."""
+    """An exclusive ``flock`` on ``lock_path``; a ``UserError`` naming the holder's pid if another run has it.
+
+    The lock never exists without its holder's pid in it: the pid is written into a temp sibling that is
+    locked first and then hard-linked into place (``link`` fails if a lock exists), so a second run reads a
+    pid, never an empty file. A lock whose holder is gone (its ``flock`` released, e.g. killed) is taken over
+    by renaming our locked temp onto it while holding its ``flock``. Without hard links: :func:`_lock_in_place`."""
+    with _signals_blocked():  # no interruption between creating our temp and removing its name
+        while True:
+            mine = lock_path.parent / f"{lock_path.name}.{TOKEN}{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except OSError as e:  # name the place, not our temp's name
+                raise OSError(e.errno, e.strerror, str(lock_path.parent)) from None
+            linked = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this file yet
+                with contextlib.suppress(OSError):  # the pid informs a second run's message only; a full disk
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # is no reason to fail here
+                linked = _link_or_take_over(mine, lock_path, flag, shown)
+            except BaseException:
+                os.close(fd)
+                raise
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(mine)
+            if linked:
+                return fd
+            os.close(fd)
+            if linked is None:
+                return _lock_in_place(lock_path, flag, shown)
+            # a holder just finished, or our temp was taken as a killed run's: once more
+
+
+def _held(fd: int, flag: str, shown: str) -> UserError:
+    """The one-line refusal for a lock another run (or another request of this server) holds: its pid."""
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    if holder == str(os.getpid()):
+        return UserError(f"{flag} {shown} is being written by another request of this server, which is saving "
+                         f"there now; wait for it to finish or choose another path.")
+    return UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it to "
+                     f"finish or choose another path.")
+
+
+def _link_or_take_over(mine: Path, lock_path: Path, flag: str, shown: str) -> bool | None:
+    """Make the locked ``mine`` the lock: True when it is, False to start again, None where the filesystem has no
+    hard links; a ``UserError`` if another run holds it."""
+    try:
+        os.link(mine, lock_path)
+        return True
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # our temp was removed as a killed run's leftover before we locked it
+        return False
+    except OSError as e:
+        if e.errno in _NO_HARD_LINKS:
+            return None
+        raise
+    try:
+        other = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:  # its holder just released it
+        return False
+    try:
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _held(other, flag, shown) from None
+        if not _still_the_lock(lock_path, other):  # unlinked by a finishing holder meanwhile
+            return False
+        os.replace(mine, lock_path)  # its holder is gone; only the holder of its flock (us) replaces or removes it
+        return True
+    finally:
+        os.close(other)
+
+
+def _still_the_lock(lock_path: Path, fd: int) -> bool:
+    try:
+        return os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _lock_in_place(lock_path: Path, flag: str, shown: str) -> int:
+    """The lock on a filesystem without hard links: the lock file itself is created, locked, then given the pid
+    (a second run in between reads no pid and says "pid ?")."""
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            error = _held(fd, flag, shown)
             os.close(fd)
-            if holder == str(os.getpid()):
-                raise UserError(f"{flag} {shown} is being written by another request of this server, which is "
-                                f"saving there now; wait for it to finish or choose another path.") from None
-            raise UserError(f"{flag} {shown} is being written by another mlx-fun run (pid {holder}); wait for it "
-                            f"to finish or choose another path.") from None
-        try:
-            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # not unlinked by a finishing holder between our open() and flock()
-            with contextlib.suppress(OSError):  # the pid only informs a second run's message; a full disk is no
-                os.ftruncate(fd, 0)             # reason to fail here (and leave the lock behind)
+            raise error from None
+        if _still_the_lock(lock_path, fd):
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
         os.close(fd)
@@ -297,7 +475,7 @@ class Reservation:
     def _clean_stale(self) -> None:
         pattern = _stale_pattern(self.path.name)
         for entry in sorted(self.path.parent.iterdir()):
-            if pattern.match(entry.name):
+            if pattern.match(entry.name) and not _locked_by_someone(entry):
                 _remove(entry)
                 self.notice(f"Removed {entry}, left behind by an interrupted run.")
 
@@ -331,7 +509,10 @@ class Reservation:
             if self.kind == "file":
                 with open(self.tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                os.replace(self.tmp, self.path)
+                if self.force:
+                    os.replace(self.tmp, self.path)
+                else:
+                    _place_new(self.tmp, self.path)
                 _fsync_dir(self.path.parent)
             elif self.path.is_dir() and self.force and any(self.path.iterdir()):
                 old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
@@ -363,6 +544,21 @@ class Reservation:
                     d.rmdir()  # only if still empty
 
 
+def _place_new(tmp: Path, path: Path) -> None:
+    """Move ``tmp`` to ``path`` unless something is there (``FileExistsError``): a hard link fails rather than
+    replace; where the filesystem has none, a check right before the rename."""
+    try:
+        os.link(tmp, path)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS, errno.EXDEV):
+            raise
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -375,19 +571,17 @@ def _fsync_dir(path: Path) -> None:
 @contextlib.contextmanager
 def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, object] | None = None,
            force: bool = False, flag: str | None = None, suffix: str = "",
-           notice: Callable[[str], None] | None = None, keep: bool = False,
-           force_flag: str | None = None) -> Iterator[Reservation]:
+           notice: Callable[[str], None] | None = None, force_flag: str | None = None) -> Iterator[Reservation]:
     """Reserve ``path`` now and write it atomically when the block succeeds (see the module docstring).
 
     ``kind`` is ``"file"`` (write to ``res.tmp``, a file path ending in ``suffix``) or ``"dir"`` (fill the
-    directory ``res.tmp``). ``force`` lets a non-empty directory be replaced; files are replaceable unless
-    ``keep`` (then only with ``force``, named ``force_flag`` in the message). ``inputs`` adds to the paths the
-    running job reads (:func:`job_inputs`), all refused as or around the output.
+    directory ``res.tmp``). An existing output (a file, a non-empty directory) is replaced only with ``force``
+    (named ``force_flag`` in the message: :func:`check_output_path`). ``inputs`` adds to the paths the running job
+    reads (:func:`job_inputs`), all refused as or around the output.
     """
     shown = os.fspath(path)
     flag = flag or param("output")
-    target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag, keep=keep,
-                               force_flag=force_flag)
+    target = check_output_path(path, kind=kind, inputs=inputs, force=force, flag=flag, force_flag=force_flag)
     res = Reservation(target, shown, kind, force, flag, suffix, notice or _stderr_notice)
     with _signals_raise():
         try:
@@ -407,16 +601,16 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
 
 # ------------------------------------------------------------------------------------------ small files
 def write_text(path: str | os.PathLike, text: str, *, inputs: Mapping[str, object] | None = None,
-               flag: str | None = None) -> Path:
-    """Write a text file atomically (UTF-8)."""
-    with output(path, kind="file", inputs=inputs, flag=flag) as res:
+               flag: str | None = None, force: bool = False, force_flag: str | None = None) -> Path:
+    """Write a text file atomically (UTF-8); an existing one only with ``force``."""
+    with output(path, kind="file", inputs=inputs, flag=flag, force=force, force_flag=force_flag) as res:
         res.write_text(text)
     return Path(path)
 
 
 def write_json(path: str | os.PathLike, obj, *, inputs: Mapping[str, object] | None = None,
-               flag: str | None = None) -> Path:
-    """Write JSON atomically."""
-    with output(path, kind="file", inputs=inputs, flag=flag) as res:
+               flag: str | None = None, force: bool = False, force_flag: str | None = None) -> Path:
+    """Write JSON atomically; an existing file only with ``force``."""
+    with output(path, kind="file", inputs=inputs, flag=flag, force=force, force_flag=force_flag) as res:
         res.write_json(obj)
     return Path(path)

@@ -210,7 +210,7 @@ def main() -> int:
                dir_size(model), dir_size(out), hw, same)
         rows.append(row)
         print(" | ".join(map(str, row)), flush=True)
-    write_text(args.output, _markdown(rows, args))
+    write_text(args.output, _markdown(rows, args), force=True)  # a report page this script regenerates
     print(f"wrote {args.output}")
     return 0
 

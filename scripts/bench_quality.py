@@ -156,7 +156,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t_start
     write_report(args, rows, config, model_dir, elapsed, calib, test, saliency)
     if args.json:
-        write_json(args.json, {"rows": rows, "elapsed_s": elapsed})
+        write_json(args.json, {"rows": rows, "elapsed_s": elapsed}, force=True)  # a report page this script regenerates
 
 
 RECIPES = [  # label, fields of jobs.quantize.run's QuantRecipe ("bits": mlx-lm's own uniform convert at these bits)
@@ -208,7 +208,7 @@ def quantize_rows(args, model_dir, saliency, score, ready):
     for r in rows:
         lines.append(f"| {r['method']} | {r['mib']:.2f} | {r['code_ppl']:.2f} | {r['code_kl']:.4f} | "
                      f"{r['prose_ppl']:.2f} | {r['prose_kl']:.4f} |")
-    write_text(args.quantize_output, "\n".join(lines) + "\n")
+    write_text(args.quantize_output, "\n".join(lines) + "\n", force=True)  # a report page this script regenerates
     print(f"wrote {args.quantize_output}", flush=True)
 
 
@@ -347,7 +347,7 @@ def write_report(args, rows, config, model_dir, elapsed, calib, test, saliency):
     lines += ["", "Rank correlation between REAP and freq scores (mean over layers): "
               + ", ".join(f"{d} calibration {v:.2f}" for d, v in rho.items()) + "."]
     lines += ["", "## Reading", "", *interpretation(rows)]
-    write_text(args.output, "\n".join(lines) + "\n")
+    write_text(args.output, "\n".join(lines) + "\n", force=True)  # a report page this script regenerates
     print(f"wrote {args.output}", flush=True)
     print(json.dumps({"elapsed_s": round(elapsed, 1)}))
 

@@ -96,7 +96,8 @@ def main() -> int:
         rows.append(measure("safe: HRCG boosted (≤ top_k per layer)", safety_map=report_path, safety_mode="safe",
                             scheme=scheme))
     tmp.cleanup()
-    write_text(args.output, _markdown(rows, rep, harmful, benign, (hw_harmful, hw_benign), args))
+    write_text(args.output, _markdown(rows, rep, harmful, benign, (hw_harmful, hw_benign), args),
+               force=True)  # a report page this script regenerates
     print(f"wrote {args.output}")
     return 0
 

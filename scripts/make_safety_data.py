@@ -247,7 +247,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     files, dropped = build(args.seed, Path(args.sources))
     for name, rows in files.items():
-        write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        # the generated sets this script rebuilds (data/safety is its output, sources/ its input)
+        write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows), force=True)
         print(f"{name}: {len(rows)} rows")
     print(f"left out, near a hand-written test prompt: {dropped} source items")
     return 0

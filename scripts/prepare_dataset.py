@@ -15,7 +15,8 @@ Nothing is downloaded; third-party text is generated on your machine, never comm
     python scripts/prepare_dataset.py --source code --split train --max-samples 512 --output data/corpus
 
 Writes OUTPUT/<domain>/<split>.jsonl ({"content": ...} lines, the plain-text format every mlx-fun command
-reads) and OUTPUT/manifest.json (source, settings, per-file samples, characters and SHA-256).
+reads) and OUTPUT/manifest.json (source, settings, per-file samples, characters and SHA-256). A file OUTPUT already
+holds (a split, the manifest) is replaced only with --force.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_fun import corpus, corpus_machine  # noqa: E402
-from mlx_fun.errors import UserError  # noqa: E402
+from mlx_fun.errors import UserError, cli_names  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-package-bytes", type=int, default=None,
                    help="packages / packagedocs: source bytes read per installed package (default "
                         f"{corpus_machine.MAX_PACKAGE_BYTES:,})")
+    p.add_argument("--force", action="store_true",
+                   help="Replace split files and the manifest that OUTPUT already holds (refused otherwise)")
     p.add_argument("--list", action="store_true", help="List the sources and whether each is installed")
     args = p.parse_args(argv)
     if args.max_package_bytes is not None:
@@ -74,10 +77,11 @@ def main(argv=None) -> int:
         chosen.extend(n for n in names if n not in chosen)
     splits = corpus.SPLITS if args.split == "all" else (args.split,)
     try:
-        corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
-                       max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
-                       max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
-                       skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1)
+        with cli_names():  # messages name --output / --force, not the library's output= / force=
+            corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
+                           max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
+                           max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
+                           skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1, force=args.force)
     except UserError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

@@ -319,8 +319,13 @@ def test_tune_dispatch_cli_writes_a_mergeable_table(tiny, tmp_path):
     assert len(dsp.read_table(into)) == len(dsp.shipped_table()) + 2
     # from a model directory (lazy load; one entry per distinct expert shape)
     path, *_ = tiny("qwen3_moe", 4)
-    res = _cli("tune-dispatch", "--model", path, "--ms", "1,4", "--blocks", "4", "--output", out)
+    again = ("tune-dispatch", "--model", path, "--ms", "1,4", "--blocks", "4", "--output", out)
+    before = out.read_bytes()
+    res = _cli(*again)  # an existing --output table is merged into only with --force
+    assert res.exit_code == 2 and "--force" in res.output and out.read_bytes() == before
+    res = _cli(*again, "--force")
     assert res.exit_code == 0, res.output
+    assert {"float32", "affine4-g32"} <= {e.quant for e in dsp.read_table(out).entries}
     assert any(e.quant.startswith("affine4") and e.D == 64 for e in dsp.read_table(out).entries)
     json.loads(out.read_text())
     assert _cli("tune-dispatch", "--output", out).exit_code == 2

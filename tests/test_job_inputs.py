@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 
 from mlx_fun import jobs, writer
 from mlx_fun.cli import COMMANDS, module_name
-from mlx_fun.errors import UserError
+from mlx_fun.errors import UserError, cli_names
 from mlx_fun.settings import option_groups
 
 from .cli_helpers import expect_error, run as cli
@@ -79,7 +81,7 @@ def samples(tmp_path_factory, qwen_model):
     for i, name in enumerate(("dataset", "dataset2", "dataset3", "dataset4")):
         (root / f"{name}.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts[i:] + texts[:i]))
     jobs.collect.run(model=model, dataset=root / "dataset.jsonl", output=root / "saliency.npz", max_tokens=32)
-    shutil.copy(root / "saliency.npz", root / "saliency2.npz")
+    jobs.collect.run(model=model, dataset=root / "dataset.jsonl", output=root / "saliency2.npz", max_tokens=8)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     (root / "expert_list.json").write_text(json.dumps(
         {"format": "mlx-fun-expert-list", "layers": {str(i): {"remove": [0]} for i in range(layers)}}))
@@ -180,3 +182,167 @@ def test_abliterate_eval_set_inside_the_output_is_refused_on_the_cli(samples, tm
                      "--benign-dataset", samples["dataset2"], flag, held, "--output", out, "--force")
         expect_error(result, f"--output {out} contains the input {flag} {held}")
         assert held.read_bytes() == before and sorted(out.iterdir()) == [held]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 41 rows 1-3: what exists at the output is replaced only with --force; what is not a regular file (a device,
+# a FIFO), or is a symbolic link, never is; --force never deletes a model read through links into the output.
+# The cases come from WRITERS (each command's first sample), run through the CLI in-process (serve: its job, which
+# must refuse before it serves).
+OUT_NAMES = {"collect": "out.npz", "stats_merge": "out.npz", "stats_purge": "out.npz", "serve": "out.npz"}
+#: the demo has no --force: its output is its own work directory, refused when the demo did not create it
+NO_FORCE = {"demo"}
+#: what a run that must work adds to the sample: the tiny qwen model refuses no prompt (abliterate) and has no
+#: router bias to amplify (the same writer path as prune's, quantize's and merge's --force replaces its directory)
+WORKING = {"abliterate": {"refusal_filter": False}, "amplify": None}
+
+
+def cli_args(job: str, kwargs: dict) -> list[str]:
+    """``mlx-fun <job> --flag value ...`` for job keyword arguments (a group's field is named by itself)."""
+    args = [job.replace("_", "-")]
+    for key, value in kwargs.items():
+        flag = "--" + key.rpartition(".")[2].replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag if value else f"--no-{flag[2:]}"]
+        else:
+            for v in value if isinstance(value, list) else [value]:
+                args += [flag, str(v)]
+    return args
+
+
+def attempt(job: str, samples, out: Path, *, force: bool, **override):
+    """Run ``job`` on its first sample with its output at ``out``: (exit code, the Error: lines, all output)."""
+    out_param, kind, variants = WRITERS[job]
+
+    def value(v):
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return samples[v] if isinstance(v, str) and v in samples else v
+
+    kwargs = {**{k: value(v) for k, v in variants[0].items()}, **override, out_param: out}
+    if job == "serve":
+        run = getattr(jobs, job).run
+        try:
+            with cli_names():  # messages name flags, as under the CLI
+                run(**grouped(run, kwargs), force=force,
+                    on_ready=lambda server: pytest.fail("served: the auto-save file was not checked"))
+        except UserError as e:
+            return 2, [f"Error: {e}"], str(e)
+        return 0, [], ""
+    result = cli(*cli_args(job, kwargs), *(["--force"] if force else []))
+    return result.exit_code, [ln for ln in result.output.splitlines() if ln.startswith("Error:")], result.output
+
+
+def _writer_ids():
+    return [pytest.param(job, id=job) for job in WRITERS]
+
+
+@pytest.mark.parametrize("job", _writer_ids())
+def test_an_existing_output_is_replaced_only_with_force(job, samples, tmp_path):
+    """Row 1: without --force one line naming the output and --force, exit 2, the output's bytes unchanged, nothing
+    left beside it; with --force the command works and replaces it."""
+    out_param, kind, _ = WRITERS[job]
+    flag = "--" + out_param.replace("_", "-")
+    if kind == "dir":
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "mine.txt").write_text("hand-made, hours of work\n")
+    else:  # a table tune-dispatch merges into must be one
+        out = tmp_path / OUT_NAMES.get(job, "out.json")
+        out.write_text("hand-made, hours of work\n" if job != "tune_dispatch" else
+                       samples["dispatch_table"].read_text())
+    before = tree(out)
+    code, errors, text = attempt(job, samples, out, force=False)
+    assert code == 2 and len(errors) == 1, text
+    needle = "non-empty directory that the demo did not create" if job in NO_FORCE else "--force"
+    assert f"{flag} {out}" in errors[0] and needle in errors[0], errors[0]
+    assert tree(out) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    if job in NO_FORCE or job == "serve" or WORKING.get(job, {}) is None:  # serve with force serves (its
+        return                                                          # auto-save: test_serve_cli)
+    code, errors, text = attempt(job, samples, out, force=True, **WORKING.get(job, {}))
+    assert code == 0, text
+    assert tree(out) != before and not (out / "mine.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def _not_regular(tmp_path: Path) -> dict[str, Path]:
+    """A FIFO, a character device (root only: /dev/null's numbers) and symbolic links (to a file, dangling)."""
+    made = {}
+    os.mkfifo(tmp_path / "fifo")
+    made["FIFO"] = tmp_path / "fifo"
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        made["character device"] = tmp_path / "null"
+    (tmp_path / "target.txt").write_text("the link's target\n")
+    (tmp_path / "link").symlink_to("target.txt")
+    made["symbolic link"] = tmp_path / "link"
+    (tmp_path / "dangling").symlink_to("nowhere/new.txt")
+    made["dangling symbolic link"] = tmp_path / "dangling"
+    return made
+
+
+def _entry(path: Path) -> tuple:
+    st = path.lstat()
+    return (stat.S_IFMT(st.st_mode), st.st_ino, os.readlink(path) if path.is_symlink() else None)
+
+
+@pytest.mark.parametrize("job", _writer_ids())
+def test_an_output_that_is_not_a_regular_file_is_refused_even_with_force(job, samples, tmp_path):
+    """Row 2: a FIFO or a character device is never replaced by a file (as root, stats-purge --output /dev/null
+    did), a symbolic link is neither replaced nor written through, and where a directory is written, none of them
+    is one: one line, exit 2, each left as it was, nothing created."""
+    out_param, kind, _ = WRITERS[job]
+    made = _not_regular(tmp_path)
+    before = {name: _entry(p) for name, p in made.items()}
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    for what, out in made.items():
+        code, errors, text = attempt(job, samples, out, force=job not in NO_FORCE)
+        assert code == 2 and len(errors) == 1, (what, text)
+        if kind == "file" or what.endswith("symbolic link"):
+            expected = {"FIFO": "is a FIFO", "character device": "is a character device"}.get(what, "symbolic link")
+        else:
+            expected = "exists and is not a directory"
+        click_refused = "Invalid value for '--output'" in errors[0]  # a click.Path(file_okay=False) option
+        assert expected in errors[0] or click_refused, (what, errors[0])
+    assert {name: _entry(p) for name, p in made.items()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+    assert (tmp_path / "target.txt").read_text() == "the link's target\n"
+
+
+@pytest.fixture(scope="module")
+def linked_models(samples, tmp_path_factory):
+    """The sample model read through links into another directory, two ways: by hand (``lm/f → ../store/f``) and as
+    the Hugging Face cache lays a snapshot out (``snapshots/<rev>/f → ../../blobs/<hash>``)."""
+    from .test_hub import cache_repo, model_files
+
+    root = tmp_path_factory.mktemp("linked")
+    store, lm = root / "store", root / "lm"
+    shutil.copytree(samples["model"], store)
+    lm.mkdir()
+    for f in store.iterdir():
+        (lm / f.name).symlink_to(Path("..") / "store" / f.name)
+    snapshot = cache_repo(root / "hub", "org/tiny", model_files(samples["model"]))
+    return {"by hand": (lm, store), "hf cache": (snapshot, snapshot.parents[1] / "blobs")}
+
+
+def _model_readers():
+    for job in WRITERS:
+        if "model" in getattr(jobs, job).run.reads:
+            for layout in ("by hand", "hf cache"):
+                yield pytest.param(job, layout, id=f"{job}-{layout.replace(' ', '-')}")
+
+
+@pytest.mark.parametrize("job, layout", list(_model_readers()))
+def test_force_never_deletes_a_model_whose_files_link_into_the_output(job, layout, linked_models, samples):
+    """Row 3: every file the model consists of counts where its link leads. The directory the links point into (a
+    directory output) or a file they point at (a file output) is refused with --force, naming --model; the model,
+    links and targets, is intact."""
+    model, targets = linked_models[layout]
+    out_param, kind, _ = WRITERS[job]
+    out = targets if kind == "dir" else next(p for p in sorted(targets.iterdir()) if p.is_file())
+    before = (tree(model), tree(targets), sorted(os.readlink(p) for p in model.iterdir()))
+    code, errors, text = attempt(job, samples, out, force=job not in NO_FORCE, model=model)
+    assert code == 2 and len(errors) == 1, text
+    assert "the input --model" in errors[0] or "the input model=" in errors[0], errors[0]
+    assert "is a link to" in errors[0], errors[0]
+    assert (tree(model), tree(targets), sorted(os.readlink(p) for p in model.iterdir())) == before

@@ -329,6 +329,23 @@ def test_diff_is_the_stats_diff_report(saliency_files, monkeypatch):
     assert line in stats_text(report)
 
 
+def test_an_export_never_replaces_a_file_of_the_data_dir(saliency_files):
+    """Issue 41 row 1 in the dashboard: an export whose name exists is refused in one line (there is no --force
+    to click), the file untouched."""
+    root = saliency_files
+    c = analysis.compare(root=root, files=["a.npz", "b.npz"], metric="freq", n_prune=3, action="prune")
+    for name, write in (("keep.json", lambda: analysis.export(c, root=root, name="keep.json")),
+                        ("keep.csv", lambda: analysis.export(c, root=root, name="keep.csv")),
+                        ("kept-diff.json", lambda: analysis.diff(root=root, file1="a.npz", file2="b.npz",
+                                                                 output="kept-diff.json"))):
+        (root / name).write_text("mine\n")
+        with pytest.raises(UserError, match=r"^export file \S+ already exists; choose another name so it is not "
+                                            r"replaced\.$") as err:
+            write()
+        assert str(err.value).split()[2].endswith(name)
+        assert (root / name).read_text() == "mine\n"
+
+
 # ---------------------------------------------------------------------------------------------- command and page
 def test_without_gradio_the_command_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gradio", None)  # `import gradio` now fails as if it were not installed

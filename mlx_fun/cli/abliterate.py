@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, model_option, run_settings, take,
-                     text_table, token_budget_option)
+from .common import (FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
+                     take, text_table, token_budget_option)
 
 
 @click.command("abliterate", short_help="Remove the refusal direction from residual writers (MoE-aware), measured.")
@@ -67,7 +67,7 @@ from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, mo
                    "measured rates. --no-refusal-filter: from every prompt, whatever the model replies.")
 @dispatch_option
 @token_budget_option
-@click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
+@force_option("a non-empty --output directory")
 @friendly_errors
 def command(**kwargs):
     """Remove the refusal direction (Arditi et al. 2024) from every matrix that writes into the residual stream

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, echo_err, friendly_errors, model_option
+from .common import FiniteFloat, echo_err, force_option, friendly_errors, model_option
 
 
 @click.command("amplify", short_help="Permanently favour a domain's experts (router bias), loadable by mlx_lm.load.")
@@ -16,7 +16,7 @@ from .common import FiniteFloat, echo_err, friendly_errors, model_option
               help="Boost = scale × max(0, composite − threshold) per domain expert.")
 @click.option("--threshold", type=FiniteFloat(), default=0.0, show_default=True,
               help="Composite score a domain expert must exceed to be boosted.")
-@click.option("--force", is_flag=True, default=False, help="Replace a non-empty --output directory.")
+@force_option("a non-empty --output directory")
 @friendly_errors
 def command(**kwargs):
     """Add a boost to each domain expert's router bias — the family's own selection-only bias (DeepSeek-V3,

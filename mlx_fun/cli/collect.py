@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (dataset_options, dispatch_option, echo_err, friendly_errors, model_option, run_settings,
-                     token_budget_option)
+from .common import (dataset_options, dispatch_option, echo_err, force_option, friendly_errors, model_option,
+                     run_settings, token_budget_option)
 
 
 @click.command("collect", short_help="Run calibration data through the model and save expert saliency (.npz).")
@@ -13,6 +13,7 @@ from .common import (dataset_options, dispatch_option, echo_err, friendly_errors
 @dataset_options
 @click.option("--output", required=True, type=click.Path(),
               help="Where to write the saliency statistics (.npz); checked for room and writability before the run.")
+@force_option()
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
     help="Samples per forward pass (length-bucketed, padding excluded from the statistics).",

@@ -195,6 +195,7 @@ def scan_options(names: tuple[str, str], helps: tuple[str, str]):
                           help="Truncate every sample to this many tokens.")(fn)
         fn = click.option("--max-samples", type=click.IntRange(min=1), default=128, show_default=True,
                           help="Samples per dataset (a random subset when it has more).")(fn)
+        fn = force_option()(fn)
         fn = click.option("--output", required=True, type=click.Path(dir_okay=False),
                           help="The report to write (JSON).")(fn)
         for name, text in reversed(list(zip(names, helps))):
@@ -202,6 +203,12 @@ def scan_options(names: tuple[str, str], helps: tuple[str, str]):
         return fn
 
     return deco
+
+
+def force_option(what: str = "an existing --output file"):
+    """--force: the one way to let a command replace what exists (mlx_fun.writer refuses it otherwise)."""
+    return click.option("--force", is_flag=True, default=False,
+                        help=f"Replace {what}; refused otherwise (inputs, links and devices never are).")
 
 
 def echo_err(line: str) -> None:

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from .common import dispatch_option, echo_err, friendly_errors, model_option, run_settings, token_budget_option
+from .common import (dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
+                     token_budget_option)
 
 
 @click.command("eval", short_help="Perplexity per dataset; with --reference, next-token KL and top-1 agreement.")
@@ -28,6 +29,7 @@ from .common import dispatch_option, echo_err, friendly_errors, model_option, ru
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Samples per forward pass (length-bucketed; padding is never scored).")
 @click.option("--output", type=click.Path(), default=None, help="Also write the results as JSON to this file.")
+@force_option()
 @dispatch_option
 @token_budget_option
 @friendly_errors

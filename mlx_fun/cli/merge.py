@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option, run_settings, take, token_budget_option
+from .common import (echo_err, force_option, friendly_errors, metric_option, model_option, run_settings, take,
+                     token_budget_option)
 from .prune import echo_size_summary
 
 
@@ -47,7 +48,7 @@ from .prune import echo_size_summary
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Samples per forward pass while hidden states are pushed through the layers.")
 @click.option("--seed", type=int, default=None, help="Seed for the sample subset and the token subsets.")
-@click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
+@force_option("a non-empty --output directory")
 @click.option("--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
               help="MoE expert dispatch for the calibration forwards (see `mlx-fun eval --help`).")
 @click.option("--dispatch-table", type=click.Path(dir_okay=False), default=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option, take
+from .common import echo_err, force_option, friendly_errors, metric_option, model_option, take
 
 
 @click.command("prune", short_help="Remove the least salient experts (REAP) and save an mlx-lm model.")
@@ -29,7 +29,7 @@ from .common import echo_err, friendly_errors, metric_option, model_option, take
 @click.option("--domain-mode", type=click.Choice(["protect"]), default=None, help="protect: never prune domain experts.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest output .safetensors file (e.g. 5GB, 500MB); more become shards with an index.")
-@click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
+@force_option("a non-empty --output directory")
 @friendly_errors
 def command(**kwargs):
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option, take
+from .common import echo_err, force_option, friendly_errors, metric_option, model_option, take
 
 MODES = click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"])
 BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
@@ -33,7 +33,7 @@ BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
 @click.option("--cold-mode", type=MODES, default=None, help="Their format (default --expert-mode).")
 @metric_option()
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output .safetensors file.")
-@click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
+@force_option("a non-empty --output directory")
 @friendly_errors
 def command(expert_bits, dense_bits, router_bits, cold_bits, **kwargs):
     """Quantize a float MoE MODEL with one setting for its routed experts and another for the parts every

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
-                     run_settings, take)
+from .common import (FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, generation_options,
+                     model_option, run_settings, take)
 
 
 def _size(text: str) -> int:
@@ -33,7 +33,7 @@ def _size(text: str) -> int:
 @click.option("--auto-save", type=click.Path(dir_okay=False), default=None,
               help="Write the statistics (.npz) here when the server stops (Ctrl+C, SIGTERM, SIGHUP), atomically. "
                    "An existing file is refused at start-up unless --force.")
-@click.option("--force", is_flag=True, default=False, help="Let --auto-save replace an existing file.")
+@force_option("an existing --auto-save file")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Default max tokens per completion (a request's max_tokens wins)  [default: 512, or "
                    "--max-tokens-limit when lower]")

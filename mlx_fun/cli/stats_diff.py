@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_warnings, fmt_number, friendly_errors, metric_option, text_table
+from .common import echo_warnings, fmt_number, force_option, friendly_errors, metric_option, text_table
 
 
 @click.command(
@@ -16,6 +16,7 @@ from .common import echo_warnings, fmt_number, friendly_errors, metric_option, t
 @metric_option()
 @click.option("--output", type=click.Path(), default=None,
               help="Also write the full report (stats, top lists, whole diff matrix) as JSON here.")
+@force_option()
 @friendly_errors
 def command(**kwargs):
     """Compare a saliency metric between two collected saliency files of the same model.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_warnings, fmt_number, friendly_errors, metric_option
+from .common import echo_warnings, fmt_number, force_option, friendly_errors, metric_option
 
 
 @click.command(
@@ -14,6 +14,7 @@ from .common import echo_warnings, fmt_number, friendly_errors, metric_option
 @click.option("--files", "files", required=True, multiple=True, type=click.Path(),
               help="Saliency .npz to merge; repeat for each file (at least 2, same model).")
 @click.option("--output", required=True, type=click.Path(), help="Merged saliency .npz to write.")
+@force_option()
 @metric_option()
 @friendly_errors
 def command(**kwargs):

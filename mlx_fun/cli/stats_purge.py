@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, echo_warnings, fmt_number, friendly_errors, text_table
+from .common import FiniteFloat, echo_warnings, fmt_number, force_option, friendly_errors, text_table
 
 
 @click.command(
@@ -13,6 +13,7 @@ from .common import FiniteFloat, echo_warnings, fmt_number, friendly_errors, tex
 )
 @click.option("--input", required=True, type=click.Path(), help="Saliency .npz to clean.")
 @click.option("--output", required=True, type=click.Path(), help="Purged saliency .npz to write (same shape).")
+@force_option()
 @click.option("--min-freq", type=FiniteFloat(min=0), default=None,
               help="Zero out entries routed fewer than this many times (freq < MIN_FREQ).")
 @click.option("--min-count", type=FiniteFloat(min=0), default=None,
@@ -36,7 +37,7 @@ def command(**kwargs):
     show(stats_purge.run(**kwargs), **kwargs)
 
 
-def show(report: dict, *, input, output, min_freq=None, min_count=None, max_norm=None) -> None:
+def show(report: dict, *, input, output, min_freq=None, min_count=None, max_norm=None, force=False) -> None:
     input_path = input
     by = report["by_filter"]
     click.echo(f"{input_path}: {report['total']} expert-layer pairs, {report['purged']} purged, "

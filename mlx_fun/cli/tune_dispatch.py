@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..jobs.tune_dispatch import DEFAULT_MS
-from .common import FiniteFloat, echo_err, friendly_errors, take
+from .common import FiniteFloat, echo_err, force_option, friendly_errors, take
 
 
 @click.command("tune-dispatch", short_help="Measure sort/no-sort/blocked/dequant cut-offs of MoE experts here.")
@@ -33,9 +33,11 @@ from .common import FiniteFloat, echo_err, friendly_errors, take
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Minimum timed calls per plan and M (more for fast calls, up to 100; 1 for calls over 5 s).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
-              help="Table file to write; entries are merged into it when it exists (same key: replaced). "
-                   "Default: the user table that --dispatch auto reads ($MLX_FUN_DISPATCH_TABLE or "
+              help="Table file to write; an existing one only with --force, which merges the entries into it "
+                   "(same key: replaced). Default: the user table that --dispatch auto reads, merged into "
+                   "($MLX_FUN_DISPATCH_TABLE or "
                    "~/.cache/mlx-fun/dispatch_table.json).")
+@force_option("an existing --output table, keeping its other entries")
 @click.option("--merge-into", type=click.Path(dir_okay=False), default=None,
               help="Also merge the new entries into this table (e.g. mlx_fun/dispatch_table.json of a checkout).")
 @friendly_errors

@@ -39,13 +39,14 @@ def run(
     seed: int | None = None,
     batch_size: int = 1,
     pipeline: bool = False,
+    force: bool = False,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> CollectResult:
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
 
     The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
-    written atomically at the end. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
+    written atomically at the end; an existing ``output`` is replaced only with ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
     statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``settings.token_budget``
     tokens per forward (:mod:`mlx_fun.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`).
 
@@ -65,8 +66,8 @@ def run(
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
     w = world()
     inputs = {param("model"): model, param("dataset"): dataset}
-    writer.check_output_path(output, kind="file", inputs=inputs)  # every rank fails alike, before any collective
-    reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs) if w.writer
+    writer.check_output_path(output, kind="file", inputs=inputs, force=force)  # every rank alike, before collectives
+    reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs, force=force) if w.writer
                else contextlib.nullcontext())
     say = log if w.writer else quiet  # one rank speaks
     with reserve as res:

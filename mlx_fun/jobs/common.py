@@ -75,7 +75,8 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
 
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      max_samples: int, max_tokens: int, text_key: str, threshold_percentile: float,
-                     seed: int | None, batch_size: int, settings, log: Log, extra: dict | None = None) -> dict:
+                     seed: int | None, batch_size: int, settings, log: Log, extra: dict | None = None,
+                     force: bool = False) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general.
@@ -94,7 +95,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     for name, path in (dataset_a, dataset_b):
         require_path(name, path, "pass a JSONL file or a directory of text files")
     inputs = {param("model"): model, param(dataset_a[0]): dataset_a[1], param(dataset_b[0]): dataset_b[1]}
-    with writer.output(output, kind="file", inputs=inputs) as res:
+    with writer.output(output, kind="file", inputs=inputs, force=force) as res:
         mdl, tokenizer, config, adapter = load_moe(model, log=log, checked=checked)
         mode = settings.apply(mdl, log=log).mode
         budget = settings.budget(config, dispatch_mode=mode, top_k=adapter.top_k)

@@ -87,13 +87,15 @@ def run(
     n_experts = adapter_class(read_config(model_dir)).config_num_experts(read_config(model_dir))
     n_prune = max(1, round(n_experts * prune_fraction))
     out.mkdir(parents=True, exist_ok=True)
-    writer.write_text(out / MARKER, "created by mlx-fun demo; safe to delete\n")
+    # the work directory is the demo's own (check_workdir): each run replaces what the last one wrote there
+    writer.write_text(out / MARKER, "created by mlx-fun demo; safe to delete\n", force=True)
     start = time.perf_counter()
     times: dict[str, float] = {}
 
     t0 = time.perf_counter()
     data_dir = out / "corpus"
-    manifest = corpus.ensure_prepared(data_dir, sources=corpus.ALWAYS, max_samples=512, max_eval_samples=128)
+    manifest = corpus.ensure_prepared(data_dir, sources=corpus.ALWAYS, max_samples=512, max_eval_samples=128,
+                                      force=True)
     times["prepare"] = time.perf_counter() - t0
     if report is not None:
         report("prepare", manifest)
@@ -102,7 +104,7 @@ def run(
     steps = [
         (f"1/4 collect saliency on {calibration}", "collect", collect.run, dict(
             model=str(model_dir), dataset=str(corpus.domain_file(data_dir, calibration, "train")),
-            output=str(saliency), max_samples=max_samples, max_tokens=max_tokens, seed=0)),
+            output=str(saliency), max_samples=max_samples, max_tokens=max_tokens, seed=0, force=True)),
         (f"2/4 prune {n_prune} of {n_experts} experts per layer by {metric}", "prune", prune.run, dict(
             model=str(model_dir), saliency=str(saliency), n_prune=n_prune, metric=metric, output=str(pruned),
             force=True)),
@@ -111,7 +113,7 @@ def run(
         ("4/4 eval pruned vs original on held-out text", "eval", eval_job.run, dict(
             model=str(pruned), reference=str(model_dir),
             dataset=[f"{d}={corpus.domain_file(data_dir, d, 'test')}" for d in corpus.ALWAYS],
-            max_samples=max(1, max_samples // 2), max_tokens=max_tokens, output=str(eval_json))),
+            max_samples=max(1, max_samples // 2), max_tokens=max_tokens, output=str(eval_json), force=True)),
     ]
     extra = {"collect": {"progress": progress}, "eval": {"progress": progress}}
     for title, name, job, kwargs in steps:
@@ -127,7 +129,7 @@ def run(
     summary, agreement = _tables(ev, n_experts, n_prune, dir_size(model_dir), dir_size(pruned))
     writer.write_text(out / "summary.md", f"# mlx-fun demo\n\n{metric} pruning of {n_prune}/{n_experts} experts per "
                       f"layer, calibrated on {calibration}.\n\n{summary}\n\n{agreement}\n\nStep times (s): "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n")
+                      + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + "\n", force=True)
     return DemoResult(out, summary, agreement, ev, metric, calibration, times, time.perf_counter() - start)
 
 

@@ -23,6 +23,7 @@ def run(
     threshold_percentile: float = 90.0,
     seed: int | None = None,
     batch_size: int = 4,
+    force: bool = False,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
@@ -35,5 +36,5 @@ def run(
         "domain", model=model, dataset_a=("domain_dataset", domain_dataset),
         dataset_b=("general_dataset", general_dataset), output=output, max_samples=max_samples,
         max_tokens=max_tokens, text_key=text_key, threshold_percentile=threshold_percentile, seed=seed,
-        batch_size=batch_size, settings=settings, log=log, extra={"domain_name": domain_name.strip()})
+        batch_size=batch_size, settings=settings, log=log, extra={"domain_name": domain_name.strip()}, force=force)
     return ScanResult(Path(output), report)

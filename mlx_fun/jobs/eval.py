@@ -52,12 +52,13 @@ def run(
     seed: int = 0,
     batch_size: int = 4,
     output: str | Path | None = None,
+    force: bool = False,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> EvalResult:
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
     perplexity on the same tokens, mean KL(reference ‖ model) and top-1 agreement. ``output`` (JSON) is reserved
-    before loading and written atomically. Float and quantized models of any family mlx-lm loads."""
+    before loading and written atomically (an existing file only with ``force``). Float and quantized models of any family mlx-lm loads."""
     from .. import writer
     from ..data import pad_id as batch_pad_id
     from ..evaluate import check_compatible, evaluate, load_eval_datasets, resolve_datasets
@@ -70,7 +71,7 @@ def run(
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
     inputs = {param("model"): model, param("reference"): reference, param("dataset"): [str(p) for p in paths.values()]}
-    with writer.output(output, kind="file", inputs=inputs) if output else contextlib.nullcontext() as res:
+    with writer.output(output, kind="file", inputs=inputs, force=force) if output else contextlib.nullcontext() as res:
         log(f"Loading {model} ...")
         mdl, tokenizer, _ = load_model(model, lazy=True, flag=param("model"))
         report = settings.apply(mdl, log=log)

@@ -31,6 +31,7 @@ def run(
     threshold_percentile: float = 90.0,
     seed: int | None = None,
     batch_size: int = 4,
+    force: bool = False,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
@@ -42,5 +43,5 @@ def run(
         "safety", model=model, dataset_a=("harmful_dataset", harmful_dataset),
         dataset_b=("benign_dataset", benign_dataset), output=output, max_samples=max_samples, max_tokens=max_tokens,
         text_key=text_key, threshold_percentile=threshold_percentile, seed=seed, batch_size=batch_size,
-        settings=settings, log=log)
+        settings=settings, log=log, force=force)
     return ScanResult(Path(output), report)

@@ -182,7 +182,7 @@ def _reserve(auto_save, *, model, force: bool):
     if auto_save is None:
         return contextlib.nullcontext()
     return writer.output(auto_save, kind="file", suffix=".npz", inputs={param("model"): model},
-                         flag=param("auto_save"), keep=True, force=force, force_flag=param("force"))
+                         flag=param("auto_save"), force=force, force_flag=param("force"))
 
 
 def start(

@@ -18,19 +18,21 @@ class StatsMergeResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def run(*, files: Sequence[str | Path], output: str | Path, metric: str = "reap") -> StatsMergeResult:
+def run(*, files: Sequence[str | Path], output: str | Path, metric: str = "reap",
+        force: bool = False) -> StatsMergeResult:
     """Rank every file's experts per layer by ``metric`` and sum the ranks (:func:`mlx_fun.stats.rank_merge`);
-    write the result (raw statistics summed, plus the rank sums) to ``output``."""
+    write the result (raw statistics summed, plus the rank sums) to ``output`` (an existing file only with
+    ``force``)."""
     from .. import writer
     from ..saliency import SaliencyAccumulator
     from ..stats import merge_warnings, rank_merge
 
     files = [str(f) for f in files]
-    writer.check_output_path(output, kind="file", inputs={param("files"): files})
+    writer.check_output_path(output, kind="file", inputs={param("files"): files}, force=force)
     if len(files) < 2:
         raise UserError(f"stats-merge needs at least 2 saliency files, got {len(files)}; repeat {param('files')}.")
     accs = [SaliencyAccumulator.load(f, name="files") for f in files]
     warnings = merge_warnings(accs, metric, files)
     merged = rank_merge(accs, metric, labels=files)
-    merged.save(output, inputs={param("files"): files})
+    merged.save(output, inputs={param("files"): files}, force=force)
     return StatsMergeResult(merged, Path(output), metric, len(files), warnings)

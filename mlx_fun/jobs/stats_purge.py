@@ -8,9 +8,10 @@ from ..errors import UserError, param
 
 
 def run(*, input: str | Path, output: str | Path, min_freq: float | None = None, min_count: float | None = None,
-        max_norm: float | None = None) -> dict:
+        max_norm: float | None = None, force: bool = False) -> dict:
     """Zero every statistic of the (layer, expert) entries with ``freq < min_freq`` or ``reap_count <
-    min_count`` (``max_norm`` only reports); write the file to ``output``; return the report of
+    min_count`` (``max_norm`` only reports); write the file to ``output`` (an existing one only with ``force``);
+    return the report of
     :func:`mlx_fun.stats.purge`."""
     from .. import writer
     from ..saliency import SaliencyAccumulator
@@ -19,8 +20,8 @@ def run(*, input: str | Path, output: str | Path, min_freq: float | None = None,
     if min_freq is None and min_count is None and max_norm is None:
         raise UserError(f"stats-purge needs at least one filter: {param('min_freq')}, {param('min_count')} or "
                         f"{param('max_norm')}.")
-    writer.check_output_path(output, kind="file", inputs={param("input"): input})
+    writer.check_output_path(output, kind="file", inputs={param("input"): input}, force=force)
     purged, report = purge(SaliencyAccumulator.load(input, name="input"), min_freq=min_freq, min_count=min_count,
                            max_norm=max_norm)
-    purged.save(output, inputs={param("input"): input})
+    purged.save(output, inputs={param("input"): input}, force=force)
     return report

@@ -31,22 +31,22 @@ def run(
     measure: Measurement = Measurement(),
     output: str | Path | None = None,
     merge_into: str | Path | None = None,
+    force: bool = False,
     progress: bool = False,
     log: Log = quiet,
     on_entry=None,
 ) -> TuneResult:
     """Measure every dispatch plan for each distinct expert shape of ``model`` (or each ``shape`` D,H,E,k with
-    ``quant``) for token counts ``measure.ms`` and write the cut-offs (merged into ``output``, default the user
-    table; also into ``merge_into``). ``on_entry(entry)`` is called as each shape is done.
+    ``quant``) for token counts ``measure.ms`` and write the cut-offs: merged into ``output`` (an existing file
+    only with ``force``), default the user table (the cache ``--dispatch auto`` reads: merged into as it is);
+    also into ``merge_into`` (merging into it is what it asks). The tables are reserved (checked, locked, proven
+    writable) before anything is measured. ``on_entry(entry)`` is called as each shape is done.
 
     ``measure`` (:class:`mlx_fun.dispatch_tune_options.Measurement`): token counts, largest M, block sizes, whether to
     try dequantized plans, the margin a plan must win by and the minimum repeats."""
-    import mlx.core as mx
-    from tqdm import tqdm
+    import contextlib
 
-    from .. import dispatch as dsp
-    from ..dispatch_tune import device_description, entry_from, parse_quant
-    from ..dispatch_tune import measure as time_plans
+    from .. import dispatch as dsp, writer
 
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
@@ -59,13 +59,39 @@ def run(
         targets = _specs_from_shapes(shape, quant, dtype, gpt_oss, backend)
 
     out_path = Path(output) if output else dsp.user_table_path()
-    tables = [out_path] + ([Path(merge_into)] if merge_into else [])
-    for path in tables:
-        if path.is_file():
-            try:
-                dsp.read_table(path)
-            except ValueError as e:
-                raise UserError(f"{e}; fix or remove it first.") from None
+    tables = {out_path: (param("output") if output else "the user dispatch table", force or not output)}
+    if merge_into:
+        tables.setdefault(Path(merge_into), (param("merge_into"), True))
+    with contextlib.ExitStack() as stack:
+        reserved = [(path, stack.enter_context(writer.output(path, kind="file", flag=flag, force=merge)))
+                    for path, (flag, merge) in tables.items()]
+        old = {path: _read_table(path) for path in tables}  # under the locks: what the new entries merge into
+        entries = _measure_all(targets, ms_list, block_list, backend, measure, progress, log, on_entry)
+        new = dsp.Table(entries)
+        for path, res in reserved:
+            res.write_text(dsp.table_text(old[path].merged(new)))
+    return TuneResult(entries, [str(p) for p in tables], user_table=not output)
+
+
+def _read_table(path: Path):
+    """The table at ``path`` (empty if none), or a ``UserError`` saying it is not one."""
+    from .. import dispatch as dsp
+
+    if not path.is_file():
+        return dsp.Table()
+    try:
+        return dsp.read_table(path)
+    except ValueError as e:
+        raise UserError(f"{e}; fix or remove it first.") from None
+
+
+def _measure_all(targets, ms_list, block_list, backend, measure, progress, log, on_entry) -> list:
+    """Time every plan of every target (progress bars, ``on_entry`` per shape); the entries."""
+    import mlx.core as mx
+    from tqdm import tqdm
+
+    from ..dispatch_tune import device_description, entry_from, parse_quant
+    from ..dispatch_tune import measure as time_plans
 
     log(f"Device: {device_description()}  mlx {mx.__version__}")
     entries = []
@@ -99,11 +125,7 @@ def run(
         if on_entry is not None:
             on_entry(entry)
         del layer
-
-    new = dsp.Table(entries)
-    for path in tables:
-        dsp.write_table((dsp.read_table(path) if path.is_file() else dsp.Table()).merged(new), path)
-    return TuneResult(entries, [str(p) for p in tables], user_table=not output)
+    return entries
 
 
 def _model_top_k(model, config: dict, override: int | None) -> int:

@@ -215,7 +215,7 @@ def save(app, body: dict) -> dict:
     acc, totals = counter.snapshot()
     try:
         with writer.output(path, kind="file", suffix=".npz", inputs={"--model": app.model_path}, flag="path",
-                           keep=True, force=force, force_flag='"force": true') as res:
+                           force=force, force_flag='"force": true') as res:
             acc.write_npz(res.tmp)
     except UserError as e:
         raise HTTPError(400, str(e), "path") from None

@@ -135,7 +135,8 @@ def export(comparison: Comparison, *, root: Path, name: str) -> Path:
                         "Compare again before exporting.")
     return save_expert_list(path, comparison.kept, num_experts=comparison.num_experts,
                             moe_layer_indices=comparison.moe_layer_indices, model_type=comparison.model_type,
-                            mode="merge" if comparison.action == "merge" else "prune")
+                            mode="merge" if comparison.action == "merge" else "prune", flag="export file",
+                            force_flag="")
 
 
 def diff(*, root: Path, file1: str, file2: str, metric: str = "reap", output: str | None = None) -> dict:
@@ -152,8 +153,8 @@ def diff(*, root: Path, file1: str, file2: str, metric: str = "reap", output: st
         out = inside(root, output, "export file")
         if out.suffix.lower() != ".json":
             raise UserError(f"export file {output!r} must end in .json.")
-        writer.check_output_path(out, kind="file", inputs=inputs)
+        writer.check_output_path(out, kind="file", inputs=inputs, flag="export file", force_flag="")
     report = diff_files(p1, p2, metric)
     if out is not None:
-        writer.write_json(out, report, inputs=inputs)
+        writer.write_json(out, report, inputs=inputs, flag="export file", force_flag="")
     return report
