@@ -79,7 +79,7 @@ def test_the_lock_never_exists_without_its_holders_pid(tmp_path, monkeypatch):
     import os as real_os
     import types
 
-    from mlx_fun import writer
+    from mlx_fun import output_lock, writer
 
     lock = tmp_path / ".s.json.lock"
     seen = []
@@ -96,8 +96,9 @@ def test_the_lock_never_exists_without_its_holders_pid(tmp_path, monkeypatch):
         attrs = {n: getattr(module, n) for n in dir(module) if not n.startswith("__")}
         return types.SimpleNamespace(**{**attrs, **{n: wrap(attrs[n]) for n in names}})
 
-    monkeypatch.setattr(writer, "os", spy(real_os, ("open", "link", "replace", "pwrite", "ftruncate", "close")))
-    monkeypatch.setattr(writer, "fcntl", spy(real_fcntl, ("flock",)))
+    for module in (writer, output_lock):  # the lock's own calls and the writer's around them
+        monkeypatch.setattr(module, "os", spy(real_os, ("open", "link", "replace", "pwrite", "ftruncate", "close")))
+    monkeypatch.setattr(output_lock, "fcntl", spy(real_fcntl, ("flock",)))
     with writer.output(tmp_path / "s.json") as res:
         res.write_json({"ok": True})
     contents = [c for _, c in seen if c is not None]
