@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_fun import corpus, corpus_machine  # noqa: E402
-from mlx_fun.errors import UserError  # noqa: E402
+from mlx_fun.errors import UserError, cli_names  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -74,10 +74,11 @@ def main(argv=None) -> int:
         chosen.extend(n for n in names if n not in chosen)
     splits = corpus.SPLITS if args.split == "all" else (args.split,)
     try:
-        corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
-                       max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
-                       max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
-                       skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1)
+        with cli_names():  # messages name --max-samples, not max_samples=
+                corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
+                           max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
+                           max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
+                           skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1)
     except UserError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
