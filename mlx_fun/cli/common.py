@@ -108,6 +108,19 @@ class FiniteFloat(click.ParamType):
         return x
 
 
+# ------------------------------------------------------------------ ranges shared by the CLI and the REST server
+#: the largest seed: ``random.Random``, numpy's ``default_rng`` and ``mx.random.key`` / ``mx.random.seed`` all take
+#: 0 .. 2**64 - 1 (numpy refuses a negative seed, MLX one past a uint64)
+MAX_SEED = 2**64 - 1
+#: every ``--seed`` and the server's ``seed``
+SEED = click.IntRange(0, MAX_SEED)
+#: sampling: ``--temp`` / ``temperature``, ``--top-k`` / ``top_k``, ``--top-p`` / ``top_p``, ``--num-draft-tokens``
+TEMPERATURE = FiniteFloat(min=0.0)
+TOP_K = click.IntRange(min=0)
+TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
+DRAFT_TOKENS = click.IntRange(min=1)
+
+
 def model_option(fn):
     """--model (a local directory or a Hugging Face repo id) and --revision (of that repo)."""
     fn = click.option(
@@ -139,7 +152,7 @@ def generation_options(fn):
         click.option("--draft-model", type=click.Path(), default=None,
                      help="A smaller model with the same tokenizer for speculative decoding (mlx-lm's; a directory "
                           "or a repo id). Greedy output is unchanged; --temp > 0 samples as mlx-lm does then."),
-        click.option("--num-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+        click.option("--num-draft-tokens", type=DRAFT_TOKENS, default=2, show_default=True,
                      help="Tokens the draft model proposes per step."),
     )):
         fn = option(fn)
@@ -158,7 +171,7 @@ def metric_option(default: str = "reap"):
 
 def dataset_options(fn):
     """--dataset/--max-samples/--max-tokens/--text-key/--seed, shared by every command that reads data."""
-    fn = click.option("--seed", type=int, default=None, help="Seed for the random subset of samples.")(fn)
+    fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
     fn = click.option(
         "--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines."
     )(fn)
@@ -188,7 +201,7 @@ def scan_options(names: tuple[str, str], helps: tuple[str, str]):
                                "classified.")(fn)
         fn = click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
                           help="Samples per forward pass (padding excluded).")(fn)
-        fn = click.option("--seed", type=int, default=None, help="Seed for the random subset of samples.")(fn)
+        fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
         fn = click.option("--text-key", default="content", show_default=True,
                           help="JSON key of plain-text JSONL lines.")(fn)
         fn = click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,

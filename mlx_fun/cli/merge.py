@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, friendly_errors, metric_option, model_option, run_settings, take, token_budget_option
+from .common import SEED, echo_err, friendly_errors, metric_option, model_option, run_settings, take, token_budget_option
 from .prune import echo_size_summary
 
 
@@ -46,7 +46,7 @@ from .prune import echo_size_summary
 @click.option("--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Samples per forward pass while hidden states are pushed through the layers.")
-@click.option("--seed", type=int, default=None, help="Seed for the sample subset and the token subsets.")
+@click.option("--seed", type=SEED, default=None, help="Seed for the sample subset and the token subsets.")
 @click.option("--force", is_flag=True, help="Replace --output if it exists and is not empty.")
 @click.option("--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
               help="MoE expert dispatch for the calibration forwards (see `mlx-fun eval --help`).")
