@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import io
 import math
+import os
 import sys
 
 import click
@@ -48,36 +51,116 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from ..writer import Terminated
-
-        try:
-            with cli_names():
-                return fn(*args, **kwargs)
-        except UserError as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(2)
-        except OSError as e:
-            if debug_enabled():
-                raise
-            click.echo(f"Error: {_os_error_line(e)}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("Interrupted; outputs not yet complete were removed.", err=True)
-            sys.exit(130)
-        except Terminated as e:
-            click.echo(f"Interrupted by {e}; outputs not yet complete were removed.", err=True)
-            sys.exit(128 + e.signum)
-        except click.exceptions.ClickException:
-            raise
-        except Exception as e:  # noqa: BLE001 - a bug or a backend failure: one line, traceback on request
-            if debug_enabled():
-                raise
-            detail = " ".join(str(e).split())[:300]
-            click.echo(f"Error: internal error {type(e).__name__}: {detail} (run with `mlx-fun --debug` or "
-                       f"{DEBUG_ENV}=1 for the traceback, and please report it).", err=True)
-            sys.exit(1)
+        with sparing_stderr():
+            return _friendly(fn, args, kwargs)
 
     return wrapper
+
+
+def _friendly(fn, args, kwargs):
+    """:func:`friendly_errors`' body: ``fn`` run, each failure one line and its exit status."""
+    from ..writer import Terminated
+
+    try:
+        with cli_names():
+            return fn(*args, **kwargs)
+    except UserError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        if debug_enabled():
+            raise
+        click.echo(f"Error: {_os_error_line(e)}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("Interrupted; outputs not yet complete were removed.", err=True)
+        sys.exit(130)
+    except Terminated as e:
+        click.echo(f"Interrupted by {e}; outputs not yet complete were removed.", err=True)
+        sys.exit(128 + e.signum)
+    except click.exceptions.ClickException:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug or a backend failure: one line, traceback on request
+        if debug_enabled():
+            raise
+        detail = " ".join(str(e).split())[:300]
+        click.echo(f"Error: internal error {type(e).__name__}: {detail} (run with `mlx-fun --debug` or "
+                   f"{DEBUG_ENV}=1 for the traceback, and please report it).", err=True)
+        sys.exit(1)
+
+
+class _SparingRaw(io.RawIOBase):
+    """File descriptor 2, written with ``os.write``; what cannot be written (stderr closed, full, a broken pipe)
+    is dropped: nothing stays buffered to fail again at exit."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return os.write(2, data)
+        except OSError:
+            return len(data)
+
+    def isatty(self) -> bool:
+        try:
+            return os.isatty(2)
+        except OSError:
+            return False
+
+
+class _Sparing:
+    """Another ``sys.stderr`` (a test's capture, a caller's stream) that swallows the errors of writing to it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # full, broken or closed
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def sparing_stderr():
+    """While a command runs, status lines, warnings and progress bars on stderr can never fail it: a closed
+    (``2>&-``), full (``2>/dev/full``) or broken stderr drops them, and the run completes with its own exit status.
+    A closed descriptor 2 is first pointed at /dev/null, so no file the run opens can become "stderr"."""
+    try:
+        os.fstat(2)
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != 2:
+            os.dup2(null, 2)
+            os.close(null)
+    before = sys.stderr
+    if before is None or before is sys.__stderr__:
+        try:
+            before is not None and before.flush()
+        except (OSError, ValueError):
+            pass
+        sys.stderr = io.TextIOWrapper(_SparingRaw(), encoding="utf-8", errors="backslashreplace",
+                                      line_buffering=True, write_through=True)
+    else:
+        sys.stderr = _Sparing(before)
+    try:
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        sys.stderr = before
 
 
 class FiniteFloat(click.ParamType):
