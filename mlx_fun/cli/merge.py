@@ -19,7 +19,7 @@ from .prune import echo_size_summary
               help="Calibration data for similarity and alignment (JSONL or a directory, as for collect).")
 @click.option("--output", required=True, type=click.Path(),
               help="Directory for the merged model (must not be --model).")
-@click.option("--n-prune", type=click.IntRange(min=0), default=None,
+@click.option("--n-prune", type=click.IntRange(min=1), default=None,
               help="Experts merged away per layer (or expert indices, with --model-wide); E - n centroids stay.")
 @metric_option()
 @click.option("--model-wide", is_flag=True, help="Keep the same centroid indices in every layer (column sums).")
