@@ -101,6 +101,8 @@ def test_a_prune_or_merge_that_removes_nothing_is_refused(tmp_path, make_model):
         jobs.prune.run(model=model, saliency=sal, selection=Selection(n_prune=0), output=out)
     with pytest.raises(UserError, match=r"^n_prune= 0 merges no expert away: .* labelled merged"):
         jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=0), dataset=SAMPLE, output=out)
+    with pytest.raises(UserError, match=r"^seed= must be a whole number >= 0, got -1\.$"):  # numpy's ValueError
+        jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=1), dataset=SAMPLE, output=out, seed=-1)
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     nothing = tmp_path / "nothing.json"
     nothing.write_text(json.dumps({"format": "mlx-fun-expert-list", "version": 1,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import UserError, param
+from ..errors import UserError, param, require_whole
 from ..rewrite.merge_options import Ream
 from ..selection import Selection
 from ..settings import RunSettings
@@ -66,6 +66,7 @@ def run(
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     _check(saliency, expert_list, selection, ream, settings)
+    require_whole("seed", seed, 0, none_ok=True)  # numpy's generator takes no negative seed
     for name, path in (("saliency", saliency), ("expert_list", expert_list), ("dataset", dataset)):
         require_path(name, path)
     inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
