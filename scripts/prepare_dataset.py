@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     splits = corpus.SPLITS if args.split == "all" else (args.split,)
     try:
         with cli_names():  # messages name --max-samples, not max_samples=
-                corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
+            corpus.prepare(args.output, sources=chosen, splits=splits, max_samples=args.max_samples,
                            max_eval_samples=args.max_eval_samples, min_tokens=args.min_tokens,
                            max_chars=args.max_chars, seed=args.seed, openzeppelin=args.openzeppelin, log=print,
                            skip_empty="all" in (args.source or []), workers=os.cpu_count() or 1)
