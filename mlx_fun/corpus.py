@@ -53,7 +53,7 @@ from functools import partial
 from itertools import islice
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, param, require_whole
 from .writer import check_output_path, write_json, write_text
 
 SPLITS = ("train", "validation", "test")
@@ -100,6 +100,8 @@ def split_of(doc_id: str) -> str:
 
 def chunk_text(text: str, max_chars: int) -> list[str]:
     """Cut ``text`` into pieces of at most ``max_chars``, preferring blank lines, then line ends, as cuts."""
+    if max_chars < 1:  # no piece could hold a character: cutting would never end
+        raise ValueError(f"max_chars must be at least 1, got {max_chars}")
     text = text.strip("\n")
     if len(text) <= max_chars:
         return [text] if text.strip() else []
@@ -404,6 +406,30 @@ def _cap(samples: list[str], n: int | None, seed: int) -> list[str]:
     return [samples[i] for i in keep]
 
 
+def _check_numbers(*, max_samples, max_eval_samples, min_tokens, max_chars, seed) -> None:
+    """One line naming the first number of :func:`prepare` out of its range (before any source is read)."""
+    require_whole("max_samples", max_samples, 1, none_ok=True)
+    require_whole("max_eval_samples", max_eval_samples, 1, none_ok=True)
+    require_whole("min_tokens", min_tokens, 0)
+    require_whole("max_chars", max_chars, 1)
+    require_whole("seed", seed, 0)
+
+
+def _check_openzeppelin(openzeppelin) -> None:
+    """A given ``openzeppelin`` file must be a tar archive (``npm pack``'s .tgz); a directory is read as it is."""
+    path = Path(openzeppelin) if openzeppelin else _find_openzeppelin()
+    if path is None or not path.is_file():
+        return
+    try:
+        ok = tarfile.is_tarfile(path)
+    except OSError as e:
+        raise UserError(f"{param('openzeppelin')} {path}: {e.strerror or e}; pass the .tgz of `npm pack "
+                        "@openzeppelin/contracts` or its unpacked package directory.") from None
+    if not ok:
+        raise UserError(f"{param('openzeppelin')} {path} is not a tar archive; pass the .tgz of `npm pack "
+                        "@openzeppelin/contracts` or its unpacked package directory.")
+
+
 def prepare(
     output: str | os.PathLike,
     sources: list[str] | tuple[str, ...] = ALWAYS,
@@ -430,6 +456,8 @@ def prepare(
     found before anything is written. ``workers`` > 1 builds that many sources at once, each in a process of its
     own (the same files; ``scripts/prepare_dataset.py`` uses every core).
     """
+    _check_numbers(max_samples=max_samples, max_eval_samples=max_eval_samples, min_tokens=min_tokens,
+                   max_chars=max_chars, seed=seed)
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
         raise UserError(f"unknown source(s) {', '.join(unknown)}; choose from: {', '.join(SOURCES)}.")
@@ -438,6 +466,8 @@ def prepare(
     if missing:
         hints = "; ".join(f"{s}: {INSTALL_HINTS[s]}" for s in missing)
         raise UserError(f"source(s) not installed on this machine: {hints}.")
+    if "solidity" in sources:
+        _check_openzeppelin(openzeppelin)
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} is a file; give a directory for the per-domain splits.")

@@ -190,7 +190,8 @@ def load_dataset(
 
     if not chosen:
         raise UserError(
-            f"dataset {p} has no samples: all {len(items)} tokenize to 0 tokens; add non-empty text to it"
+            f"no tokens in the dataset {p}: all {len(items)} of its samples are empty or blank (whitespace only); "
+            f"add text to it"
         )
     chosen.sort(key=lambda pair: pair[0])  # the dataset's order
     return [Sample(tokens=tokens, source=items[i].source) for i, tokens in chosen]
@@ -434,8 +435,9 @@ def _tokenize(item: _Item, tokenizer: Any, generation_prompt: bool = False) -> l
 
 
 def _encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``tokenizer.encode(text)`` with the tokenizer's special tokens, without doubling a BOS the text has."""
-    if not text:
+    """``tokenizer.encode(text)`` with the tokenizer's special tokens, without doubling a BOS the text has; none
+    for an empty or blank (whitespace only) text: it has nothing to route."""
+    if not text.strip():
         return []
     bos = getattr(tokenizer, "bos_token", None)
     if isinstance(bos, str) and bos and text.startswith(bos):

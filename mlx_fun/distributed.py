@@ -111,20 +111,34 @@ def reduce_saliency(acc, w: World, *, same_tokens: bool = False):
 
 
 # ------------------------------------------------------------------------------------ a model split by layers
+def check_pipeline(config: dict, w: World) -> None:
+    """A one-line ``UserError`` unless ``w``'s ranks can split the model of ``config`` by layers: two or more
+    ranks, and no more ranks than decoder layers (mlx-lm would leave a rank without a layer and every rank fails)."""
+    from .errors import UserError, param
+
+    if w.size < 2:
+        raise UserError(f"{param('pipeline')} splits the model's layers across the ranks of mlx.launch; start it "
+                        "with two or more ranks (mlx.launch --backend ring -n 2 -- mlx-fun collect ... --pipeline).")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    if isinstance(layers, int) and not isinstance(layers, bool) and w.size > layers:
+        raise UserError(f"{param('pipeline')} gives every rank at least one decoder layer, and this model has "
+                        f"{layers} for {w.size} ranks; launch at most {layers} (mlx.launch -n {layers} ...), or "
+                        f"collect data-parallel without {param('pipeline')}.")
+
+
 def pipeline_load(model_path, w: World):
     """mlx-lm's ``sharded_load`` with pipeline sharding over the launched ranks: each rank loads and runs only its
     decoder layers (rank 0 the last ones). Returns ``(model, tokenizer, config, adapter, global_moe_layers,
     local_to_global)``: the adapter sees this rank's MoE layers; ``local_to_global[p]`` is the position of its
-    ``p``-th one among the whole model's MoE layers (``global_moe_layers``, decoder indices)."""
+    ``p``-th one among the whole model's MoE layers (``global_moe_layers``, decoder indices). The job checks the
+    ranks first (:func:`check_pipeline`)."""
     from mlx_lm.utils import sharded_load
 
     from .adapters import get_adapter
     from .errors import UserError, param
     from .io import load_model
 
-    if w.size < 2:
-        raise UserError(f"{param('pipeline')} splits the model's layers across the ranks of mlx.launch; start it "
-                        "with two or more ranks (mlx.launch --backend ring -n 2 -- mlx-fun collect ... --pipeline).")
     full, tokenizer, config = load_model(model_path, lazy=True)  # no weights read: the layout, and the tokenizer
     global_layers = get_adapter(full, config).moe_layers()  # exactly as an unsharded collect loads it
     del full

@@ -29,5 +29,7 @@ def main():
         lean_imports.defer_tokenizers()
 
     from .cli import main as cli_main
+    from .cli.common import sparing_stderr
 
-    cli_main()
+    with sparing_stderr():  # click's own usage errors too: a closed or full stderr never changes the exit status
+        cli_main()

@@ -318,7 +318,37 @@ def _check_arrays(data: dict[str, np.ndarray], label: str) -> tuple[int, int]:
         if n.shape != () or n.dtype.kind not in "biuf" or not np.isfinite(n) or n < 1:
             raise UserError(f"{label}: 'rank_files' is {n}, not a file count of 1 or more; re-run "
                             "`mlx-fun stats-merge`.")
+    _check_counts(data, label, shape[1])
     return shape
+
+
+def _check_counts(data: dict[str, np.ndarray], label: str, num_experts: int) -> None:
+    """The file's numbers outside its arrays, each in its range: ``total_tokens`` a whole number >= 0, ``top_k``
+    0 (unknown) .. ``num_experts``, ``moe_layer_indices`` distinct decoder indices >= 0."""
+    def whole(key: str, lo: int, hi: float = float("inf"), *, shape=()) -> None:
+        if key not in data:
+            return
+        arr = np.asarray(data[key])
+        ok = arr.shape == shape if shape is not None else arr.ndim == 1
+        if ok and arr.dtype.kind in "biuf" and arr.size:
+            as_float = arr.astype(np.float64)
+            ok = bool(np.isfinite(as_float).all() and (as_float == np.round(as_float)).all()
+                      and (as_float >= lo).all() and (as_float <= hi).all())
+        elif ok:
+            ok = arr.size == 0 and shape is None
+        if not ok:
+            shown = np.array2string(arr, threshold=6) if arr.dtype.kind in "biuf" else repr(arr.tolist())[:40]
+            bound = f"{lo}..{hi}" if hi != float("inf") else f"{lo} or more"
+            raise UserError(f"{label}: '{key}' is {shown}, but must be whole number(s) of {bound}; the file is "
+                            "damaged: re-run `mlx-fun collect`.")
+
+    whole("total_tokens", 0)
+    whole("top_k", 0, num_experts)
+    whole("moe_layer_indices", 0, shape=None)
+    if "moe_layer_indices" in data and len(set(np.asarray(data["moe_layer_indices"]).tolist())) != np.size(
+            data["moe_layer_indices"]):
+        raise UserError(f"{label}: 'moe_layer_indices' lists a layer twice; the file is damaged: re-run "
+                        "`mlx-fun collect`.")
 
 
 def _expected_shape(data: dict[str, np.ndarray], keys: list[str], label: str) -> tuple[int, int]:

@@ -63,11 +63,12 @@ _MASK = -float("inf")
 
 
 def seed_key(seed: int, step: int = 0) -> mx.array:
-    """The key of decode step ``step`` of a generation seeded with ``seed``: ``mx.random.key(seed + step)``."""
+    """The key of decode step ``step`` of a generation seeded with ``seed``: ``mx.random.key(seed + step)`` (modulo
+    2**64: a seed near the largest, 2**64 - 1, goes on from 0 as a uint64 does)."""
     seed, step = int(seed), int(step)
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be non-negative integers, got seed={seed}, step={step}")
-    return mx.random.key(seed + step)
+    return mx.random.key((seed + step) % 2**64)
 
 
 def keys_for_seeds(seeds: Sequence[int] | np.ndarray) -> mx.array:

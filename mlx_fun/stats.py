@@ -212,6 +212,20 @@ def merge_warnings(accs: Sequence[SaliencyAccumulator], metric: str, labels: Seq
 
 
 # ---------------------------------------------------------------------------------------------- purge
+def refuse_purging_everything(acc: SaliencyAccumulator, min_freq: float | None, min_count: float | None) -> None:
+    """For a :func:`purge` that kept no expert (a file that ranks nothing, not worth writing): a one-line
+    ``UserError`` naming the filter and the largest value of its statistic (a threshold at or below it keeps
+    that expert)."""
+    for name, value, stat in (("min_freq", min_freq, "freq"), ("min_count", min_count, "reap_count")):
+        values = getattr(acc, stat)
+        if value is not None and (values < value).all():
+            top = float(np.max(values))
+            raise UserError(f"{param(name)} {value:g} purges every expert (the largest {stat} in the file is "
+                            f"{top:g}): the file would rank nothing; pass a {param(name)} of at most {top:g}.")
+    raise UserError(f"{param('min_freq')} {min_freq:g} and {param('min_count')} {min_count:g} together purge every "
+                    f"expert: the file would rank nothing; lower one of them.")
+
+
 def purge(
     acc: SaliencyAccumulator,
     min_freq: float | None = None,

@@ -124,6 +124,12 @@ def _finite(value, where: str, sign: int) -> float:
         raise SteeringError(where, f"{where} must be a finite number, got {value!r}.")
     if value * sign <= 0:
         raise SteeringError(where, f"{where} must be {'negative' if sign < 0 else 'positive'}, got {value}.")
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if not tiny <= abs(value) <= big:  # added to the router logits in float32: 0 (steers nothing) or infinite
+        what = "rounds to 0" if abs(value) < tiny else "is infinite"
+        raise SteeringError(where, f"{where} {value:g} {what} in float32, the precision it is added to the router "
+                                   f"logits in; pass a {'negative' if sign < 0 else 'positive'} value of magnitude "
+                                   f"{tiny:.3g} .. {big:.3g}.")
     return float(value)
 
 

@@ -1,4 +1,4 @@
-"""`mlx-fun amplify`: the boost lands in the family's own router bias, scale 0 changes nothing, the result opens with
+"""`mlx-fun amplify`: the boost lands in the family's own router bias, a run that would change nothing is refused, the result opens with
 plain mlx_lm.load and routes the domain to its experts more often; bias-less families are refused in one line."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_amplify_every_family_or_refuse(make_model, tmp_path, family):
     assert meta["target"] == found[1] and meta["scale"] == 0.5 and meta["domain_name"] == "test"
 
 
-def test_scale_zero_is_identity_and_boost_raises_domain_routing(make_model, tmp_path):
+def test_boost_raises_domain_routing(make_model, tmp_path):
     from mlx_fun.collect import collect
 
     path = make_model("deepseek_v3")
@@ -68,10 +68,6 @@ def test_scale_zero_is_identity_and_boost_raises_domain_routing(make_model, tmp_
     base = collect(model, adapter, samples, norms=False)
     cold = {p: [int(np.argmin(base.freq[p]))] for p in range(len(adapter.moe_layers()))}
     report = _report(tmp_path / "d.json", adapter, cold, score=3.0)
-    jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "zero", scale=0.0)
-    m0, _ = mlx_lm_load(str(tmp_path / "zero"))
-    x = mx.array([samples[0]])
-    assert mx.array_equal(m0(x), model(x)).item()
     jobs.amplify.run(model=path, domain_map=report, output=tmp_path / "amp", scale=1.0)
     m1, _, c1 = load_model(tmp_path / "amp")
     after = collect(m1, get_adapter(m1, c1), samples, norms=False)
@@ -106,7 +102,7 @@ def test_a_scale_whose_bias_is_not_finite_is_refused_naming_the_largest_that_is(
     report = _report(tmp_path / "d.json", adapter, {0: [0, 1]})
     before, out = tree(path), tmp_path / "out"
     base = ["amplify", "--model", path, "--domain-map", report, "--output", out]
-    for extra in (["--scale", "1e300"], ["--threshold", "-1e300"], ["--scale", "1e39"]):
+    for extra in (["--scale", "1e300"], ["--scale", "1e39"]):
         got = cli(*base, *extra)
         expect_error(got, "--scale", "infinite in float32", "the largest finite scale for this model")
         assert not out.exists() and hidden(tmp_path) == [] and tree(path) == before
@@ -134,3 +130,51 @@ def test_a_scale_whose_bias_is_not_finite_is_refused_naming_the_largest_that_is(
                  "--domain-map", "non-finite")
     assert not (tmp_path / "py").exists() and not (tmp_path / "o2").exists()
     assert hidden(tmp_path) == [] and tree(path) == before
+
+
+def test_a_threshold_far_below_the_scores_is_blamed_not_the_scale(make_model, tmp_path):
+    """Issue 41 row 14: `--threshold -1e300` said "--scale 1 would make ... infinite" (the scale was fine)."""
+    path = make_model("deepseek_v3")
+    model, tok, config = load_model(path)
+    report = _report(tmp_path / "d.json", get_adapter(model, config), {0: [0, 1]})
+    got = cli("amplify", "--model", path, "--domain-map", report, "--output", tmp_path / "out", "--threshold", "-1e300")
+    expect_error(got, "--threshold -1e+300 is so far below the composite scores", "[2, 2]",
+                 "pass a --threshold near the scores")
+    assert "--scale" not in got.output.replace("at --scale 1", "") and not (tmp_path / "out").exists()
+
+
+def _float16_bias(path, tmp_path):
+    """A copy of model ``path`` whose router biases are stored in float16."""
+    import shutil
+
+    out = tmp_path / "f16"
+    shutil.copytree(path, out)
+    for f in out.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        weights = {k: v.astype(mx.float16) if k.endswith("e_score_correction_bias") else v for k, v in weights.items()}
+        mx.save_safetensors(str(f), weights, metadata={"format": "mlx"})
+    return out
+
+
+def test_a_run_that_would_change_nothing_is_refused(make_model, tmp_path):
+    """Issue 41 row 12: `--scale 0`, a threshold no domain expert reaches and a scale that rounds away in the bias's
+    dtype (1e-10 on a float16 bias) wrote an unchanged copy labelled amplified (exit 0)."""
+    from .test_nothing_lost import hidden, tree
+
+    path = make_model("deepseek_v3")
+    model, tok, config = load_model(path)
+    adapter = get_adapter(model, config)
+    report = _report(tmp_path / "d.json", adapter, {0: [0, 1]})  # composite 2 on the domain experts
+    out = tmp_path / "out"
+    base = ["amplify", "--model", path, "--domain-map", report, "--output", out]
+    expect_error(cli(*base, "--scale", "0"), "--scale", "0 < x")
+    with pytest.raises(UserError, match=r"^scale= must be above 0 \(0 would write the model unchanged\)"):
+        jobs.amplify.run(model=path, domain_map=report, output=out, scale=0.0)
+    expect_error(cli(*base, "--threshold", "2"), "no domain expert", "above --threshold 2", "[2, 2]",
+                 "pass a lower --threshold")
+    half = _float16_bias(path, tmp_path)
+    before = tree(half)
+    expect_error(cli("amplify", "--model", half, "--domain-map", report, "--output", out, "--scale", "1e-10"),
+                 "--scale 1e-10 changes no", "in float16", "rounds away", "pass a larger --scale")
+    assert not out.exists() and hidden(tmp_path) == [] and tree(half) == before
+    assert cli("amplify", "--model", half, "--domain-map", report, "--output", out, "--scale", "1e-3").exit_code == 0

@@ -139,8 +139,36 @@ def test_zero_token_samples_skipped(tmp_path, tok):
 
 def test_all_empty_is_error(tmp_path, tok):
     f = write_jsonl(tmp_path / "allempty.jsonl", [{"content": ""}, {"content": ""}])
-    with pytest.raises(UserError, match=r"allempty\.jsonl has no samples.*0 tokens"):
+    with pytest.raises(UserError, match=r"^no tokens in the dataset .*allempty\.jsonl: all 2 of its samples are "
+                                        r"empty or blank"):
         load_samples(f, tok)
+
+
+def test_only_blank_texts_are_no_tokens(tmp_path, tok):
+    """Issue 41 row 12: blank `content` values (and whitespace-only .txt files) tokenized to their whitespace,
+    and collect wrote a 2-token saliency file. Blank text routes nothing: skipped, and a dataset of only such
+    samples is refused in one line."""
+    f = write_jsonl(tmp_path / "blank.jsonl", [{"content": "   "}, {"content": "\n"}, {"content": "\t \n"}])
+    with pytest.raises(UserError, match=r"^no tokens in the dataset .*blank\.jsonl: all 3 of its samples"):
+        load_samples(f, tok)
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.txt").write_text("")
+    (d / "b.txt").write_text("  \n\n ")
+    with pytest.raises(UserError, match=r"^no tokens in the dataset .*texts: all 2 of its samples"):
+        load_samples(d, tok)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"content": " "}, {"content": "real text"}])
+    assert len(load_samples(mixed, tok)) == 1
+
+
+def test_collect_refuses_a_dataset_of_blank_texts(tmp_path):
+    from .cli_helpers import expect_error, run
+
+    f = write_jsonl(tmp_path / "blank.jsonl", [{"content": "  "}, {"content": "\n"}])
+    model = Path(__file__).resolve().parents[1] / "data" / "tiny-moe"
+    expect_error(run("collect", "--model", model, "--dataset", f, "--output", tmp_path / "s.npz"),
+                 "no tokens in the dataset", "empty or blank")
+    assert not (tmp_path / "s.npz").exists()
     g = tmp_path / "blank.jsonl"
     g.write_text("\n  \n\n")
     with pytest.raises(UserError, match=r"blank\.jsonl is empty"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -329,6 +330,17 @@ def test_tune_dispatch_cli_writes_a_mergeable_table(tiny, tmp_path):
     assert any(e.quant.startswith("affine4") and e.D == 64 for e in dsp.read_table(out).entries)
     json.loads(out.read_text())
     assert _cli("tune-dispatch", "--output", out).exit_code == 2
+
+
+def test_tune_dispatch_refuses_a_top_k_above_the_experts_before_measuring(tmp_path):
+    """Issue 41 row 11: `tune-dispatch --top-k 49` on the bundled 48-expert model was an internal error."""
+    from .cli_helpers import expect_error, run
+
+    model = Path(__file__).resolve().parents[1] / "data" / "tiny-moe"
+    experts = json.loads((model / "config.json").read_text())["num_experts"]
+    expect_error(run("tune-dispatch", "--model", model, "--top-k", experts + 1, "--output", tmp_path / "t.json"),
+                 f"--top-k {experts + 1} is more than the {experts} experts", f"at most {experts}")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():

@@ -159,3 +159,23 @@ def test_a_failed_bench_distributed_run_leaves_no_temporary_directory(tmp_path, 
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
     assert list(tmpdir.iterdir()) == []
+
+
+def test_more_ranks_than_layers_are_refused_before_anything_loads(tmp_path, monkeypatch):
+    """Issue 41 row 11: `mlx.launch -n 5 collect --pipeline` on a 4-layer model died on every rank (mlx-lm split
+    the layers [1, 1, 1, 1, 0]). The job checks the ranks against the config first, on every rank alike; here a
+    5-rank world is what `world()` answers, in-process, instead of launching five processes."""
+    from mlx_fun import distributed, jobs
+    from mlx_fun.distributed import check_pipeline
+    from mlx_fun.errors import UserError
+
+    layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
+    check_pipeline({"num_hidden_layers": layers}, World(0, layers, None))  # one layer each: fine
+    with pytest.raises(UserError, match=rf"^pipeline= gives every rank at least one decoder layer, and this model "
+                                        rf"has {layers} for {layers + 1} ranks; launch at most {layers} "):
+        check_pipeline({"num_hidden_layers": layers}, World(0, layers + 1, None))
+    monkeypatch.setattr(distributed, "world", lambda: World(0, layers + 1, None))
+    monkeypatch.setattr(distributed, "pipeline_load", lambda *a: pytest.fail("loaded before checking the ranks"))
+    with pytest.raises(UserError, match=rf"has {layers} for {layers + 1} ranks"):
+        jobs.collect.run(model=MODEL, dataset=DATA, output=tmp_path / "s.npz", pipeline=True)
+    assert list(tmp_path.iterdir()) == []

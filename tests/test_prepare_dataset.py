@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mlx_fun import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +69,37 @@ def test_a_corpus_file_or_manifest_that_exists_is_replaced_only_with_force(tmp_p
     code, errors, err = prepare("--force")
     assert code == 0, err
     assert len(split.read_text().splitlines()) == 2 and "code" in json.loads(manifest.read_text())["domains"]
+
+
+def _script(*args, timeout=60):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-samples", "-1"], "--max-samples must be a whole number >= 1, got -1"),
+    (["--max-samples", "0"], "--max-samples must be a whole number >= 1, got 0"),  # blamed --min-tokens
+    (["--max-eval-samples", "-2"], "--max-eval-samples must be a whole number >= 1"),
+    (["--max-chars", "0"], "--max-chars must be a whole number >= 1, got 0"),  # looped forever
+    (["--min-tokens", "-1"], "--min-tokens must be a whole number >= 0"),
+    (["--seed", "-1"], "--seed must be a whole number >= 0"),
+])
+def test_a_number_out_of_range_is_one_line_before_any_source_is_read(tmp_path, args, needle):
+    r = _script("--source", "code", "--output", tmp_path / "c", *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [r.stderr.splitlines()[0]] and r.stderr.startswith(f"Error: {needle}"), r.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_openzeppelin_file_that_is_no_tar_archive_is_one_line(tmp_path):
+    bogus = tmp_path / "contracts.tgz"
+    bogus.write_text("not a tarball\n")
+    r = _script("--source", "solidity", "--output", tmp_path / "c", "--openzeppelin", bogus)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"Error: --openzeppelin {bogus} is not a tar archive; pass the .tgz"), r.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_chunk_text_refuses_a_width_that_cannot_hold_a_character():
+    with pytest.raises(ValueError, match="max_chars must be at least 1"):
+        corpus.chunk_text("a\n" * 3000, 0)

@@ -78,22 +78,37 @@ def test_prune_cli_errors(tmp_path, make_model):
     assert result.exit_code == 0 and "Warning" in result.output
 
 
-def test_greedy_smoke_test_on_model_pruned_by_nothing_matches_mlx_lm(tmp_path, make_model):
-    """prune --n-prune 0 writes a model whose greedy smoke-test tokens equal mlx_lm's generation on the original."""
-    from mlx_lm.generate import stream_generate
+def test_a_prune_or_merge_that_removes_nothing_is_refused(tmp_path, make_model):
+    """Issue 41 row 12: `prune --n-prune 0` and `merge --n-prune 0` (and an expert list that removes nothing) wrote
+    an unchanged copy labelled pruned / merged, exit 0. Each is refused in one line before anything is written."""
+    from pathlib import Path
 
-    from mlx_fun.sampling import generate_tokens
+    import pytest
+
+    from mlx_fun import jobs
+    from mlx_fun.errors import UserError
+    from mlx_fun.selection import Selection
 
     model = make_model("qwen3_moe", bits=4)
     sal = _saliency(tmp_path, model)
     out = tmp_path / "same"
-    assert run("prune", "--model", model, "--saliency", sal, "--n-prune", 0, "--output", out).exit_code == 0
-    original, tok = mlx_lm.load(str(model))
-    pruned, tok2 = mlx_lm.load(str(out))
-    prompt = "def fibonacci(n):"
-    ref = [int(r.token) for r in stream_generate(original, tok, prompt, max_tokens=24)]
-    ours = generate_tokens(pruned, tok2, prompt, max_tokens=24, temp=0.0)
-    assert ours == ref and len(ref) > 0
-    result = run("smoke-test", "--model", out, "--prompt", prompt, "--max-tokens", 24)
-    text = tok.decode(ref[:-1] if ref[-1] in tok.eos_token_ids else ref)
-    assert result.exit_code == 0 and text in result.output
+    _error(run("prune", "--model", model, "--saliency", sal, "--n-prune", 0, "--output", out),
+           "--n-prune", "0 is not in the range x>=1")
+    _error(run("merge", "--model", model, "--saliency", sal, "--n-prune", 0, "--dataset", SAMPLE, "--output", out),
+           "--n-prune", "0 is not in the range x>=1")
+    with pytest.raises(UserError, match=r"^n_prune= 0 removes no expert: the output would be an unchanged copy "
+                                        r"labelled pruned; pass n_prune= 1 or more\.$"):
+        jobs.prune.run(model=model, saliency=sal, selection=Selection(n_prune=0), output=out)
+    with pytest.raises(UserError, match=r"^n_prune= 0 merges no expert away: .* labelled merged"):
+        jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=0), dataset=SAMPLE, output=out)
+    with pytest.raises(UserError, match=r"^seed= must be a whole number >= 0, got -1\.$"):  # numpy's ValueError
+        jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=1), dataset=SAMPLE, output=out, seed=-1)
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    nothing = tmp_path / "nothing.json"
+    nothing.write_text(json.dumps({"format": "mlx-fun-expert-list", "version": 1,
+                                   "layers": {str(i): {"remove": []} for i in range(layers)}}))
+    _error(run("prune", "--model", model, "--expert-list", nothing, "--output", out),
+           f"--expert-list {nothing} removes no expert from any layer", "unchanged copy labelled pruned")
+    _error(run("merge", "--model", model, "--expert-list", nothing, "--dataset", SAMPLE, "--output", out),
+           f"--expert-list {nothing} keeps every expert of every layer", "unchanged copy labelled merged")
+    assert not out.exists()

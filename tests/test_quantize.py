@@ -213,3 +213,33 @@ def test_a_zero_group_size_or_bits_is_refused_not_taken_for_the_default(tmp_path
     assert not (tmp_path / "q").exists() and hidden(tmp_path) == [] and tree(src) == before
     with pytest.raises(UserError, match=r"expert_group_size= must be one of 32, 64, 128 for affine .*got 0\."):
         jobs.quantize.run(model=src, output=tmp_path / "q", recipe=QuantRecipe(expert_group_size=0))
+
+
+def test_a_mode_with_its_own_bits_needs_no_bits_and_blames_only_bits_given(tmp_path, make_model):
+    """Issue 41 row 14: `--expert-mode mxfp8` alone said "drop --expert-bits 4", a flag the user never gave (the
+    default was 4). Left out, the bits are the mode's own; given and different, the message names what was given."""
+    from .cli_helpers import expect_error
+
+    src = make_model("qwen3_moe")
+    expect_error(run_cli("quantize", "--model", str(src), "--output", str(tmp_path / "q"), "--expert-mode", "mxfp8",
+                         "--expert-bits", "4"), "mxfp8 stores 8 bits; drop --expert-bits 4")
+    r = run_cli("quantize", "--model", str(src), "--output", str(tmp_path / "q"), "--expert-mode", "mxfp8",
+                "--dense-mode", "mxfp4")
+    assert r.exit_code == 0, r.output
+    recipe = json.loads((tmp_path / "q" / "quantize_metadata.json").read_text())["recipe"]
+    assert (recipe["experts"], recipe["dense"]) == ("mxfp8 g32", "mxfp4 g32")
+
+
+@pytest.mark.parametrize("cold, needle", [(["--cold-bits", "8"], "more bits than"),
+                                          (["--cold-bits", "4"], "the same setting as")])
+def test_cold_layers_that_would_get_more_bits_or_nothing_new_are_refused(tmp_path, make_model, cold, needle):
+    """Issue 41 row 12: `--cold-bits 8` with 4-bit experts gave the coldest (least salient) layers the most bits."""
+    from .cli_helpers import expect_error
+
+    src = make_model("qwen3_moe")
+    model, _, config = load_model(src, lazy=True)
+    sal = SaliencyAccumulator.for_adapter(get_adapter(model, config)).save(tmp_path / "s.npz")
+    expect_error(run_cli("quantize", "--model", str(src), "--output", str(tmp_path / "q"), "--saliency", str(sal),
+                         "--cold-layers", "1", *cold), f"--cold-bits {cold[1]} gives the coldest", needle,
+                 "pass a --cold-bits below 4")
+    assert not (tmp_path / "q").exists()

@@ -291,6 +291,10 @@ BAD = [
     ("POST", "/v1/reap/steer", {"activate": {"1": list(range(EXPERTS))}}, 400, "activate.1"),
     ("POST", "/v1/reap/steer", {"activate": {"2": list(range(2, EXPERTS))}, "deactivate": {"2": [0, 1]}}, 400,
      "activate.2"),
+    # steering values that are 0 (or infinite) in float32, the logits' precision (issue 41 row 12)
+    ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "mask_value": -1e-300}, 400, "mask_value"),
+    ("POST", "/v1/reap/steer", {"activate": {"0": [1]}, "boost_value": 1e-300}, 400, "boost_value"),
+    ("POST", "/v1/reap/steer", {"activate": {"0": [1]}, "boost_value": 1e300}, 400, "boost_value"),
 ]
 
 

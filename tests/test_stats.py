@@ -276,6 +276,17 @@ def test_stats_purge_errors(files, tmp_path):
                           "--min-count", 1), "reap_count")
 
 
+def test_stats_purge_refuses_thresholds_that_purge_every_expert(files, tmp_path):
+    """Issue 41 row 12: `stats-purge --min-freq 1e300` wrote a file with every expert purged (it ranks nothing)."""
+    a = SaliencyAccumulator.load(files["a"])
+    top_freq, out = float(a.freq.max()), tmp_path / "p.npz"
+    assert_user_error(run("stats-purge", "--input", files["a"], "--output", out, "--min-freq", "1e300"),
+                      "--min-freq 1e+300 purges every expert", f"the largest freq in the file is {top_freq:g}",
+                      f"pass a --min-freq of at most {top_freq:g}")
+    assert not out.exists()
+    assert run("stats-purge", "--input", files["a"], "--output", out, "--min-freq", top_freq).exit_code == 0
+
+
 def test_help_texts():
     res = run("--help")
     assert res.exit_code == 0

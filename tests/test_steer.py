@@ -135,3 +135,16 @@ def test_help_examples_keep_their_line_breaks():
     assert sum(ln.startswith("mlx-fun steer ") for ln in lines) == 2 and len(lines) == 4, example
     assert all("  " not in ln for ln in lines), example
     assert [ln.endswith(" \\") for ln in lines] == [True, False, True, False], example
+
+
+@pytest.mark.parametrize("field, value, what", [("mask_value", -1e-300, "rounds to 0"),
+                                                ("boost_value", 1e-300, "rounds to 0"),
+                                                ("mask_value", -1e300, "is infinite")])
+def test_a_steering_value_float32_cannot_hold_is_refused(field, value, what):
+    """Issue 41 row 12: `mask_value -1e-300` / `boost_value 1e-300` became 0 in float32 and steered nothing (200)."""
+    from mlx_fun.steering import SteeringError, from_reports
+
+    import re
+
+    with pytest.raises(SteeringError, match=rf"^{field} {re.escape(f'{value:g}')} {what} in float32, .*; pass a "):
+        from_reports(moe_layer_indices=[0, 1], num_experts=8, top_k=2, deactivate={"0": [1]}, **{field: value})

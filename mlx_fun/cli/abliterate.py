@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
-                     take, text_table, token_budget_option)
+from .common import (SEED, FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, model_option,
+                     run_settings, take, text_table, token_budget_option)
 
 
 @click.command("abliterate", short_help="Remove the refusal direction from residual writers (MoE-aware), measured.")
@@ -46,7 +46,7 @@ from .common import (FiniteFloat, dispatch_option, echo_err, force_option, frien
 @click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Truncate every prompt to this many tokens.")
 @click.option("--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines.")
-@click.option("--seed", type=int, default=None, help="Seed for the random subsets of prompts.")
+@click.option("--seed", type=SEED, default=None, help="Seed for the random subsets of prompts.")
 @click.option("--eval-harmful-dataset", type=click.Path(), default=None,
               help="Held-out harmful prompts for the refusal rate (default: --harmful-dataset).")
 @click.option("--eval-benign-dataset", type=click.Path(), default=None,

@@ -12,7 +12,7 @@ from .common import FiniteFloat, echo_err, force_option, friendly_errors, model_
 @click.option("--domain-map", required=True, type=click.Path(dir_okay=False),
               help="domain_report.json from `mlx-fun domain-scan` (its domain experts and composite scores).")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Model directory to write.")
-@click.option("--scale", type=FiniteFloat(min=0.0), default=1.0, show_default=True,
+@click.option("--scale", type=FiniteFloat(min=0.0, min_open=True), default=1.0, show_default=True,
               help="Boost = scale × max(0, composite − threshold) per domain expert.")
 @click.option("--threshold", type=FiniteFloat(), default=0.0, show_default=True,
               help="Composite score a domain expert must exceed to be boosted.")

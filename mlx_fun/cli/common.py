@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import io
 import math
+import os
 import sys
 
 import click
@@ -48,36 +51,116 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from ..writer import Terminated
-
-        try:
-            with cli_names():
-                return fn(*args, **kwargs)
-        except UserError as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(2)
-        except OSError as e:
-            if debug_enabled():
-                raise
-            click.echo(f"Error: {_os_error_line(e)}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("Interrupted; outputs not yet complete were removed.", err=True)
-            sys.exit(130)
-        except Terminated as e:
-            click.echo(f"Interrupted by {e}; outputs not yet complete were removed.", err=True)
-            sys.exit(128 + e.signum)
-        except click.exceptions.ClickException:
-            raise
-        except Exception as e:  # noqa: BLE001 - a bug or a backend failure: one line, traceback on request
-            if debug_enabled():
-                raise
-            detail = " ".join(str(e).split())[:300]
-            click.echo(f"Error: internal error {type(e).__name__}: {detail} (run with `mlx-fun --debug` or "
-                       f"{DEBUG_ENV}=1 for the traceback, and please report it).", err=True)
-            sys.exit(1)
+        with sparing_stderr():
+            return _friendly(fn, args, kwargs)
 
     return wrapper
+
+
+def _friendly(fn, args, kwargs):
+    """:func:`friendly_errors`' body: ``fn`` run, each failure one line and its exit status."""
+    from ..writer import Terminated
+
+    try:
+        with cli_names():
+            return fn(*args, **kwargs)
+    except UserError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        if debug_enabled():
+            raise
+        click.echo(f"Error: {_os_error_line(e)}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("Interrupted; outputs not yet complete were removed.", err=True)
+        sys.exit(130)
+    except Terminated as e:
+        click.echo(f"Interrupted by {e}; outputs not yet complete were removed.", err=True)
+        sys.exit(128 + e.signum)
+    except click.exceptions.ClickException:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug or a backend failure: one line, traceback on request
+        if debug_enabled():
+            raise
+        detail = " ".join(str(e).split())[:300]
+        click.echo(f"Error: internal error {type(e).__name__}: {detail} (run with `mlx-fun --debug` or "
+                   f"{DEBUG_ENV}=1 for the traceback, and please report it).", err=True)
+        sys.exit(1)
+
+
+class _SparingRaw(io.RawIOBase):
+    """File descriptor 2, written with ``os.write``; what cannot be written (stderr closed, full, a broken pipe)
+    is dropped: nothing stays buffered to fail again at exit."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return os.write(2, data)
+        except OSError:
+            return len(data)
+
+    def isatty(self) -> bool:
+        try:
+            return os.isatty(2)
+        except OSError:
+            return False
+
+
+class _Sparing:
+    """Another ``sys.stderr`` (a test's capture, a caller's stream) that swallows the errors of writing to it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # full, broken or closed
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def sparing_stderr():
+    """While a command runs, status lines, warnings and progress bars on stderr can never fail it: a closed
+    (``2>&-``), full (``2>/dev/full``) or broken stderr drops them, and the run completes with its own exit status.
+    A closed descriptor 2 is first pointed at /dev/null, so no file the run opens can become "stderr"."""
+    try:
+        os.fstat(2)
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != 2:
+            os.dup2(null, 2)
+            os.close(null)
+    before = sys.stderr
+    if before is None or before is sys.__stderr__:
+        try:
+            before is not None and before.flush()
+        except (OSError, ValueError):
+            pass
+        sys.stderr = io.TextIOWrapper(_SparingRaw(), encoding="utf-8", errors="backslashreplace",
+                                      line_buffering=True, write_through=True)
+    else:
+        sys.stderr = _Sparing(before)
+    try:
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        sys.stderr = before
 
 
 class FiniteFloat(click.ParamType):
@@ -106,6 +189,19 @@ class FiniteFloat(click.ParamType):
             hi = "" if self.max is None else f" {'<' if self.max_open else '<='} {self.max}"
             self.fail(f"{value} is not in the range {lo}x{hi}.", param, ctx)
         return x
+
+
+# ------------------------------------------------------------------ ranges shared by the CLI and the REST server
+#: the largest seed: ``random.Random``, numpy's ``default_rng`` and ``mx.random.key`` / ``mx.random.seed`` all take
+#: 0 .. 2**64 - 1 (numpy refuses a negative seed, MLX one past a uint64)
+MAX_SEED = 2**64 - 1
+#: every ``--seed`` and the server's ``seed``
+SEED = click.IntRange(0, MAX_SEED)
+#: sampling: ``--temp`` / ``temperature``, ``--top-k`` / ``top_k``, ``--top-p`` / ``top_p``, ``--num-draft-tokens``
+TEMPERATURE = FiniteFloat(min=0.0)
+TOP_K = click.IntRange(min=0)
+TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
+DRAFT_TOKENS = click.IntRange(min=1)
 
 
 def model_option(fn):
@@ -139,7 +235,7 @@ def generation_options(fn):
         click.option("--draft-model", type=click.Path(), default=None,
                      help="A smaller model with the same tokenizer for speculative decoding (mlx-lm's; a directory "
                           "or a repo id). Greedy output is unchanged; --temp > 0 samples as mlx-lm does then."),
-        click.option("--num-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+        click.option("--num-draft-tokens", type=DRAFT_TOKENS, default=2, show_default=True,
                      help="Tokens the draft model proposes per step."),
     )):
         fn = option(fn)
@@ -158,7 +254,7 @@ def metric_option(default: str = "reap"):
 
 def dataset_options(fn):
     """--dataset/--max-samples/--max-tokens/--text-key/--seed, shared by every command that reads data."""
-    fn = click.option("--seed", type=int, default=None, help="Seed for the random subset of samples.")(fn)
+    fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
     fn = click.option(
         "--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines."
     )(fn)
@@ -188,7 +284,7 @@ def scan_options(names: tuple[str, str], helps: tuple[str, str]):
                                "classified.")(fn)
         fn = click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
                           help="Samples per forward pass (padding excluded).")(fn)
-        fn = click.option("--seed", type=int, default=None, help="Seed for the random subset of samples.")(fn)
+        fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
         fn = click.option("--text-key", default="content", show_default=True,
                           help="JSON key of plain-text JSONL lines.")(fn)
         fn = click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import (dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
+from .common import (SEED, dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
                      token_budget_option)
 
 
@@ -24,7 +24,7 @@ from .common import (dispatch_option, echo_err, force_option, friendly_errors, m
 @click.option("--max-tokens", type=click.IntRange(min=2), default=2048, show_default=True,
               help="Truncate every sample to this many tokens.")
 @click.option("--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the random subset (fixed by default, so repeated runs score the same samples).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Samples per forward pass (length-bucketed; padding is never scored).")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (echo_err, force_option, friendly_errors, metric_option, model_option, run_settings, take,
-                     token_budget_option)
+from .common import (SEED, echo_err, force_option, friendly_errors, metric_option, model_option, run_settings,
+                     take, token_budget_option)
 from .prune import echo_size_summary
 
 
@@ -20,7 +20,7 @@ from .prune import echo_size_summary
               help="Calibration data for similarity and alignment (JSONL or a directory, as for collect).")
 @click.option("--output", required=True, type=click.Path(),
               help="Directory for the merged model (must not be --model).")
-@click.option("--n-prune", type=click.IntRange(min=0), default=None,
+@click.option("--n-prune", type=click.IntRange(min=1), default=None,
               help="Experts merged away per layer (or expert indices, with --model-wide); E - n centroids stay.")
 @metric_option()
 @click.option("--model-wide", is_flag=True, help="Keep the same centroid indices in every layer (column sums).")
@@ -47,7 +47,7 @@ from .prune import echo_size_summary
 @click.option("--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Samples per forward pass while hidden states are pushed through the layers.")
-@click.option("--seed", type=int, default=None, help="Seed for the sample subset and the token subsets.")
+@click.option("--seed", type=SEED, default=None, help="Seed for the sample subset and the token subsets.")
 @force_option("a non-empty --output directory")
 @click.option("--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
               help="MoE expert dispatch for the calibration forwards (see `mlx-fun eval --help`).")

@@ -13,7 +13,7 @@ from .common import echo_err, force_option, friendly_errors, metric_option, mode
 @click.option("--expert-list", type=click.Path(), default=None,
               help="JSON/CSV list of experts to keep or remove per layer (see README); replaces --saliency/--n-prune.")
 @click.option("--output", required=True, type=click.Path(), help="Directory for the pruned model (must not be --model).")
-@click.option("--n-prune", type=click.IntRange(min=0), default=None,
+@click.option("--n-prune", type=click.IntRange(min=1), default=None,
               help="Experts to remove: per layer, or expert indices removed from every layer with --model-wide.")
 @metric_option()
 @click.option("--strategy", type=click.Choice(["bottom", "strided"]), default="bottom", show_default=True,

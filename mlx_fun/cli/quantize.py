@@ -13,14 +13,16 @@ BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
 @click.command("quantize", short_help="MoE-aware mixed precision: router, dense parts and experts apart.")
 @model_option
 @click.option("--output", required=True, type=click.Path(), help="Directory for the quantized model.")
-@click.option("--expert-bits", type=BITS, default="4", show_default=True, help="Bits of the routed experts (affine).")
+@click.option("--expert-bits", type=BITS, default=None,
+              help="Bits of the routed experts (affine)  [default: 4; mxfp4 / nvfp4 / mxfp8: their own].")
 @click.option("--expert-mode", type=MODES, default="affine", show_default=True,
               help="Routed experts' format (mxfp4 / nvfp4: 4 bits, mxfp8: 8 bits).")
 @click.option("--expert-group-size", type=int, default=None,
               help="Routed experts' (and cold layers') group size: affine 32, 64 or 128; mxfp4 / mxfp8 32; nvfp4 16. "
                    "Left out: the mode's default (64, 32, 32, 16).")
-@click.option("--dense-bits", type=BITS, default="4", show_default=True,
-              help="Bits of attention, shared experts, dense MLPs, embeddings and head.")
+@click.option("--dense-bits", type=BITS, default=None,
+              help="Bits of attention, shared experts, dense MLPs, embeddings and head  [default: 4; mxfp4 / nvfp4 "
+                   "/ mxfp8: their own].")
 @click.option("--dense-mode", type=MODES, default="affine", show_default=True, help="Their format.")
 @click.option("--dense-group-size", type=int, default=None,
               help="Their group size (allowed values and default as for --expert-group-size).")
@@ -29,7 +31,8 @@ BITS = click.Choice(["2", "3", "4", "5", "6", "8"])
 @click.option("--saliency", type=click.Path(), default=None,
               help="Saliency .npz from `mlx-fun collect`: the coldest layers' experts get --cold-bits.")
 @click.option("--cold-layers", type=click.IntRange(min=1), default=None, help="How many MoE layers count as cold.")
-@click.option("--cold-bits", type=BITS, default=None, help="Bits of the cold layers' routed experts.")
+@click.option("--cold-bits", type=BITS, default=None,
+              help="Bits of the cold layers' routed experts: fewer than --expert-bits.")
 @click.option("--cold-mode", type=MODES, default=None, help="Their format (default --expert-mode).")
 @metric_option()
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output .safetensors file.")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from ..jobs.smoke_test import DEFAULT_PROMPT
-from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
-                     run_settings, take)
+from .common import (SEED, TEMPERATURE, TOP_K, TOP_P, dispatch_option, echo_err, friendly_errors,
+                     generation_options, model_option, run_settings, take)
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
@@ -15,14 +15,14 @@ from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, ge
               help="Prompt text, fed raw (no chat template) unless --chat.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=100, show_default=True,
               help="Generate at most this many tokens (fewer when the model emits an EOS token).")
-@click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True,
+@click.option("--temp", type=TEMPERATURE, default=0.0, show_default=True,
               help="Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's default).")
-@click.option("--seed", type=click.IntRange(min=0), default=None,
+@click.option("--seed", type=SEED, default=None,
               help="Seed: step n of the generation draws its noise from mx.random.key(seed + n), so the same "
                    "seed reproduces the output. Without it the noise comes from MLX's global RNG.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--top-k", type=TOP_K, default=0, show_default=True,
               help="Sample only among the k most likely tokens (0 disables).")
-@click.option("--top-p", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True,
               help="Sample only from the nucleus of the model's (untempered) distribution holding this much "
                    "probability (1 disables).")
 @click.option("--chat", is_flag=True, default=False,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, generation_options, model_option,
-                     run_settings, take)
+from .common import (SEED, TEMPERATURE, FiniteFloat, dispatch_option, echo_err, friendly_errors,
+                     generation_options, model_option, run_settings, take)
 
 
 @click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
@@ -29,8 +29,8 @@ from .common import (FiniteFloat, dispatch_option, echo_err, friendly_errors, ge
               help="Router-logit bias of a deactivated expert (additive scheme).")
 @click.option("--boost-value", type=FiniteFloat(min=0, min_open=True), default=1e4, show_default=True,
               help="Router-logit bias of an activated expert (additive scheme).")
-@click.option("--temp", type=FiniteFloat(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the Gumbel-max sampler.")
+@click.option("--temp", type=TEMPERATURE, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--seed", type=SEED, default=None, help="Seed of the Gumbel-max sampler.")
 @click.option("--chat", is_flag=True, default=False, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--compare", is_flag=True, default=False,
               help="First print the unsteered reply (same sampler), then stream the steered one.")

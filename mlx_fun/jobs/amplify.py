@@ -42,8 +42,8 @@ def run(
     for name, value in (("scale", scale), ("threshold", threshold)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise UserError(f"{param(name)} must be a finite number, got {value!r}.")
-    if scale < 0:
-        raise UserError(f"{param('scale')} must be >= 0 (0 writes the model unchanged), got {scale}.")
+    if scale <= 0:
+        raise UserError(f"{param('scale')} must be above 0 (0 would write the model unchanged), got {scale}.")
     check_supported(model)
     require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
     inputs = {param("model"): model, param("domain_map"): domain_map}
@@ -76,11 +76,7 @@ def run(
         paths = apply(adapter, boost)
         boosted = {str(layers[p]): {str(e): round(float(boost[p, e]), 6) for e in np.flatnonzero(boost[p])}
                    for p in range(len(layers)) if boost[p].any()}
-        why = (f"{param('scale')} 0 adds nothing" if scale == 0 else
-               f"no domain expert has a composite score above {param('threshold')} {threshold}")
-        warnings = [] if boosted else [f"{why}; the model is written unchanged."]
-        for w in warnings:
-            log(f"Warning: {w}")
+        warnings: list[str] = []
         meta = {"domain_name": report.get("domain_name"), "domain_map": str(domain_map), "scale": scale,
                 "threshold": threshold, "target": found[1], "parameters": paths, "boost": boosted,
                 "bias_per_layer": {str(layers[p]): boost[p].round(6).tolist() for p in range(len(layers))}}
@@ -93,21 +89,35 @@ def run(
 def _checked_boost(adapter, composite, domain, *, scale: float, threshold: float, name: str, domain_map) -> np.ndarray:
     """The boost, once sure that every biased value stays finite in the bias's dtype; else a one-line refusal
     naming ``scale`` and the largest finite scale for this model, domain map and threshold."""
-    from ..rewrite.amplify import boosts, largest_scale
+    from ..rewrite.amplify import boosts, changes, largest_scale
 
     unit = boosts(composite, domain, scale=1.0, threshold=threshold)
     if not np.isfinite(unit).all():
         raise UserError(f"{param('threshold')} {threshold:g} is so far below the composite scores that "
                         f"composite − threshold overflows; pass a {param('threshold')} near the scores "
                         f"(those in {domain_map} lie in [{composite.min():.3g}, {composite.max():.3g}]).")
+    scores = [float(composite[p, e]) for p, experts in domain.items() for e in experts]
+    span = f"those of its domain experts lie in [{min(scores):.3g}, {max(scores):.3g}]" if scores else "it lists none"
+    if not unit.any():
+        raise UserError(f"no domain expert of {param('domain_map')} {domain_map} has a composite score above "
+                        f"{param('threshold')} {threshold:g} ({span}), so nothing would be boosted; pass a "
+                        f"lower {param('threshold')}.")
     limit, dtype = largest_scale(adapter, unit)
+    if scale > limit and limit < 1 and threshold < min(scores):
+        raise UserError(f"{param('threshold')} {threshold:g} is so far below the composite scores ({span}) that "
+                        f"composite − threshold passes {dtype}'s largest value already at {param('scale')} 1; "
+                        f"pass a {param('threshold')} near the scores.")
     if scale > limit:
         where = f"this model, {param('domain_map')} {domain_map} and {param('threshold')} {threshold:g}"
         fix = (f"the largest finite scale for {where} is {_round_down(limit):g}; pass {param('scale')} "
                f"{_round_down(limit):g} or less" if limit > 0 else f"no scale above 0 keeps it finite for {where}")
         raise UserError(f"{param('scale')} {scale:g} would make {name} infinite in {dtype} (the boost reaches "
                         f"{float(unit.max()) * scale:.3g}); {fix}.")
-    return boosts(composite, domain, scale=scale, threshold=threshold)
+    boost = boosts(composite, domain, scale=scale, threshold=threshold)
+    if not changes(adapter, boost):
+        raise UserError(f"{param('scale')} {scale:g} changes no {name} in {dtype}: the largest boost, "
+                        f"{float(boost.max()):.3g}, rounds away next to the bias; pass a larger {param('scale')}.")
+    return boost
 
 
 def _round_down(x: float) -> float:

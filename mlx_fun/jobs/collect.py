@@ -59,12 +59,14 @@ def run(
     from .. import engine, writer
     from ..collect import collect
     from ..data import load_samples, pad_id
-    from ..distributed import globalize, my_share, reduce_saliency, shared_seed, world
+    from ..distributed import check_pipeline, globalize, my_share, reduce_saliency, shared_seed, world
 
     checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
     settings.check()
     require_path("dataset", dataset, "pass a JSONL file or a directory of text files")
     w = world()
+    if pipeline:
+        check_pipeline(checked[0], w)  # every rank alike, before any collective
     inputs = {param("model"): model, param("dataset"): dataset}
     writer.check_output_path(output, kind="file", inputs=inputs, force=force)  # every rank alike, before collectives
     reserve = (writer.output(output, kind="file", suffix=".npz", inputs=inputs, force=force) if w.writer

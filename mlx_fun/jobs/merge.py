@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import UserError, param
+from ..errors import UserError, param, require_whole
 from ..rewrite.merge_options import Ream
 from ..selection import Selection
 from ..settings import RunSettings
@@ -66,6 +66,7 @@ def run(
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     _check(saliency, expert_list, selection, ream, settings)
+    require_whole("seed", seed, 0, none_ok=True)  # numpy's generator takes no negative seed
     for name, path in (("saliency", saliency), ("expert_list", expert_list), ("dataset", dataset)):
         require_path(name, path)
     inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
@@ -115,6 +116,9 @@ def _check(saliency, expert_list, selection: Selection, ream: Ream, settings: Ru
     if expert_list is not None and n_prune is not None:
         raise UserError(f"{param('expert_list')} already says which experts stay as centroids; drop "
                         f"{param('n_prune')}.")
+    if n_prune == 0:
+        raise UserError(f"{param('n_prune')} 0 merges no expert away: the output would be an unchanged copy labelled "
+                        f"merged; pass {param('n_prune')} 1 or more.")
     if selection.ignore_experts is not None and not selection.model_wide:
         raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
     if selection.model_wide and expert_list is not None:
@@ -144,6 +148,10 @@ def _centroids(adapter, saliency, expert_list, selection: Selection):
         from ..expert_files import load_expert_list
 
         keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
+        if all(len(kept) == E for kept in keep_map.values()):
+            raise UserError(f"{param('expert_list')} {expert_list} keeps every expert of every layer, so nothing "
+                            f"would be merged: the output would be an unchanged copy labelled merged; list the "
+                            f"experts to merge away.")
     else:
         ignore = selection.ignore_experts
         keep_map = select_centroids(

@@ -37,6 +37,9 @@ def check_sources(*, saliency, expert_list, selection: Selection, safety_map=Non
         raise UserError(f"{param('saliency')} needs {param('n_prune')} (how many experts to remove).")
     if expert_list is not None and n_prune is not None:
         raise UserError(f"{param('expert_list')} already says which experts to remove; drop {param('n_prune')}.")
+    if n_prune == 0:
+        raise UserError(f"{param('n_prune')} 0 removes no expert: the output would be an unchanged copy labelled "
+                        f"pruned; pass {param('n_prune')} 1 or more.")
     if (safety_map is None) != (safety_mode is None):
         raise UserError(f"{param('safety_map')} and {param('safety_mode')} go together.")
     if (domain_map is None) != (domain_mode is None):
@@ -154,5 +157,8 @@ def select_keep_map(adapter, *, acc, scores, expert_list, selection: Selection, 
             protected=merge_expert_sets(*protected_sets) if protected_sets else None, targeted=targeted,
             groups=adapter.groups, moe_layer_indices=moe_layers,
         )
+    if expert_list is not None and all(len(kept) == E for kept in keep_map.values()):
+        raise UserError(f"{param('expert_list')} {expert_list} removes no expert from any layer: the output would be "
+                        f"an unchanged copy labelled pruned; list the experts to remove.")
     warnings += check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers)
     return keep_map, warnings

@@ -104,6 +104,11 @@ def _settings(recipe: QuantRecipe, saliency):
     require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")
     cold = None if r.cold_layers is None else q.setting("cold", r.cold_bits, r.expert_group_size,
                                                         r.cold_mode or r.expert_mode, group_param="expert_group_size")
+    if cold is not None and (cold.bits > experts.bits or cold == experts):
+        what = "the same setting as" if cold == experts else "more bits than"
+        raise UserError(f"{param('cold_bits')} {cold.bits} gives the coldest, least salient layers {what} the other "
+                        f"routed experts ({cold} vs {experts}): cold layers are the ones that give up precision; "
+                        f"pass a {param('cold_bits')} below {experts.bits} (or raise {param('expert_bits')}).")
     return dense, experts, router, cold
 
 

@@ -160,6 +160,10 @@ def _specs_from_model(model_path: str, top_k: int | None, backend: str):
         key = LayerKey.of(module)
         if key in seen:
             continue
+        experts = key.E
+        if k > experts:
+            raise UserError(f"{param('top_k')} {k} is more than the {experts} experts of {model_path}'s MoE layers; "
+                            f"pass a {param('top_k')} of at most {experts} (or leave it out for the model's own).")
         if half_on_cpu(module, backend):
             seen[key] = (None, spec_of(module, k, dtype=mx.float32), build_layer)
         else:

@@ -73,6 +73,20 @@ def largest_scale(adapter: MoEAdapter, unit: np.ndarray) -> tuple[float, str]:
     return limit, dtype
 
 
+def changes(adapter: MoEAdapter, boost: np.ndarray) -> bool:
+    """Whether adding ``boost`` changes any target bias in its own dtype (a boost far below a bias's precision,
+    a tiny ``scale`` on a float16 bias, rounds away: :func:`apply` would write the bias unchanged)."""
+    for pos, block in enumerate(adapter.blocks()):
+        found = target(adapter, block)
+        if found is None or not boost[pos].any():
+            continue
+        old = _param(block, found[0])[2]
+        new = (old.astype(mx.float32) + mx.array(boost[pos], dtype=mx.float32)).astype(old.dtype)
+        if not mx.array_equal(new, old).item():
+            return True
+    return False
+
+
 def apply(adapter: MoEAdapter, boost: np.ndarray) -> list[str]:
     """Add ``boost[pos]`` to each MoE block's target parameter (in its dtype); returns the parameter paths."""
     paths = []

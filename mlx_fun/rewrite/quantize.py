@@ -33,6 +33,8 @@ from ..errors import UserError, param
 MODES = {"affine": (64, None, (32, 64, 128)), "mxfp4": (32, 4, (32,)), "nvfp4": (16, 4, (16,)),
          "mxfp8": (32, 8, (32,))}
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+#: the bits of an affine setting left out (``None``)
+DEFAULT_BITS = 4
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ def setting(name: str, bits: int | None, group_size: int | None, mode: str, *, g
             ) -> Setting:
     """A checked setting; ``name`` is the parameter prefix (``expert`` → ``expert_bits`` / ``expert_mode`` ...),
     ``group_param`` the parameter the group size came from (default ``<name>_group_size``). Only ``None`` means
-    the mode's default group size: 0 is refused like any other size the mode does not allow."""
+    the mode's default group size: 0 is refused like any other size the mode does not allow; ``None`` bits: the
+    mode's own (mxfp4 / nvfp4 4, mxfp8 8), affine :data:`DEFAULT_BITS`."""
     if mode not in MODES:
         raise UserError(f"{param(name + '_mode')} must be one of {', '.join(MODES)}, got {mode!r}.")
     default_gs, forced, allowed = MODES[mode]
@@ -62,6 +65,8 @@ def setting(name: str, bits: int | None, group_size: int | None, mode: str, *, g
             raise UserError(f"{mode} stores {forced} bits; drop {param(name + '_bits')} {bits} or use "
                             f"{param(name + '_mode')} affine.")
         bits = forced
+    elif bits is None:
+        bits = DEFAULT_BITS
     elif bits not in AFFINE_BITS:
         raise UserError(f"{param(name + '_bits')} must be one of {', '.join(map(str, AFFINE_BITS))} for affine, "
                         f"got {bits!r}.")
@@ -78,15 +83,16 @@ class QuantRecipe:
     resolved into a :class:`Recipe` by the job.
 
     ``expert_*``: bits / format / group size of the routed experts (``None`` group size: the mode's default;
-    ``None`` bits: the mode's own, for mxfp4 / nvfp4 / mxfp8); ``dense_*``: the same for attention, shared experts,
+    ``None`` bits: the mode's own for mxfp4 / nvfp4 / mxfp8, 4 for affine); ``dense_*``: the same for attention, shared experts,
     dense MLPs, embeddings and head; ``router_bits``: 16 (float) or 8 (8-bit affine); ``cold_layers`` /
     ``cold_bits`` / ``cold_mode``: with a saliency file, that many coldest MoE layers' routed experts get these
-    bits and format (default ``expert_mode``), with ``expert_group_size``."""
+    bits and format (default ``expert_mode``), with ``expert_group_size`` — fewer bits than the other experts
+    (cold: the least salient layers give up precision first)."""
 
-    expert_bits: int | None = 4
+    expert_bits: int | None = None
     expert_mode: str = "affine"
     expert_group_size: int | None = None
-    dense_bits: int | None = 4
+    dense_bits: int | None = None
     dense_mode: str = "affine"
     dense_group_size: int | None = None
     router_bits: int = 16

@@ -7,8 +7,8 @@ ending the server — for a ``top_k`` at or above the vocabulary size, a ``*_con
 past 2**64 - 1. Here every such value is a 400 naming the field (:func:`check_numbers`), except a ``top_k``
 at or above the vocabulary size, which keeps every token as the CLI's ``--top-k`` does (sent on as 0).
 
-The sampling numbers the CLI also takes are checked by the CLI's own option types (``mlx-fun smoke-test``'s
-``--temp``, ``--top-p``, ``--top-k``, ``--seed``, ``--num-draft-tokens``: one definition of each range; mlx-lm
+The sampling numbers the CLI also takes are checked by the CLI's own option types (``--temp``, ``--top-p``,
+``--top-k``, ``--seed``, ``--num-draft-tokens``, declared once in :mod:`mlx_fun.cli.common`; mlx-lm
 takes a ``num_draft_tokens`` of 0, which drafts nothing, as mlx-fun's own option does not); the rest by the same
 :class:`~mlx_fun.cli.common.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
 ``max_completion_tokens``) may be at most the server's ``--max-tokens-limit``, a ``*_context_size`` at most the
@@ -24,8 +24,6 @@ import click
 
 from .errors import HTTPError
 
-#: the largest seed ``mx.random.seed`` takes (a uint64)
-MAX_SEED = 2**64 - 1
 #: fields that may be null (mlx-lm reads null as "not given")
 NULLABLE = ("seed", "max_completion_tokens")
 #: JSON booleans mlx-lm reads
@@ -35,13 +33,12 @@ FLAGS = ("stream", "logprobs")
 @functools.cache
 def _rules() -> dict[str, tuple[type, click.ParamType]]:
     """``{field: (int or float, the click type that checks its range)}`` for the fields every server shares."""
-    from ..cli.common import FiniteFloat
-    from ..cli.smoke_test import command
+    from ..cli.common import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat
 
-    cli = {p.name: p.type for p in command.params}  # the CLI's ranges, not a second copy of them
+    # the CLI's ranges (declared once in mlx_fun.cli.common), not a second copy of them
     return {
-        "temperature": (float, cli["temp"]), "top_p": (float, cli["top_p"]), "top_k": (int, cli["top_k"]),
-        "seed": (int, cli["seed"]), "num_draft_tokens": (int, cli["num_draft_tokens"]),
+        "temperature": (float, TEMPERATURE), "top_p": (float, TOP_P), "top_k": (int, TOP_K),
+        "seed": (int, SEED), "num_draft_tokens": (int, DRAFT_TOKENS),
         "min_p": (float, FiniteFloat(0.0, 1.0)), "repetition_penalty": (float, FiniteFloat(min=0.0)),
         "presence_penalty": (float, FiniteFloat()), "frequency_penalty": (float, FiniteFloat()),
         "xtc_probability": (float, FiniteFloat(0.0, 1.0)), "xtc_threshold": (float, FiniteFloat(0.0, 1.0)),
@@ -87,8 +84,6 @@ def check_numbers(body: dict, *, max_tokens_limit: int, context: int, vocab_size
     for name, (kind, rule) in rules.items():
         if name in body and not (body[name] is None and name in NULLABLE):
             body[name] = _number(name, body[name], kind, rule)
-    if body.get("seed") is not None and body["seed"] > MAX_SEED:
-        raise HTTPError(400, f"seed {body['seed']} is above {MAX_SEED}, the largest seed MLX takes.", "seed")
     if body.get("top_k", 0) >= vocab_size:
         body["top_k"] = 0  # as the CLI: k >= the vocabulary keeps every token (mlx-lm would raise mid-generation)
     for name in FLAGS:
