@@ -95,6 +95,7 @@ TABLE: tuple[Private, ...] = (
     Private(_SERVER, "ResponseGenerator._next_request", ("serve",)),
     Private(_SERVER, "ResponseGenerator._run_generate", ("serve",)),
     Private(_SERVER, "ResponseGenerator._stop", ("serve",)),
+    Private(_SERVER, "ResponseGenerator._tokenize", ("serve",)),
     Private(_SERVER, "ResponseGenerator._generation_thread", ("serve",)),
     Private(_SERVER, "APIHandler._set_cors_headers", ("serve",)),
 )

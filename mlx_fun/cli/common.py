@@ -113,22 +113,22 @@ class _Sparing:
     """Another ``sys.stderr`` (a test's capture, a caller's stream) that swallows the errors of writing to it."""
 
     def __init__(self, stream):
-        self._stream = stream
+        self._wrapped = stream
 
     def write(self, text):
         try:
-            return self._stream.write(text)
+            return self._wrapped.write(text)
         except (OSError, ValueError):  # full, broken or closed
             return len(text)
 
     def flush(self) -> None:
         try:
-            self._stream.flush()
+            self._wrapped.flush()
         except (OSError, ValueError):
             pass
 
     def __getattr__(self, name):
-        return getattr(self._stream, name)
+        return getattr(self._wrapped, name)
 
 
 @contextlib.contextmanager
