@@ -55,6 +55,14 @@ def _post(port, path, body, headers=None):
     return resp.status, out
 
 
+def _get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    out = json.loads(conn.getresponse().read())
+    conn.close()
+    return out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_auto_save_on_signal(tmp_path, sig):
     proc, port = _start_cli(tmp_path, "--auto-save", "online.npz", "--mode", "full")
@@ -347,7 +355,7 @@ def _os_threads(pid: int) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's thread count from /proc")
 def test_the_command_holds_idle_clients_to_max_connections(tmp_path):
-    """Issue 41 row 4, on the real command: 16 idle connections against `serve --max-connections 4
+    """Issue 41 row 4, on the real command: 16 idle and half-sent connections against `serve --max-connections 4
     --request-timeout 1` add at most 4 threads to the server process (they held one each, until the clients
     left), are closed about a second later, a few at a time, and a normal request gets through meanwhile."""
     proc, port = _start_cli(tmp_path, "--max-connections", 4, "--request-timeout", 1)
@@ -356,15 +364,68 @@ def test_the_command_holds_idle_clients_to_max_connections(tmp_path):
         assert status == 200
         time.sleep(0.5)
         baseline = _os_threads(proc.pid)
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        socks = _hostile(port, 16)
         peak = max(_os_threads(proc.pid) for _ in range(10) if time.sleep(0.05) is None)
         assert peak <= baseline + 4, (baseline, peak)
         status, out = _post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] <= 2
         for sock in socks:
             sock.settimeout(30)
-            assert sock.recv(1) == b""  # closed by the server, nothing sent
+            answer = sock.recv(1 << 16)  # closed by the server: nothing, or a 408 for a late body
+            assert answer == b"" or answer.startswith(b"HTTP/1.0 408"), answer[:200]
             sock.close()
         assert _os_threads(proc.pid) <= baseline + 4
+    finally:
+        _stop(proc)
+
+
+def _hostile(port: int, n: int) -> list:
+    """``n`` connections that send nothing, half a request's headers, or headers and half a body, in turn."""
+    kinds = [b"", b"GET /v1/reap/info HTTP/1.1\r\nHost: 127",
+             b"POST /v1/reap/reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 100\r\n\r\n{\"x\": "]
+    socks = []
+    for i in range(n):
+        sock = socket.create_connection(("127.0.0.1", port))
+        if kinds[i % 3]:
+            sock.sendall(kinds[i % 3])
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's thread count from /proc")
+def test_clients_that_send_nothing_cannot_keep_the_others_out(tmp_path):
+    """Issue 41 row 4: with every connection slot held by clients that send nothing or half a request, a normal
+    request is served at once (the connection that has waited longest on its client is closed to make room; a late
+    body gets a 408 naming --max-connections), not after --request-timeout (30 s) per batch of idle clients; the
+    threads stay bounded, and the half-sent reset never runs."""
+    proc, port = _start_cli(tmp_path, "--max-connections", 4)  # --request-timeout: its default, 30 s
+    try:
+        status, _ = _post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200
+        before = _get(port, "/v1/reap/stats")["token_count"]
+        baseline = _os_threads(proc.pid)
+        socks = _hostile(port, 24)
+        peak = max(_os_threads(proc.pid) for _ in range(10) if time.sleep(0.05) is None)
+        t0 = time.monotonic()
+        status, out = _post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        waited = time.monotonic() - t0
+        assert status == 200 and waited < 10, (status, waited)
+        assert max(peak, _os_threads(proc.pid)) <= baseline + 4, (baseline, peak)
+        late = []
+        for sock in socks[2::3]:
+            sock.settimeout(0.5)
+            try:
+                late.append(sock.recv(1 << 16))
+            except TimeoutError:  # still waiting: not needed to make room
+                pass
+        evicted = [a for a in late if a]
+        assert evicted and all(a.startswith(b"HTTP/1.0 408") and b"--max-connections" in a for a in evicted), late
+        for sock in socks:
+            sock.close()
+        stats = _get(port, "/v1/reap/stats")
+        usage = out["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        assert stats["token_count"] == before + usage["prompt_tokens"] - cached + usage["completion_tokens"]
     finally:
         _stop(proc)

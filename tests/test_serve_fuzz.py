@@ -358,9 +358,10 @@ def _read_all(sock: socket.socket) -> bytes:
 def test_idle_and_slow_clients_hold_no_more_than_the_bound(server, capfd):
     """Issue 41 row 4: 400 idle connections with half-sent bodies held 413 server threads until the clients left,
     and 200 that never finished their headers 213 threads for 18 s and more. Now at most --max-connections are
-    served at once (the rest wait, unread, without a thread), each request must arrive within --request-timeout:
-    an idle, a half-header and a half-body client are all closed after it (408 JSON for the late body), a normal
-    request still gets through, and nothing is counted for them."""
+    served at once (the rest wait, unread, without a thread, or the one waiting longest on its client is closed to
+    make room), each request must arrive within --request-timeout: an idle, a half-header and a half-body client
+    are all closed after it or sooner (408 JSON for the late body), a normal request still gets through, and
+    nothing is counted for them."""
     before, baseline = totals(server), _threads()
     head = b"POST /v1/reap/reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     kinds = [b"", b"GET /v1/reap/info HTTP/1.1\r\nHost: 127", head + b"Content-Length: 100\r\n\r\n{\"x\": "]
@@ -387,7 +388,7 @@ def test_idle_and_slow_clients_hold_no_more_than_the_bound(server, capfd):
         status_line, _, body = a.partition(b"\r\n\r\n")
         assert status_line.startswith(b"HTTP/1.0 408") or status_line.startswith(b"HTTP/1.1 408"), a[:200]
         err = json.loads(body)["error"]
-        assert err["code"] == 408 and "--request-timeout" in err["message"], err
+        assert err["code"] == 408 and ("--request-timeout" in err["message"] or "--max-connections" in err["message"]), err
     assert closed_after < 6 * TIMEOUT + 10, closed_after
     assert max(peak, _threads()) <= baseline + MAX_CONNECTIONS
     assert "Traceback" not in capfd.readouterr().err  # (socketserver prints one for what escapes a handler)

@@ -72,7 +72,8 @@ def _size(text: str) -> int:
               help="Longest prompt accepted, in tokens after the chat template (longer: 400 naming prompt / "
                    "messages, before any prefill)  [default: the model's context length (max_position_embeddings)]")
 @click.option("--max-connections", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Connections served at once; more wait, unread, in the listen queue until one ends.")
+              help="Connections served at once; at the bound the one waiting longest on its client (idle, half "
+                   "sent) is closed to make room, else more wait, unread, in the listen queue until one ends.")
 @click.option("--request-timeout", type=FiniteFloat(min=0.0, min_open=True, max=86400.0, max_open=True),
               default=30.0, show_default=True, metavar="SECONDS",
               help="Time a request's line, headers and body may take to arrive (late: closed, 408 for a late body); "

@@ -115,29 +115,56 @@ class ServeApp:
 LISTEN_BACKLOG = 1024
 
 
+#: how long a connection must have waited on its client before a server at its bound closes it for a new one
+#: (clients between their requests of a burst send the next at once; hostile ones wait far longer)
+EVICT_AFTER = 0.25
+
+
 class _HTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` at once: at the bound, the accept loop leaves new
-    connections in the kernel's listen queue (unread, no thread, nothing counted) until a served one ends, so a
-    burst queues instead of being reset and idle clients cannot take every thread; each connection then has
-    ``app.request_timeout`` seconds to send each request (:class:`~mlx_fun.serve.handler.ReapHandler`)."""
+    """One thread per connection, at most ``max_connections`` at once. At the bound, the connection that has waited
+    longest (at least :data:`EVICT_AFTER`) for its client to send a request is closed to make room
+    (:meth:`~mlx_fun.serve.handler.TimedReads.evict`: an idle or half-sent request, never one being answered), so
+    clients that send nothing cannot keep the others out; when every connection is being answered, new ones wait,
+    unread and without a thread, in the kernel's listen queue until one ends, so a burst queues instead of being
+    reset. Each connection then has ``app.request_timeout`` seconds to send each request
+    (:class:`~mlx_fun.serve.handler.ReapHandler`); nothing is counted for a request that did not arrive whole."""
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
     app: ServeApp
     slots: threading.BoundedSemaphore
+    waiting_on: dict  # a served connection's socket -> its TimedReads (the handler registers it)
 
     def get_request(self):
-        if not self.slots.acquire(timeout=0.05):  # at the bound: serve_forever polls again (and sees a shutdown)
-            raise OSError("at --max-connections")  # _handle_request_noblock returns on OSError, accepting nothing
+        if not self.slots.acquire(blocking=False):
+            room = self._evict_one() and self.slots.acquire(timeout=1.0)  # the evicted thread ends in a moment
+            if not room and not self.slots.acquire(timeout=0.05):  # serve_forever polls again (sees a shutdown)
+                raise OSError("at --max-connections")  # _handle_request_noblock returns on OSError, accepting nothing
         try:
             return super().get_request()
         except BaseException:
             self.slots.release()
             raise
 
+    def _evict_one(self) -> bool:
+        """Evict the connection waiting longest on its client (True), unless one evicted is still ending (True) or
+        none has waited :data:`EVICT_AFTER` (False: every connection is being answered)."""
+        now, oldest = time.monotonic(), None
+        for reads in list(self.waiting_on.values()):
+            if reads.evicted:
+                return True
+            since = reads.waiting_since
+            if since is not None and now - since >= EVICT_AFTER and (oldest is None or since < oldest[0]):
+                oldest = (since, reads)
+        if oldest is None:
+            return False
+        oldest[1].evict()
+        return True
+
     def shutdown_request(self, request):
         """Called once for every accepted connection (served, refused or failed): its slot is free again."""
         try:
+            self.waiting_on.pop(request, None)
             super().shutdown_request(request)
         finally:
             self.slots.release()
@@ -224,6 +251,7 @@ def _bind(host: str, port: int, max_connections: int) -> _HTTPServer:
     class Bound(_HTTPServer):
         address_family = family
         slots = threading.BoundedSemaphore(max_connections)
+        waiting_on: dict = {}
 
     try:
         return Bound(address, lambda *a, **k: ReapHandler(_app_generator(a), *a, **k,

@@ -15,6 +15,7 @@ of the same shape and the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import json
@@ -73,14 +74,24 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ALLOWED = "GET, POST, DELETE, OPTIONS"
 
 
+class Evicted(TimeoutError):
+    """The connection was closed to make room (:meth:`TimedReads.evict`) while the server waited for its request."""
+
+
 class TimedReads(io.RawIOBase):
     """A connection's reads, each bounded by what is left of the current request's time: past ``start(seconds)``'s
     deadline a read raises ``TimeoutError``, so a client that sends its request line, headers or body slowly (or
     not at all) holds its thread at most that long. The socket stays blocking otherwise (writes, and
-    :func:`client_gone`'s peek, which a socket timeout would turn into a wait)."""
+    :func:`client_gone`'s peek, which a socket timeout would turn into a wait).
+
+    ``waiting_since`` is when the read now blocked on the client began (None: not waiting on the client): a server at
+    its connection bound evicts (:meth:`evict`) the connection that has waited longest, so clients that send nothing
+    cannot keep the others out."""
 
     def __init__(self, sock):
         self._sock, self._deadline = sock, None
+        self.waiting_since: float | None = None
+        self.evicted = False
 
     def readable(self) -> bool:
         return True
@@ -90,13 +101,27 @@ class TimedReads(io.RawIOBase):
 
     def readinto(self, b) -> int:
         left = None if self._deadline is None else self._deadline - time.monotonic()
+        if self.evicted:
+            raise Evicted("the connection was closed to make room for others")
         if left is not None and left <= 0:
             raise TimeoutError("the request took too long to arrive")
         self._sock.settimeout(left)
+        self.waiting_since = time.monotonic()
         try:
-            return self._sock.recv_into(b)
+            n = self._sock.recv_into(b)
         finally:
+            self.waiting_since = None
             self._sock.settimeout(None)
+        if self.evicted:  # woken by evict(): what arrived is not a request's end, never run a cut request
+            raise Evicted("the connection was closed to make room for others")
+        return n
+
+    def evict(self) -> None:
+        """End the wait for this client's request: its reads raise :class:`Evicted` (its thread answers a late
+        body with 408 and closes the connection, as at the deadline); its writes still work."""
+        self.evicted = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RD)  # wakes a blocked recv
 
 
 def client_gone(sock) -> bool:
@@ -182,6 +207,7 @@ class ReapHandler(APIHandler):
         self.rfile.close()  # the socket's own reader: closed, or the socket would stay open after the request
         self._reads = TimedReads(self.connection)
         self.rfile = io.BufferedReader(self._reads)
+        self.server.waiting_on[self.connection] = self._reads
 
     def handle_one_request(self):
         """http.server's, under the request's deadline: a client that has not sent its request line, headers and
@@ -249,10 +275,12 @@ class ReapHandler(APIHandler):
             pass
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away
-        except TimeoutError:  # the body did not arrive in time (TimedReads)
+        except TimeoutError as e:  # the body did not arrive in time, or the wait for it made room (TimedReads)
             self.close_connection = True
-            self._safe_error(HTTPError(408, f"the request did not arrive within {self.app.request_timeout:g} s "
-                                            "(--request-timeout); send it whole, promptly."))
+            why = (f"the server is at its --max-connections ({self.app.max_connections}) and this request had "
+                   "not arrived" if isinstance(e, Evicted) else
+                   f"the request did not arrive within {self.app.request_timeout:g} s (--request-timeout)")
+            self._safe_error(HTTPError(408, f"{why}; send it whole, promptly."))
         except Exception as e:  # noqa: BLE001 - never a traceback to a client, never a dead server
             logging.exception("request failed: %s %s", self.command, self.path)
             self._safe_error(HTTPError(500, f"internal error {type(e).__name__}: {' '.join(str(e).split())[:200]}"))
