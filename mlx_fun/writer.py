@@ -35,6 +35,7 @@ import contextvars
 import errno
 import functools
 import inspect
+import itertools
 import json
 import os
 import re
@@ -165,24 +166,18 @@ def _check_input(out: Path, path, flag: str, label: str, inp) -> None:
     """Refuse ``out`` if it is, lies inside or contains the input ``inp`` or a target of a link inside it."""
     src = _resolve(inp)
     shown = f"{flag} {path}"
-    if out == src:
-        raise UserError(f"{shown} is the input given to {label}; write the result somewhere else.")
-    if src in out.parents:
-        raise UserError(f"{shown} is inside the input {label} {inp}; write the result somewhere else.")
-    if out in src.parents:
-        raise UserError(f"{shown} contains the input {label} {inp}; replacing it would delete that input, so write "
-                        f"the result to a new path.")
-    if not src.is_dir():
-        return
-    for entry, target in _linked_targets(src):
-        via = f"its {entry.relative_to(src) if entry.is_relative_to(src) else entry} is a link to {target}"
+    links = ((target, f"its {entry.relative_to(src) if entry.is_relative_to(src) else entry} is a link to {target}")
+             for entry, target in (_linked_targets(src) if src.is_dir() else ()))
+    for target, via in itertools.chain([(src, None)], links):
+        where = f" ({via})" if via else ""
         if out == target:
-            raise UserError(f"{shown} is a file of the input {label} {inp} ({via}); write the result somewhere else.")
+            what = f"the input given to {label}" if via is None else f"a file of the input {label} {inp}"
+            raise UserError(f"{shown} is {what}{where}; write the result somewhere else.")
         if target in out.parents:
-            raise UserError(f"{shown} is inside the input {label} {inp} ({via}); write the result somewhere else.")
+            raise UserError(f"{shown} is inside the input {label} {inp}{where}; write the result somewhere else.")
         if out in target.parents:
-            raise UserError(f"{shown} contains the input {label} {inp} ({via}); replacing it would delete that "
-                            f"input, so write the result to a new path.")
+            raise UserError(f"{shown} contains the input {label} {inp}{where}; replacing it would delete that input, "
+                            f"so write the result to a new path.")
 
 
 def _resolve_output(plain: Path, shown: str) -> tuple[Path, os.stat_result | None]:
