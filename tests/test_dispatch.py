@@ -494,3 +494,20 @@ def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
     res = _cli("tune-dispatch", "--model", tmp_path / "q4", "--ms", "1,4", "--blocks", "4",
                "--output", tmp_path / "tq.json")
     assert res.exit_code == 0, res.output
+
+
+def test_tune_dispatch_finds_an_unwritable_output_before_measuring(tmp_path, monkeypatch):
+    """Issue 41 row 14: tune-dispatch measured for minutes and only then found its output unwritable; the table is
+    now reserved (proven writable) first: a path under a file is one line, and nothing was timed."""
+    from mlx_fun import dispatch_tune
+
+    from .cli_helpers import expect_error, run
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the output was found unwritable")
+
+    monkeypatch.setattr(dispatch_tune, "measure", measured)
+    (tmp_path / "plain").write_text("a file, not a directory")
+    expect_error(run("tune-dispatch", "--shape", "64,32,8,2", "--quant", "float32", "--ms", "1,8",
+                     "--output", tmp_path / "plain" / "t.json"), "cannot write --output", "plain")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
