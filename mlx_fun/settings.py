@@ -37,7 +37,7 @@ class RunSettings:
 
         if self.dispatch not in MODES:
             raise UserError(f"{param('dispatch')} must be one of {', '.join(MODES)}, got {self.dispatch!r}.")
-        from .jobs.common import require_path
+        from .errors import require_path
 
         require_path("dispatch_table", self.dispatch_table, "pass a JSON table written by `mlx-fun tune-dispatch`")
         self.dequant_bytes()
@@ -102,7 +102,7 @@ class RunSettings:
 def option_groups(func) -> dict[str, type]:
     """The parameters of ``func`` that group options (those whose default is a dataclass instance, like
     ``settings: RunSettings = RunSettings()``), by name, with their dataclass: a field of one is an option of the
-    job as much as a plain parameter is (the CLI builds the group; :func:`mlx_fun.writer.path_params` reads it)."""
+    job as much as a plain parameter is (the CLI builds the group; :func:`mlx_fun.jobs.common.path_params` reads it)."""
     import dataclasses
     import inspect
 

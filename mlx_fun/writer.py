@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
-import functools
-import inspect
 import itertools
 import json
 import os
@@ -81,56 +79,15 @@ def _stderr_notice(line: str) -> None:
 #: the paths the running job reads, by how messages name them (``--model``): every reservation checks its output
 #: against them, so an option that reads a file cannot be forgotten by the job that writes
 _JOB_INPUTS: contextvars.ContextVar[dict[str, object]] = contextvars.ContextVar("mlx_fun_job_inputs", default={})
-#: job parameters that name what a job writes (or a directory it writes into), not what it reads
-OUTPUT_PARAMS = frozenset({"output", "auto_save", "data_dir", "merge_into"})
-
-
-def path_params(func: Callable) -> list[str]:
-    """The parameters of ``func`` that name files or directories it reads: every one annotated with ``Path``
-    (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`, and every such
-    field of an option group (:func:`mlx_fun.settings.option_groups`), as ``group.field``
-    (``settings.dispatch_table``)."""
-    import dataclasses
-
-    from .settings import option_groups
-
-    groups = option_groups(func)
-    names = []
-    for name, p in inspect.signature(func).parameters.items():
-        if name in groups:
-            names += [f"{name}.{f.name}" for f in dataclasses.fields(groups[name])
-                      if "Path" in str(f.type) and f.name not in OUTPUT_PARAMS]
-        elif "Path" in str(p.annotation) and name not in OUTPUT_PARAMS:
-            names.append(name)
-    return names
-
-
-def _read_path(bound: inspect.BoundArguments, name: str):
-    """The value of parameter ``name`` (``group.field``: that field of the group given or defaulted)."""
-    group, _, field = name.partition(".")
-    value = bound.arguments.get(group, bound.signature.parameters[group].default)
-    return getattr(value, field, None) if field else value
-
-
-def job_inputs(run: Callable) -> Callable:
-    """Wrap a job's ``run`` so that, while it runs, every output it reserves is checked against every path it
-    was given to read (:func:`path_params`; messages name a group's field by its own name): ``mlx_fun.jobs``
-    wraps each job once, in one list."""
-    names = path_params(run)
-    signature = inspect.signature(run)
-
-    @functools.wraps(run)
-    def wrapped(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        paths = {param(n.rpartition(".")[2]): v for n in names if (v := _read_path(bound, n)) is not None}
-        token = _JOB_INPUTS.set(paths)
-        try:
-            return run(*args, **kwargs)
-        finally:
-            _JOB_INPUTS.reset(token)
-
-    wrapped.reads = tuple(names)
-    return wrapped
+@contextlib.contextmanager
+def reading(paths: Mapping[str, object]) -> Iterator[None]:
+    """Within the block, every output reserved is also checked against ``paths`` (``{"--model": path, ...}``; a
+    value may be a list): :func:`mlx_fun.jobs.common.job_inputs` sets them around each job's run."""
+    token = _JOB_INPUTS.set(dict(paths))
+    try:
+        yield
+    finally:
+        _JOB_INPUTS.reset(token)
 
 
 # ------------------------------------------------------------------------------------------ path checks
@@ -205,7 +162,7 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
     """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
 
     ``inputs`` maps a flag name (``--model``) to a path or a list of paths (None entries are ignored); the
-    paths the running job reads (:func:`job_inputs`) are added to them. An existing output (a file, a non-empty
+    paths the running job reads (:func:`reading`) are added to them. An existing output (a file, a non-empty
     directory) is refused unless ``force`` (named ``force_flag`` in the message, default ``--force``; ``""``:
     there is no way to force, pick another name); a symbolic link, and what is not a regular file (a
     directory) where a file (a directory) is wanted, are refused whatever ``force`` says.
@@ -435,7 +392,7 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
     ``kind`` is ``"file"`` (write to ``res.tmp``, a file path ending in ``suffix``) or ``"dir"`` (fill the
     directory ``res.tmp``). An existing output (a file, a non-empty directory) is replaced only with ``force``
     (named ``force_flag`` in the message: :func:`check_output_path`). ``inputs`` adds to the paths the running job
-    reads (:func:`job_inputs`), all refused as or around the output.
+    reads (:func:`reading`), all refused as or around the output.
     """
     shown = os.fspath(path)
     flag = flag or param("output")

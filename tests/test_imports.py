@@ -127,6 +127,14 @@ def test_the_named_tangles_stay_untied():
     assert "mlx_fun.serve.handler" not in every_import("mlx_fun.serve.params")
     assert not {m for m in every_import("mlx_fun.ui.analysis") if m.startswith("mlx_fun.jobs")}
     assert "mlx_fun.io" not in every_import("mlx_fun.dispatch_table")
+    # issue 42's: the 11-file circle (writer → settings → jobs.common → ... → dispatch_table → writer), the
+    # corpus pair, and the lower layers that reached up into jobs / cli for a helper or a range
+    assert "mlx_fun.settings" not in every_import("mlx_fun.writer")
+    assert "mlx_fun.corpus" not in every_import("mlx_fun.corpus_machine")
+    upward = {name: sorted(m for m in every_import(name) if m.split(".")[:2] in (["mlx_fun", "jobs"], ["mlx_fun", "cli"]))
+              for name in _modules() if name.split(".")[:2] not in (["mlx_fun", "jobs"], ["mlx_fun", "cli"])
+              and name not in ("mlx_fun.__main__", "mlx_fun.launcher")}  # (the console entry runs the CLI)
+    assert {k: v for k, v in upward.items() if v} == {}
 
 
 @pytest.mark.parametrize("source, cycle", [

@@ -1,6 +1,6 @@
 """Every path a job reads is checked against its output by the one writer (issue 29, row 1).
 
-The cases are generated from the jobs' own signatures (:func:`mlx_fun.writer.path_params`): every parameter
+The cases are generated from the jobs' own signatures (:func:`mlx_fun.jobs.common.path_params`): every parameter
 annotated with ``Path`` of every job that writes is placed inside (directory outputs, with ``force``) or at
 (file outputs) the output, and must be refused with a one-line error naming that parameter, before anything
 is loaded or written, the input intact. A new option that reads a file is covered the moment it exists: this
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun import jobs, writer
+from mlx_fun import jobs
+from mlx_fun.jobs import common as job_common
 from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError, cli_names
 from mlx_fun.settings import option_groups
@@ -121,7 +122,7 @@ def test_every_job_is_wrapped_and_listed():
     assert names == set(WRITERS) | READERS_ONLY
     for name in names:
         run = getattr(jobs, name).run
-        assert run.reads == tuple(writer.path_params(run.__wrapped__)), name
+        assert run.reads == tuple(job_common.path_params(run.__wrapped__)), name
 
 
 @pytest.mark.parametrize("job, name, variant", list(_cases()))

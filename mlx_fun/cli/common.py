@@ -6,7 +6,6 @@ import contextlib
 import errno
 import functools
 import io
-import math
 import os
 import sys
 
@@ -14,6 +13,7 @@ import click
 
 from ..data import MAX_SAMPLE_BYTES
 from ..errors import UserError, cli_names
+from ..ranges import DRAFT_TOKENS, MAX_SEED, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat  # noqa: F401 (re-exported)
 from ..saliency import METRICS
 
 
@@ -163,45 +163,6 @@ def sparing_stderr():
         sys.stderr = before
 
 
-class FiniteFloat(click.ParamType):
-    """A float that must be finite (no nan / inf) and within ``[min, max]`` (open ends with ``*_open``)."""
-
-    name = "float"
-
-    def __init__(self, min: float | None = None, max: float | None = None, *, min_open: bool = False,
-                 max_open: bool = False):
-        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, float) and math.isfinite(value):
-            x = value
-        else:
-            try:
-                x = float(value)
-            except (TypeError, ValueError):
-                self.fail(f"{value!r} is not a number.", param, ctx)
-        if not math.isfinite(x):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
-        low_bad = self.min is not None and (x <= self.min if self.min_open else x < self.min)
-        high_bad = self.max is not None and (x >= self.max if self.max_open else x > self.max)
-        if low_bad or high_bad:
-            lo = "" if self.min is None else f"{self.min} {'<' if self.min_open else '<='} "
-            hi = "" if self.max is None else f" {'<' if self.max_open else '<='} {self.max}"
-            self.fail(f"{value} is not in the range {lo}x{hi}.", param, ctx)
-        return x
-
-
-# ------------------------------------------------------------------ ranges shared by the CLI and the REST server
-#: the largest seed: ``random.Random``, numpy's ``default_rng`` and ``mx.random.key`` / ``mx.random.seed`` all take
-#: 0 .. 2**64 - 1 (numpy refuses a negative seed, MLX one past a uint64)
-MAX_SEED = 2**64 - 1
-#: every ``--seed`` and the server's ``seed``
-SEED = click.IntRange(0, MAX_SEED)
-#: sampling: ``--temp`` / ``temperature``, ``--top-k`` / ``top_k``, ``--top-p`` / ``top_p``, ``--num-draft-tokens``
-TEMPERATURE = FiniteFloat(min=0.0)
-TOP_K = click.IntRange(min=0)
-TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
-DRAFT_TOKENS = click.IntRange(min=1)
 
 
 def model_option(fn):

@@ -8,7 +8,7 @@ ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only
     jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz")
     jobs.prune.run(model="data/tiny-moe", saliency="s.npz", selection=Selection(n_prune=8), output="pruned")
 
-Every ``run`` here is wrapped by :func:`mlx_fun.writer.job_inputs`: each output it reserves is refused if it is,
+Every ``run`` here is wrapped by :func:`mlx_fun.jobs.common.job_inputs`: each output it reserves is refused if it is,
 contains or lies inside any path the job was given to read (every parameter annotated with ``Path``); and, outside
 that, by :func:`mlx_fun.hub.resolving`: ``model`` (``reference``, ``draft_model``) may be a Hugging Face repo id
 (``org/name``, with ``revision=``), resolved once to its snapshot in the Hugging Face cache as mlx-lm does (a
@@ -45,7 +45,7 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
 
 from ..hub import resolving as _resolving  # noqa: E402
 from ..settings import checking_groups as _checking_groups  # noqa: E402
-from ..writer import job_inputs as _job_inputs  # noqa: E402
+from .common import job_inputs as _job_inputs  # noqa: E402
 
 #: every job, once: command name order of mlx_fun.cli.COMMANDS
 ALL = (collect, prune, merge, eval, smoke_test, demo, serve, safety_scan, domain_scan, steer, amplify, abliterate,

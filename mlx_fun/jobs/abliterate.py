@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError, param
+from ..errors import UserError, param, require_path
 from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
 from ..rewrite.abliterate_rounds import Abliteration, Round, Trial, candidates
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet, require_path
+from .common import Log, check_supported, load_moe, quiet
 
 __all__ = ["DIRECTIONS", "AbliterateResult", "Estimate", "Evaluation", "Projection", "run"]
 

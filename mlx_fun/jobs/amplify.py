@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError, param
-from .common import Log, check_supported, load_moe, quiet, require_path
+from ..errors import UserError, param, require_path
+from .common import Log, check_supported, load_moe, quiet
 
 
 @dataclass

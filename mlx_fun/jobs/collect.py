@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import param
+from ..errors import param, require_path
 from ..saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
-from .common import Log, check_moe, load_moe, quiet, require_path, warn_past_context
+from .common import Log, check_moe, load_moe, quiet, warn_past_context
 
 
 @dataclass

@@ -1,23 +1,22 @@
-"""What the jobs share: checking inputs before loading, loading a supported MoE model, status lines."""
+"""What the jobs share: what a job reads (from its signature: every output it reserves is checked against it),
+checking inputs before loading, loading a supported MoE model, status lines."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
+import functools
+import inspect
 from typing import Callable, Sequence
 
-from ..errors import UserError, param
+from ..errors import UserError, param, require_path
+from ..settings import option_groups
+from ..writer import reading
 
 Log = Callable[[str], None]
 
 
 def quiet(_line: str) -> None:
     """The default ``log`` of a job called from Python: status lines and warnings are dropped."""
-
-
-def require_path(name: str, path, what: str = "check the path") -> None:
-    """A one-line ``UserError`` naming parameter ``name`` when ``path`` is given but does not exist."""
-    if path is not None and not Path(path).exists():
-        raise UserError(f"{param(name)} {path} does not exist; {what}.")
 
 
 def check_moe(model_path) -> tuple[dict, type]:
@@ -111,3 +110,49 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
                      extra={"model": str(model), **(extra or {})})
         res.write_json(out)
     return out
+
+
+# ------------------------------------------------------------------------------ what a job reads
+#: job parameters that name what a job writes (or a directory it writes into), not what it reads
+OUTPUT_PARAMS = frozenset({"output", "auto_save", "data_dir", "merge_into"})
+
+
+def path_params(func: Callable) -> list[str]:
+    """The parameters of ``func`` that name files or directories it reads: every one annotated with ``Path``
+    (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`, and every such
+    field of an option group (:func:`mlx_fun.settings.option_groups`), as ``group.field``
+    (``settings.dispatch_table``)."""
+    groups = option_groups(func)
+    names = []
+    for name, p in inspect.signature(func).parameters.items():
+        if name in groups:
+            names += [f"{name}.{f.name}" for f in dataclasses.fields(groups[name])
+                      if "Path" in str(f.type) and f.name not in OUTPUT_PARAMS]
+        elif "Path" in str(p.annotation) and name not in OUTPUT_PARAMS:
+            names.append(name)
+    return names
+
+
+def _read_path(bound: inspect.BoundArguments, name: str):
+    """The value of parameter ``name`` (``group.field``: that field of the group given or defaulted)."""
+    group, _, field = name.partition(".")
+    value = bound.arguments.get(group, bound.signature.parameters[group].default)
+    return getattr(value, field, None) if field else value
+
+
+def job_inputs(run: Callable) -> Callable:
+    """Wrap a job's ``run`` so that, while it runs, every output it reserves is checked against every path it
+    was given to read (:func:`path_params`; messages name a group's field by its own name): ``mlx_fun.jobs``
+    wraps each job once, in one list."""
+    names = path_params(run)
+    signature = inspect.signature(run)
+
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        paths = {param(n.rpartition(".")[2]): v for n in names if (v := _read_path(bound, n)) is not None}
+        with reading(paths):
+            return run(*args, **kwargs)
+
+    wrapped.reads = tuple(names)
+    return wrapped

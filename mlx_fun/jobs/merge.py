@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import UserError, param, require_whole
+from ..errors import UserError, param, require_path, require_whole
 from ..rewrite.merge_options import Ream
 from ..selection import Selection
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet, require_path, warn_past_context
+from .common import Log, check_supported, load_moe, quiet, warn_past_context
 
 
 @dataclass

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import UserError, param
+from ..errors import UserError, param, require_path
 from ..selection import Selection
-from .common import Log, check_supported, load_moe, quiet, require_path
+from .common import Log, check_supported, load_moe, quiet
 
 
 @dataclass

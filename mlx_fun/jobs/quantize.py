@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError, param
+from ..errors import UserError, param, require_path
 from ..rewrite.quantize import QuantRecipe
-from .common import Log, check_supported, load_moe, quiet, require_path
+from .common import Log, check_supported, load_moe, quiet
 
 
 @dataclass

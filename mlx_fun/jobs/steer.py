@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UserError, param
+from ..errors import UserError, param, require_path
 from ..genopts import GenOptions
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet, require_path
+from .common import Log, check_supported, load_moe, quiet
 
 
 @dataclass(frozen=True)

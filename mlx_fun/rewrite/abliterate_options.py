@@ -66,7 +66,7 @@ class Projection:
     safety_map: str | Path | None = None
 
     def check(self) -> "Projection":
-        from ..jobs.common import require_path
+        from ..errors import require_path
         from ..residual import parse_layers
         from .abliterate import TARGETS
 

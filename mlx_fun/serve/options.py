@@ -67,7 +67,7 @@ class StartupSteering:
 
     def check(self) -> "StartupSteering":
         """A one-line ``UserError`` for a map that does not exist or a map without its mode (or the reverse)."""
-        from ..jobs.common import require_path
+        from ..errors import require_path
 
         require_path("safety_map", self.safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
         require_path("domain_map", self.domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
