@@ -357,6 +357,10 @@ def _jsonl_items(path: Path, text_key: str) -> list[_Item]:
     return items
 
 
+#: the largest count a config may hold (no model has more layers, experts, heads or vocabulary entries)
+MAX_COUNT = 2**31 - 1
+
+
 def json_whole(value: Any, minimum: int) -> bool:
     """``value`` is a JSON whole number (not a boolean) of at least ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -31,8 +31,8 @@ def read_config(model_path: str | os.PathLike) -> dict:
 def check_config(config, *, where: str | os.PathLike) -> None:
     """The one check of a model's config (``where``: the file, for messages): a JSON object whose ``model_type``
     and ``text_config`` have the right types, whose sizes (:data:`COUNT_KEYS`: layers, hidden size, heads,
-    vocabulary, ...) are whole numbers from 1 to :data:`MAX_COUNT`, whose expert facts make sense for the family's
-    adapter (routed experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`),
+    vocabulary, ...) are whole numbers from 1 to :data:`mlx_fun.data.MAX_COUNT`, whose expert facts make sense for
+    the family's adapter (routed experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`),
     and from which mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun
     adapter is left to the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into
     one line)."""
@@ -56,12 +56,10 @@ def check_config(config, *, where: str | os.PathLike) -> None:
 #: divides by zero in mlx-lm; 1e30 or "48" is no count); top-level or under ``text_config``
 COUNT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "moe_intermediate_size")
-#: the largest count accepted in a config (no model has more layers, experts, heads or vocabulary entries)
-MAX_COUNT = 2**31 - 1
 
 
 def _check_counts(config: dict, where, fix: str) -> None:
-    from .data import json_type_name, json_whole
+    from .data import MAX_COUNT, json_type_name, json_whole
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     for cfg, prefix in ((config, ""), (text, "text_config.")):

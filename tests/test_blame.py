@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from mlx_fun import blas
-from mlx_fun.io import MAX_COUNT
+from mlx_fun.data import MAX_COUNT
 from mlx_fun.openblas_wheel import cache_dir as blas_cache
 
 from .cli_helpers import expect_error, run as cli

@@ -71,12 +71,10 @@ class MoEAdapter:
         """A one-line ``UserError`` for expert facts of config.json (``where``: the file) that mlx-lm would only
         trip over mid-forward: the routed-expert count must be a whole number >= 0, top-k one >= 1 (hunyuan: or a
         list of equal ones) and at most the expert count. Absent keys are mlx-lm's to default or to ask for."""
-        from ..data import json_type_name, json_whole
+        from ..data import MAX_COUNT, json_type_name, json_whole
 
         cfg, fix = config.get("text_config", config), "fix it or re-download the model."
         experts, top_k = cfg.get(cls.num_experts_key), cfg.get(cls.top_k_key)
-        from ..io import MAX_COUNT
-
         if cls.num_experts_key in cfg and not (json_whole(experts, 0) and experts <= MAX_COUNT):
             raise UserError(f"{where}: {cls.num_experts_key} (the routed-expert count) must be a whole number from 0 "
                             f"(a dense checkpoint) to {MAX_COUNT:,}, got {json_type_name(experts)} "
