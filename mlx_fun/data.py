@@ -50,9 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError, param
 from . import json_input
+from .errors import UserError, param
 from .json_input import json_type_name
+from .paths import mode_kind
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".sol", ".txt")
 DEFAULT_TEXT_KEY = "content"
@@ -273,12 +274,6 @@ def _limit() -> str:
     return f"{MAX_SAMPLE_BYTES >> 20} MiB"
 
 
-def _kind(mode: int) -> str:
-    from .paths import mode_kind
-
-    return mode_kind(mode)
-
-
 def _open_regular(path: Path, what: str, fix: str):
     """``path`` opened for binary reading, or a ``UserError`` when it is no regular file. Opened without blocking
     (opening a FIFO waits for a writer) and checked on the open descriptor, so nothing is read from a device."""
@@ -286,7 +281,7 @@ def _open_regular(path: Path, what: str, fix: str):
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise UserError(f"{what} is {_kind(mode)}, not a regular file; {fix}")
+            raise UserError(f"{what} is {mode_kind(mode)}, not a regular file; {fix}")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -301,7 +296,7 @@ def _check_sample_file(file: Path) -> None:
     except OSError as e:  # a dangling link, no permission to the target, ...
         raise UserError(f"cannot read {file} ({e.strerror or e}); fix it or {fix}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"dataset file {file} is {_kind(st.st_mode)}, not a regular file; {fix}")
+        raise UserError(f"dataset file {file} is {mode_kind(st.st_mode)}, not a regular file; {fix}")
     if st.st_size > MAX_SAMPLE_BYTES:
         raise UserError(f"dataset file {file} is {st.st_size / (1 << 20):,.1f} MiB, over the {_limit()} one sample "
                         f"may take; split it into smaller files")

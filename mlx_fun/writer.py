@@ -48,6 +48,7 @@ from pathlib import Path
 
 from .errors import UserError, param
 from .output_lock import NO_HARD_LINKS, TOKEN, acquire, locked_by_someone, signals_blocked
+from .paths import mode_kind
 
 _SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the estimate (metadata, tokenizer files, filesystem slack)
 
@@ -153,10 +154,6 @@ def _resolve_output(plain: Path, shown: str) -> tuple[Path, os.stat_result | Non
         return out, None
 
 
-_NOT_REGULAR = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
-
-
 def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str, object] | None = None,
                       force: bool = False, flag: str | None = None, force_flag: str | None = None) -> Path:
     """Raise a one-line ``UserError`` if writing ``path`` could lose data or cannot work; return it resolved.
@@ -201,10 +198,9 @@ def check_output_path(path: str | os.PathLike, *, kind: str, inputs: Mapping[str
         return out
     if stat.S_ISDIR(st.st_mode):
         raise UserError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'result'}.")
-    what = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), None)
-    if what is not None:
-        raise UserError(f"{flag} {path} is {what}, not a regular file, and is never replaced; give the path of a "
-                        f"new file.")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{flag} {path} is {mode_kind(st.st_mode)}, not a regular file, and is never replaced; give "
+                        f"the path of a new file.")
     if not force:
         raise UserError(f"{flag} {path} already exists; "
                         + (f"pass {forcing} to replace it, or pick another path." if forcing

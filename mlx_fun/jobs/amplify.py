@@ -76,14 +76,13 @@ def run(
         paths = apply(adapter, boost)
         boosted = {str(layers[p]): {str(e): round(float(boost[p, e]), 6) for e in np.flatnonzero(boost[p])}
                    for p in range(len(layers)) if boost[p].any()}
-        warnings: list[str] = []
         meta = {"domain_name": report.get("domain_name"), "domain_map": str(domain_map), "scale": scale,
                 "threshold": threshold, "target": found[1], "parameters": paths, "boost": boosted,
                 "bias_per_layer": {str(layers[p]): boost[p].round(6).tolist() for p in range(len(layers))}}
         res.require_space(params_nbytes(mdl))
         write_model_dir(res, mdl, config, source=model, metadata={"amplification_metadata.json": meta},
                         snapshot=snapshot, donate=True)
-    return AmplifyResult(Path(output), found[1], boosted, warnings)
+    return AmplifyResult(Path(output), found[1], boosted)
 
 
 def _checked_boost(adapter, composite, domain, *, scale: float, threshold: float, name: str, domain_map) -> np.ndarray:
