@@ -37,15 +37,16 @@ def _refuse_constant(name: str):
     raise _Constant(name)
 
 
-def _depth_over(value, limit: int) -> bool:
-    """Whether ``value`` nests arrays / objects more than ``limit`` levels deep (iterative: no recursion)."""
-    todo = [(value, 1)]
+def too_deep(value, limit: int):
+    """``False`` when ``value`` nests arrays / objects at most ``limit`` levels deep (iterative: no recursion); else
+    the top-level key whose value nests deeper (None when ``value`` is no object, so there is no key to name)."""
+    todo = [(v, 2, k) for k, v in value.items()] if isinstance(value, dict) else [(value, 1, None)]
     while todo:
-        item, depth = todo.pop()
+        item, depth, key = todo.pop()
         if isinstance(item, (dict, list)):
             if depth > limit:
-                return True
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+                return key
+            todo.extend((v, depth + 1, key) for v in (item.values() if isinstance(item, dict) else item))
     return False
 
 
@@ -86,7 +87,7 @@ def parse(data: str | bytes, where: str, *, fix: str = "", expect: type | None =
         value = None
         deep = True
     else:
-        deep = _depth_over(value, MAX_DEPTH)
+        deep = too_deep(value, MAX_DEPTH) is not False
     if deep:
         raise error(f"{where} nests arrays / objects more than {MAX_DEPTH} levels deep, which no file of this kind "
                     f"does{tail}")

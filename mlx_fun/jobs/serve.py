@@ -261,10 +261,10 @@ def run(
     ``data_dir`` that paths a request names must stay in, ``api_key`` (or ``MLX_FUN_API_KEY``: requires a Bearer
     token), CORS origins, the body limit, ``max_connections`` / ``request_timeout`` (connections served at once,
     seconds a request may take to arrive), ``max_prompt_tokens`` (default: the context length), ``max_tokens`` (a
-    request's default: 512, or ``max_tokens_limit`` when lower) and ``max_tokens_limit`` (the most a request may ask for; default: the model's context length), the chat
-    template, mlx-lm's prompt cache, concurrency and ``prefill_step_size``, and ``log_level`` (DEBUG / INFO /
-    WARNING / ERROR: Python logging for the server's and mlx-lm's messages, INFO logs every request; None leaves
-    logging as it is).
+    request's default: 512, or ``max_tokens_limit`` when lower) and ``max_tokens_limit`` (the most a request may
+    ask for; default: the model's context length), the chat template, mlx-lm's prompt cache, concurrency and
+    ``prefill_step_size``, and ``log_level`` (DEBUG / INFO / WARNING / ERROR: Python logging for the server's and
+    mlx-lm's messages, INFO logs every request; None leaves logging as it is).
 
     ``steering`` (:class:`mlx_fun.serve.options.StartupSteering`): the safety / domain map and mode to steer with
     from the start (REST changes it later).

@@ -26,6 +26,7 @@ import time
 
 from mlx_lm.server import APIHandler
 
+from .. import json_input
 from . import routes
 from .errors import HTTPError
 
@@ -42,14 +43,7 @@ def too_deep(body, raw: bytes):
     """``False`` when ``body`` (parsed, or None when the parser gave up) nests at most :data:`MAX_DEPTH` levels;
     else the top-level key whose value nests deeper (None when there is none to name)."""
     if body is not None:
-        todo = [(v, 2, k) for k, v in body.items()] if isinstance(body, dict) else [(body, 1, None)]
-        while todo:
-            value, depth, key = todo.pop()
-            if isinstance(value, (dict, list)):
-                if depth > MAX_DEPTH:
-                    return key
-                todo.extend((v, depth + 1, key) for v in (value.values() if isinstance(value, dict) else value))
-        return False
+        return json_input.too_deep(body, MAX_DEPTH)
     depth, key, last = 0, None, None  # the parser gave up: find the key in the raw text
     for m in _JSON_TOKENS.finditer(raw):
         tok = m.group()
