@@ -1,5 +1,5 @@
 """Console entry point: re-exec once with a fast BLAS preloaded (Linux CPU), keep PyTorch (and, for commands that
-never tokenize, transformers) out of the process (:mod:`mlx_fun.lean_imports`), then run the click group.
+never tokenize, transformers) out of the process (:mod:`mlx_fun.runtime.lean_imports`), then run the click group.
 
 ``maybe_reexec`` must run before anything imports ``mlx``, and the import set-up before anything imports
 ``mlx_lm``, hence the import of the CLI inside ``main``. Both are process-wide, so they happen here, in the console
@@ -17,11 +17,11 @@ def command_name(argv: list[str]) -> str | None:
 
 
 def main():
-    from .blas import maybe_reexec
+    from .runtime.blas import maybe_reexec
 
     maybe_reexec()
 
-    from . import lean_imports
+    from .runtime import lean_imports
     from .cli import TOKENIZER_FREE
 
     lean_imports.block_torch()  # no command uses PyTorch; transformers would import it (15-18 s) where installed

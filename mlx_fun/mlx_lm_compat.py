@@ -31,7 +31,7 @@ MLX_RANGE = ">=0.32.2"
 #: what needs the names (the keys of a row's ``features``), as the error line names it
 FEATURES = {
     "dispatch": "mlx-fun's expert dispatch (--dispatch auto / mlx-fun)",
-    "tiny models": "the tiny models (demo, tests, mlx_fun.tiny)",
+    "tiny models": "the tiny models (demo, tests, mlx_fun.testing.tiny)",
     "smoke-test": "smoke-test's model check",
     "config check": "the config check before loading",
     "eval": "eval's tokenizer check",

@@ -23,7 +23,7 @@ class RunSettings:
     """``dispatch``: ``auto`` (mlx-fun's runtime expert dispatch from measured cut-offs) or ``mlx-lm`` (its fixed
     rule); ``dispatch_table``: an extra cut-off table (JSON from ``tune-dispatch``); ``dequant_cache``: bytes (or
     ``"4GiB"``) of dequantized experts kept where the table says it pays; ``token_budget``: most tokens (rows ×
-    columns) per forward (default :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`); ``progress``: show progress bars."""
+    columns) per forward (default :data:`mlx_fun.model.engine.DEFAULT_TOKEN_BUDGET`); ``progress``: show progress bars."""
 
     dispatch: str = "auto"
     dispatch_table: str | Path | None = None
@@ -33,7 +33,7 @@ class RunSettings:
 
     def check(self) -> "RunSettings":
         """A one-line ``UserError`` naming the field at fault (before anything loads); returns ``self``."""
-        from .dispatch import MODES
+        from .dispatch.experts import MODES
 
         if self.dispatch not in MODES:
             raise UserError(f"{param('dispatch')} must be one of {', '.join(MODES)}, got {self.dispatch!r}.")
@@ -45,7 +45,7 @@ class RunSettings:
         return self
 
     def dequant_bytes(self) -> int:
-        from .sizes import parse_bytes
+        from .core.sizes import parse_bytes
 
         try:
             return parse_bytes(self.dequant_cache)
@@ -54,11 +54,11 @@ class RunSettings:
 
     def apply(self, model, log=None):
         """Install the dispatch on ``model`` (``auto``) or keep mlx-lm's; returns the
-        :class:`mlx_fun.dispatch.DispatchReport` (its summary goes to ``log``, and, the first time on a machine
+        :class:`mlx_fun.dispatch.experts.DispatchReport` (its summary goes to ``log``, and, the first time on a machine
         whose backend has no measured entry, a line suggesting ``tune-dispatch``). A bad table is a one-line
-        ``UserError`` naming the file, the problem and the fix (:func:`mlx_fun.dispatch.load_table`)."""
-        from . import dispatch
-        from .dispatch_table import untuned_notice
+        ``UserError`` naming the file, the problem and the fix (:func:`mlx_fun.dispatch.experts.load_table`)."""
+        from .dispatch import experts as dispatch
+        from .dispatch.table import untuned_notice
 
         table = None if self.dispatch_table is None else str(self.dispatch_table)
         try:
@@ -75,10 +75,10 @@ class RunSettings:
 
     def budget(self, config: dict, *, dispatch_mode: str, top_k: int | None = None) -> int:
         """Tokens per forward for the engine: ``token_budget`` (default
-        :data:`mlx_fun.engine.DEFAULT_TOKEN_BUDGET`), lowered under mlx-lm's own expert call where the backend caps
-        a grouped matmul's rows (CUDA: 65,535 routed rows, :data:`mlx_fun.dispatch.MAX_ROWS`); mlx-fun's dispatch
+        :data:`mlx_fun.model.engine.DEFAULT_TOKEN_BUDGET`), lowered under mlx-lm's own expert call where the backend caps
+        a grouped matmul's rows (CUDA: 65,535 routed rows, :data:`mlx_fun.dispatch.experts.MAX_ROWS`); mlx-fun's dispatch
         splits such calls itself. ``top_k``: the loaded adapter's (else read from ``config``)."""
-        from . import engine
+        from .model import engine
         from .adapters import adapter_class
 
         try:

@@ -17,7 +17,7 @@ one round only and the previous default (one direction a round, 3 rounds); with 
 Besides the job's own evaluation, the hand-written harmful prompts' refusal rate before and after, and the share
 of benign replies (hand-written benign and lookalike, and the held-out template ones) whose first 16 greedy tokens
 are unchanged. Directions from
-the *train* prompt sets; refusal rate (greedy, 16 tokens, ``mlx_fun.refusal.is_refusal``) and benign first-token
+the *train* prompt sets; refusal rate (greedy, 16 tokens, ``mlx_fun.observe.refusal.is_refusal``) and benign first-token
 KL on the held-out *test* sets (other phrasings, two categories never seen in training); the held-out harmful
 prompts' last-token residual projected on the first direction, averaged over the abliterated layers, before and
 after; the model's size on disk before and after. Writes the table and what it means to --output.
@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 def projection(model_dir, prompts_path, layers, dirs, max_samples) -> float:
     """Mean over ``layers`` of the held-out harmful prompts' mean last-token residual · direction."""
-    from mlx_fun.data import load_samples, pad_id
+    from mlx_fun.datasets.samples import load_samples, pad_id
     from mlx_fun.jobs.common import load_moe
-    from mlx_fun.residual import capture
+    from mlx_fun.observe.residual import capture
 
     model, tok, _config, adapter = load_moe(model_dir)
     samples = load_samples(prompts_path, tok, max_samples=max_samples, seed=0, generation_prompt=True)
@@ -53,7 +53,7 @@ BASELINE = "f3057af"
 #: the README example, timed in a fresh process (argv: model, data dir, output dir); prints one JSON line
 EXAMPLE = """
 import json, sys, time
-from mlx_fun.blas import maybe_reexec
+from mlx_fun.runtime.blas import maybe_reexec
 maybe_reexec()
 from pathlib import Path
 from mlx_fun.jobs import abliterate
@@ -135,7 +135,7 @@ def _outcome(r: dict) -> str:
 
 
 def main() -> int:
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -159,10 +159,10 @@ def main() -> int:
     from mlx_lm import convert
 
     from mlx_fun import jobs
-    from mlx_fun.io import dir_size, read_config
-    from mlx_fun.refusal import refusal_rate
+    from mlx_fun.model.io import dir_size, read_config
+    from mlx_fun.observe.refusal import refusal_rate
     from mlx_fun.settings import grouped
-    from mlx_fun.writer import write_text
+    from mlx_fun.core.writer import write_text
 
     data = Path(args.data)
     tmp = Path(tempfile.mkdtemp())
@@ -245,7 +245,7 @@ def _markdown(rows, args) -> str:
 (model `{Path(args.model).name}`, and the same in its other format by mlx-lm's convert: quantized ↔ float, group
 size 32). Directions from {args.max_samples} harmful + {args.max_samples} benign *train*
 prompts (the residual after each decoder layer at the prompt's last token; each round uses the harmful ones the
-model still refuses and the benign ones it answers); refusals (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`) and
+model still refuses and the benign ones it answers); refusals (greedy, 16 tokens, `mlx_fun.observe.refusal.is_refusal`) and
 benign first-token KL(original ‖ abliterated) on {args.eval_samples} held-out harmful and {args.eval_samples}
 held-out benign prompts (other phrasings, and two harm categories the model never saw in training).
 "projection": the held-out harmful prompts' mean last-token residual · the first round's direction, averaged over

@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def measure(args) -> dict:
     import mlx.core as mx
 
-    from mlx_fun import dispatch
+    from mlx_fun.dispatch import experts as dispatch
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.blas import blas_status
-    from mlx_fun.collect import collect
-    from mlx_fun.tiny import build_model, quantize, tiny_config
+    from mlx_fun.runtime.blas import blas_status
+    from mlx_fun.observe.collect import collect
+    from mlx_fun.testing.tiny import build_model, quantize, tiny_config
 
     config = tiny_config(
         "qwen3_moe",
@@ -197,7 +197,7 @@ def main() -> int:
         return contended(args)
 
     if args.blas == "current":
-        from mlx_fun.blas import maybe_reexec
+        from mlx_fun.runtime.blas import maybe_reexec
 
         maybe_reexec()
         result = measure(args)

@@ -67,15 +67,15 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.blas == "fast":
-        from mlx_fun.blas import maybe_reexec
+        from mlx_fun.runtime.blas import maybe_reexec
 
         maybe_reexec()
 
     import mlx.core as mx
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlx_fun import dispatch as dsp
-    from mlx_fun.dispatch_tune import LayerSpec, build_layer, canonical_quant, device_description, make_inputs, parse_quant
+    from mlx_fun.dispatch import experts as dsp
+    from mlx_fun.dispatch.tune import LayerSpec, build_layer, canonical_quant, device_description, make_inputs, parse_quant
 
     backend = dsp.backend_name()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
@@ -86,7 +86,7 @@ def main() -> int:
     table = dsp.load_table(args.dispatch_table, user=not args.no_user_table)
     device = device_description()
     try:
-        from mlx_fun.blas import blas_status
+        from mlx_fun.runtime.blas import blas_status
 
         blas = blas_status() if backend == "cpu" else ""
     except Exception:
@@ -145,7 +145,7 @@ def main() -> int:
     text = render(rows, args, device, blas, dtype, (D, H, E, k), entries_used, mx.__version__)
     print(text, flush=True)
     if args.output:
-        from mlx_fun.writer import write_text
+        from mlx_fun.core.writer import write_text
 
         write_text(args.output, text, force=True)  # a report page this script regenerates
         log(f"wrote {args.output}")
@@ -157,7 +157,7 @@ def main() -> int:
 def time_all(fns: dict, mx, args) -> dict:
     """Median seconds per path (and the relative error of each path's output vs mlx-lm's): warm-up calls, then
     rounds in a shuffled order."""
-    from mlx_fun.dispatch_tune import relative_error
+    from mlx_fun.dispatch.tune import relative_error
 
     first, outs = {}, {}
     for name, fn in fns.items():

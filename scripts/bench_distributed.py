@@ -6,7 +6,7 @@
     python scripts/bench_distributed.py --backend nccl --build '{...}'     # 2 GPUs of one host, NCCL
 
 Model: ``--model`` or, with ``--build JSON``, a random qwen3_moe made in the temp dir by
-``mlx_fun.tiny.make_tiny_model`` with those keyword arguments, for runs where the bundled model is too small to
+``mlx_fun.testing.tiny.make_tiny_model`` with those keyword arguments, for runs where the bundled model is too small to
 keep an accelerator busy. The README's two-GPU figure used (0.87 GiB on disk)::
 
     --samples 1024 --build '{"hidden_size":1024,"num_hidden_layers":12,"num_experts":64,"num_experts_per_tok":8,
@@ -16,7 +16,7 @@ keep an accelerator busy. The README's two-GPU figure used (0.87 GiB on disk)::
 With ``--backend nccl`` (one GPU a rank, ``CUDA_VISIBLE_DEVICES`` set by mlx.launch) the one process runs on one
 GPU.
 
-Dataset: ``--samples`` equal slices of Python's own standard library sources (``mlx_fun.tiny``'s offline
+Dataset: ``--samples`` equal slices of Python's own standard library sources (``mlx_fun.testing.tiny``'s offline
 corpus), written as JSONL in a temp dir. Each measurement is a fresh ``mlx-fun collect`` (``python -m mlx_fun``) and, for
 N ranks, ``mlx.launch --backend BACKEND -n N -- python -m mlx_fun collect …`` (on this machine; the ring backend on
 loopback). Prints wall times (process start to exit, best of ``--repeats``), the collect time each run reports
@@ -74,10 +74,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
     ``tmp``."""
     from bench_serve import free_port  # scripts/ is this script's own directory on sys.path
 
-    from mlx_fun.tiny import _stdlib_corpus
+    from mlx_fun.testing.tiny import _stdlib_corpus
 
     if args.build:
-        from mlx_fun.tiny import make_tiny_model
+        from mlx_fun.testing.tiny import make_tiny_model
 
         args.model = str(make_tiny_model("qwen3_moe", tmp / "model", **json.loads(args.build)))
     text = "\n".join(_stdlib_corpus(max_chars=args.samples * args.tokens * 4))

@@ -40,7 +40,7 @@ def build(args):
     from mlx_lm.utils import _get_classes, quantize_model
 
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.tiny import tiny_config
+    from mlx_fun.testing.tiny import tiny_config
 
     shape = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                  num_experts_per_tok=8, num_hidden_layers=args.layers, num_attention_heads=32,
@@ -70,7 +70,7 @@ def timed(fn, repeats: int = 1):
 
 
 def set_dispatch(model, on: bool) -> str:
-    from mlx_fun import dispatch
+    from mlx_fun.dispatch import experts as dispatch
 
     dispatch.remove(model)
     return dispatch.apply(model, "auto" if on else "mlx-lm", None, 0).mode
@@ -80,8 +80,8 @@ def bench_collect(model, adapter, samples, args, out: dict) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_fun import engine
-    from mlx_fun.collect import collect
+    from mlx_fun.model import engine
+    from mlx_fun.observe.collect import collect
 
     n = engine.total_tokens(samples)
     accs = {}
@@ -115,8 +115,8 @@ def bench_collect(model, adapter, samples, args, out: dict) -> None:
 
 
 def bench_eval(model, adapter, samples, args, out: dict) -> None:
-    from mlx_fun import engine
-    from mlx_fun.evaluate import evaluate
+    from mlx_fun.model import engine
+    from mlx_fun.observe.evaluate import evaluate
 
     for name, on in (("auto", True), ("mlx_lm", False)):
         set_dispatch(model, on)
@@ -130,7 +130,7 @@ def bench_eval(model, adapter, samples, args, out: dict) -> None:
 
 
 def bench_batches(model, adapter, samples, out: dict) -> None:
-    from mlx_fun.collect import collect
+    from mlx_fun.observe.collect import collect
 
     set_dispatch(model, True)
     largest = 0
@@ -154,7 +154,7 @@ def bench_decode(model, args, out: dict) -> None:
     from mlx_lm.generate import stream_generate
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_fun.sampling import run_generation
+    from mlx_fun.model.sampling import run_generation
 
     tokenizer = load_tokenizer(ROOT / "data" / "tiny-moe")
     prompt = tokenizer.encode("def fibonacci(n):")
@@ -208,7 +208,7 @@ def main() -> int:
     if args.quick:
         args.layers, args.samples, args.tokens, args.vocab, args.decode_tokens = 2, 4, 128, 4096, 16
 
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()
     import mlx.core as mx

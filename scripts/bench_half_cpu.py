@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Quantized models with half-precision scales on the CPU: MLX's own quantized matmuls against mlx-fun's float32
-path (:func:`mlx_fun.dispatch.half_on_cpu`, :mod:`mlx_fun.dispatch_dense`), measured in one run.
+path (:func:`mlx_fun.dispatch.experts.half_on_cpu`, :mod:`mlx_fun.dispatch.dense`), measured in one run.
 
     python scripts/bench_half_cpu.py [--model data/tiny-moe] [--bits 4] [--group-size 32] [--rounds 20]
 
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_fun.blas import maybe_reexec  # noqa: E402
+from mlx_fun.runtime.blas import maybe_reexec  # noqa: E402
 
 maybe_reexec()  # the fast BLAS, as the mlx-fun launcher has it
 
@@ -72,7 +72,7 @@ def models(args) -> None:
     from mlx.utils import tree_map
     from mlx_lm import load
 
-    from mlx_fun import dispatch
+    from mlx_fun.dispatch import experts as dispatch
 
     tokens = mx.array([[(i * 37) % 1000 + 5 for i in range(128)]])
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,7 @@ Each server is started as a child process on a free loopback port (defaults of b
 
 1. **idle**: ``--idle`` connections each send half of a request's headers and wait; the server's threads
    (/proc/<pid>/status) are sampled for 2 s; then one ordinary completion is timed while they are held;
-2. **burst**: ``--clients`` × ``--requests`` concurrent completions (``mlx_fun.serve.loadtest.run_load``); the
+2. **burst**: ``--clients`` × ``--requests`` concurrent completions (``mlx_fun.testing.loadtest.run_load``); the
    requests answered with a connection reset or refusal are counted;
 3. **long prompt**: one ``/v1/completions`` whose prompt is ``--prompt-kb`` kB of text (many times the bundled
    model's context), waited for at most ``--prompt-wait`` s: its status and time.
@@ -83,7 +83,7 @@ def idle(port: int, pid: int, n: int) -> tuple[int, int, str, float]:
 
 
 def one(kind: str, args) -> dict:
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     port = free_port()
     proc = subprocess.Popen(command(kind, args.model, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

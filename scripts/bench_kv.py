@@ -73,11 +73,11 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlx_fun.io import bundled_model_dir
+    from mlx_fun.model.io import bundled_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.build:
-            from mlx_fun.tiny import make_tiny_model
+            from mlx_fun.testing.tiny import make_tiny_model
 
             args.model = str(make_tiny_model("qwen3_moe", Path(tmp) / "model", **json.loads(args.build)))
         path = args.model or str(bundled_model_dir())

@@ -5,7 +5,7 @@
                                   [--samples 16] [--tokens 128] [--bits 4] [--alignment hungarian] [--repeats 2]
                                   [--rss-samples 16]
 
-Builds random qwen3_moe models (``mlx_fun.tiny`` helpers, in memory, no files) with L and 2L decoder layers and
+Builds random qwen3_moe models (``mlx_fun.testing.tiny`` helpers, in memory, no files) with L and 2L decoder layers and
 otherwise identical shapes, and times ``merge_model`` in-process on each (the same calibration tokens, the same
 saliency per layer, best of ``--repeats``, each repeat on a freshly built model). A small merge runs first so
 one-time costs (kernel compilation, scipy import) do not land in the L measurement. Printed per depth: total
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 def build(args, layers: int, seed: int = 0):
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.tiny import build_model, quantize, tiny_config
+    from mlx_fun.testing.tiny import build_model, quantize, tiny_config
 
     cfg = tiny_config(
         "qwen3_moe",
@@ -82,7 +82,7 @@ def time_merge(args, layers: int, samples, saliency_row) -> tuple[float, dict]:
 
 def time_forward(args, layers: int, samples) -> float:
     """One plain forward pass of the unmerged model over the calibration samples (batches of 8), for scale."""
-    from mlx_fun import engine
+    from mlx_fun.model import engine
 
     model, _ = build(args, layers)
     best = float("inf")
@@ -100,10 +100,10 @@ def rss_child(kind: str, n_samples: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_fun import engine
+    from mlx_fun.model import engine
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.data import pad_id
-    from mlx_fun.io import load_model
+    from mlx_fun.datasets.samples import pad_id
+    from mlx_fun.model.io import load_model
     from mlx_fun.rewrite.merge import merge_model
 
     model, tokenizer, config = load_model(ROOT / "data" / "tiny-moe")
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--rss-child", choices=["forward", "merge"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()  # Linux CPU: OpenBLAS preloaded, as the `mlx-fun` launcher does
     if args.rss_child:
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_fun.blas import blas_status
+    from mlx_fun.runtime.blas import blas_status
 
     rng = np.random.default_rng(0)
     samples = [rng.integers(0, 1024, args.tokens).tolist() for _ in range(args.samples)]

@@ -24,7 +24,7 @@ The last lines are ``prune_peak_rss_mib=<peak RSS of prune --n-prune 16>`` and
 ``startup`` time, which a model this small cannot amortize); with ``--streaming`` (model: the same shape in
 float32 with 6 layers, ≈ 2.4 GiB, each stacked expert projection 128 MiB) also
 ``peak_rss_ratio=<peak RSS of prune --n-prune 16 / (largest tensor + 300 MB)>``: prune streams tensor by tensor
-(mlx_fun.streaming), so its memory should not grow with the model.
+(mlx_fun.output.streaming), so its memory should not grow with the model.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ MODEL_KW = dict(
 
 BUILD = """
 import json, sys
-from mlx_fun.tiny import make_tiny_model
+from mlx_fun.testing.tiny import make_tiny_model
 make_tiny_model("qwen3_moe", sys.argv[1], **json.loads(sys.argv[2]))
 """
 
@@ -67,8 +67,8 @@ SALIENCY = """
 import sys
 import numpy as np
 from mlx_fun.adapters import get_adapter
-from mlx_fun.io import load_model
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.model.io import load_model
+from mlx_fun.observe.saliency import SaliencyAccumulator
 model, _, config = load_model(sys.argv[1], lazy=True)
 acc = SaliencyAccumulator.for_adapter(get_adapter(model, config))
 rng = np.random.default_rng(0)
@@ -228,7 +228,7 @@ def bench(args, work: Path) -> int:
     print(f"prune_vs_copy={first['wall_s'] / t_copy:.3f}")
     print(f"prune_vs_copy_net={(first['wall_s'] - best['startup']['wall_s']) / t_copy:.3f}")
     if args.streaming:
-        from mlx_fun.streaming import source_tensors
+        from mlx_fun.output.streaming import source_tensors
 
         largest = max(t.nbytes for t in source_tensors(model).values())
         print(f"largest_tensor_mib={largest / mib:.1f}")

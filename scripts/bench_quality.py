@@ -23,24 +23,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_fun.blas import blas_status, maybe_reexec  # noqa: E402
+from mlx_fun.runtime.blas import blas_status, maybe_reexec  # noqa: E402
 
 maybe_reexec()  # Linux CPU: a fast BLAS preloaded, as the `mlx-fun` launcher does (before mlx is imported)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_fun import corpus  # noqa: E402
+from mlx_fun.datasets import corpus  # noqa: E402
 from mlx_fun.adapters import get_adapter  # noqa: E402
-from mlx_fun import dispatch  # noqa: E402
-from mlx_fun.collect import collect  # noqa: E402
-from mlx_fun.data import load_samples, pad_id  # noqa: E402
-from mlx_fun.evaluate import ReferenceCache, evaluate  # noqa: E402
-from mlx_fun.io import bundled_model_dir, load_model  # noqa: E402
-from mlx_fun.writer import write_json, write_text  # noqa: E402
+from mlx_fun.dispatch import experts as dispatch  # noqa: E402
+from mlx_fun.observe.collect import collect  # noqa: E402
+from mlx_fun.datasets.samples import load_samples, pad_id  # noqa: E402
+from mlx_fun.observe.evaluate import ReferenceCache, evaluate  # noqa: E402
+from mlx_fun.model.io import bundled_model_dir, load_model  # noqa: E402
+from mlx_fun.core.writer import write_json, write_text  # noqa: E402
 from mlx_fun.rewrite.merge import merge_model  # noqa: E402
 from mlx_fun.rewrite.prune import prune_model  # noqa: E402
-from mlx_fun.selection import select_experts  # noqa: E402
+from mlx_fun.experts.selection import select_experts  # noqa: E402
 
 METRICS = ("reap", "ean", "freq", "weighted_freq")
 DOMAINS = ("code", "prose")
@@ -179,7 +179,7 @@ def quantize_rows(args, model_dir, saliency, score, ready):
     from mlx_lm import convert
 
     from mlx_fun import jobs
-    from mlx_fun.io import dir_size
+    from mlx_fun.model.io import dir_size
     from mlx_fun.rewrite.quantize import QuantRecipe
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_quality_q."))
@@ -284,7 +284,7 @@ def interpretation(rows) -> list[str]:
 
 def _down_note(model_dir) -> str:
     """What group size 64 does to this model's expert down projections (their input is the expert width)."""
-    from mlx_fun.io import read_config
+    from mlx_fun.model.io import read_config
 
     width = read_config(model_dir).get("moe_intermediate_size")
     if not width or width % 64 == 0:

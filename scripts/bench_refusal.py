@@ -6,7 +6,7 @@
 Each set is a JSONL of ``{"messages": [{"role": "user", ...}]}`` prompts (the files of ``data/safety``); the default
 sets are the template-made held-out tests and the hand-written ones (``*_handwritten_test.jsonl``: written by hand,
 not by ``scripts/make_safety_data.py``, never trained on). Replies are greedy, up to ``--max-tokens`` tokens, in the
-model's chat template, classified by :func:`mlx_fun.refusal.is_refusal`. Prints one line per set,
+model's chat template, classified by :func:`mlx_fun.observe.refusal.is_refusal`. Prints one line per set,
 ``refusal[<set>]=<rate> n=<prompts>``, and with ``--show N`` the first N replies of each set.
 """
 
@@ -24,7 +24,7 @@ SETS = ["harmful_test", "benign_test", "harmful_handwritten_test", "benign_handw
 
 
 def main() -> int:
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,7 +35,7 @@ def main() -> int:
     args = p.parse_args()
     from mlx_lm import load
 
-    from mlx_fun.refusal import greedy_replies, is_refusal
+    from mlx_fun.observe.refusal import greedy_replies, is_refusal
 
     model, tok = load(args.model)
     files = [Path(s) for s in args.sets] or [ROOT / "data" / "safety" / f"{name}.jsonl" for name in SETS]

@@ -6,11 +6,11 @@
 
 On the bundled refusing chat model, in one run: `safety-scan` on the *train* prompt sets, then, on the held-out
 *test* prompts and the hand-written ones (never trained on), greedy replies (16 tokens) classified by
-`mlx_fun.refusal.is_refusal` and `mlx_fun.refusal.is_degenerate` (a token or a short block of tokens repeated
+`mlx_fun.observe.refusal.is_refusal` and `mlx_fun.observe.refusal.is_degenerate` (a token or a short block of tokens repeated
 4 times in a row: the reply is no longer text), and the benign next-token
 KL(original ‖ steered) at the first assistant position, for: the original; the safety-critical experts masked
 (`unsafe`); as many random experts masked in the same layers (control, 3 seeds); the HCDG experts masked; the
-HRCG experts boosted (`safe`); each with the additive and the rank scheme of `mlx_fun.steering` on the hooked MoE
+HRCG experts boosted (`safe`); each with the additive and the rank scheme of `mlx_fun.experts.steering` on the hooked MoE
 call (what `steer` and `serve` apply). Writes the table and what it means to --output.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main() -> int:
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,12 +42,13 @@ def main() -> int:
     from mlx_lm import load
     from train_chat_moe import answer, read
 
-    from mlx_fun import jobs, moe_hook
+    from mlx_fun import jobs
+    from mlx_fun.model import moe_hook
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.io import read_config
-    from mlx_fun.refusal import degenerate_rate, first_token_logprobs, mean_kl, refusal_rate
-    from mlx_fun.steering import for_adapter
-    from mlx_fun.writer import write_text
+    from mlx_fun.model.io import read_config
+    from mlx_fun.observe.refusal import degenerate_rate, first_token_logprobs, mean_kl, refusal_rate
+    from mlx_fun.experts.steering import for_adapter
+    from mlx_fun.core.writer import write_text
 
     data = Path(args.data)
     tmp = tempfile.TemporaryDirectory()
@@ -132,8 +133,8 @@ def _markdown(rows, rep, harmful, benign, handwritten, args) -> str:
 harmful + {rep['datasets']['benign']['samples']} benign *train* prompts; measured on {len(harmful)} held-out
 harmful and {len(benign)} held-out benign template prompts, and on the hand-written ("hw") sets never trained on:
 {len(handwritten[0])} harmful, {len(handwritten[1])} benign and lookalike; greedy, 16 tokens,
-`mlx_fun.refusal.is_refusal`; "degenerate": replies of all four sets in which a token or a block of up to 4 tokens
-repeats 4 times in a row (`mlx_fun.refusal.is_degenerate`); KL(original ‖ steered) of the first reply token on the
+`mlx_fun.observe.refusal.is_refusal`; "degenerate": replies of all four sets in which a token or a block of up to 4 tokens
+repeats 4 times in a row (`mlx_fun.observe.refusal.is_degenerate`); KL(original ‖ steered) of the first reply token on the
 benign template prompts). Steering on mlx-fun's hooked MoE call, as `steer` and
 `serve` apply it: `additive` adds −1e9 / +1e4 to the router logits; `rank` (SteerMoE) sets a masked expert's logit
 to the token's minimum − 0.01 and a boosted one's to its maximum + 0.01. The `unsafe` / `safe` rows are the

@@ -9,7 +9,7 @@ timings are interleaved (the candidates take turns in shuffled rounds) so that d
 them alike; each figure is the median over ``--iters`` tokens after ``--warmup`` untimed ones.
 
 - ``mlx_lm``: ``mlx_lm.sample_utils.make_sampler(temp=1.0)`` (the compiled ``mx.random.categorical``);
-- ``ours``: ``mlx_fun.sampling.GumbelSampler(temperature=1.0, seed=0)`` as used by ``smoke-test``: a fresh key
+- ``ours``: ``mlx_fun.model.sampling.GumbelSampler(temperature=1.0, seed=0)`` as used by ``smoke-test``: a fresh key
   ``mx.random.key(seed + step)`` per token, compiled only on a GPU (the default policy);
 - for information: ours unseeded (MLX's global key), and ours forced compiled / uncompiled.
 
@@ -40,7 +40,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-    from mlx_fun.sampling import GumbelSampler, default_compiled
+    from mlx_fun.model.sampling import GumbelSampler, default_compiled
 
     dtype = getattr(mx, args.dtype)
     logits = mx.random.normal((1, args.vocab), key=mx.random.key(0)) * 3.0

@@ -17,7 +17,7 @@ tokens) and stops it. Throughput is completion tokens per second over all rounds
 `--dispatch mlx-lm` runs mlx-fun serve on mlx-lm's own expert call, so the ratio is the counting hooks alone.
 
 `--contended N`: the same load on `mlx_lm.server` as a user starts it (no preloaded BLAS) and on `mlx-fun serve
---mode lightweight` (its fast BLAS, governed threads: mlx_fun.blas_threads), quiet and then beside N busy processes
+--mode lightweight` (its fast BLAS, governed threads: mlx_fun.runtime.blas_threads), quiet and then beside N busy processes
 (started for the round and stopped at its end); the last lines are ``quiet_vs_mlx_lm=<ratio>`` and
 ``contended_vs_mlx_lm=<ratio>`` (goal ≥ 1.0 under contention).
 """
@@ -70,7 +70,7 @@ DISPATCH = ["auto"]
 
 
 def one(kind: str, args, env: dict | None = None) -> tuple[int, float, bool | None]:
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     port = free_port()
     proc = subprocess.Popen(command(kind, args.model, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -121,7 +121,7 @@ def contended(args) -> int:
 
 
 def main() -> int:
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -137,7 +137,7 @@ def main() -> int:
                     help="mlx_lm.server (as installed) vs mlx-fun serve, quiet and beside N busy processes")
     args = ap.parse_args()
     DISPATCH[0] = args.dispatch
-    from mlx_fun.blas import blas_status
+    from mlx_fun.runtime.blas import blas_status
 
     print(blas_status(), flush=True)
     if args.contended:

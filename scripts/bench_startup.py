@@ -6,7 +6,7 @@
 Every timing is the wall time of a fresh ``python -m mlx_fun <command>`` (the console entry: BLAS re-exec, CLI,
 job) as seen from here. ``eager`` runs with ``MLX_FUN_EAGER_IMPORTS=1``: imports as mlx-lm makes them
 (transformers at once, and PyTorch with it wherever PyTorch is installed), i.e. mlx-fun before issue 32;
-``lean`` is the default (:mod:`mlx_fun.lean_imports`). The two alternate, best of ``--repeats``.
+``lean`` is the default (:mod:`mlx_fun.runtime.lean_imports`). The two alternate, best of ``--repeats``.
 
 - ``collect`` (1 sample of 8 tokens), ``eval`` (1 sample of 8 tokens), ``smoke-test`` (1 token) on ``--model``
   (default: the bundled data/tiny-moe): the fixed start of a command that tokenizes;

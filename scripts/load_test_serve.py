@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from mlx_fun.blas import maybe_reexec
+    from mlx_fun.runtime.blas import maybe_reexec
 
     maybe_reexec()  # the fast BLAS `mlx-fun` itself runs with
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from mlx_fun import jobs
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
     from mlx_fun.serve.options import ServerOptions
 
     server = None

@@ -241,7 +241,7 @@ def main() -> int:
     ap.add_argument("--sources", default=str(ROOT / "data" / "safety" / "sources"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from mlx_fun.writer import write_text
+    from mlx_fun.core.writer import write_text
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
     python scripts/make_tiny_moe.py --model-type qwen3_moe --output ./tiny-qwen3 [--bits 4]
 
 The byte-level BPE tokenizer (with a chat template) is trained locally on standard-library text; nothing is
-downloaded. The test suite builds its fixtures with the same code (``mlx_fun.tiny``).
+downloaded. The test suite builds its fixtures with the same code (``mlx_fun.testing.tiny``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_fun.tiny import QUANT_MODES, make_tiny_model, tiny_model_types  # noqa: E402
+from mlx_fun.testing.tiny import QUANT_MODES, make_tiny_model, tiny_model_types  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_fun import corpus, corpus_machine  # noqa: E402
+from mlx_fun.datasets import corpus, corpus_machine  # noqa: E402
 from mlx_fun.errors import UserError, cli_names  # noqa: E402
 
 

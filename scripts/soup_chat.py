@@ -24,13 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mlx_fun.blas import maybe_reexec  # noqa: E402
+from mlx_fun.runtime.blas import maybe_reexec  # noqa: E402
 
 maybe_reexec()
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_fun.io import read_config, save_model_dir  # noqa: E402
+from mlx_fun.model.io import read_config, save_model_dir  # noqa: E402
 from train_chat_moe import all_rates, read  # noqa: E402
 from train_chat_moe import score as difference  # noqa: E402
 

@@ -7,7 +7,7 @@
 Supervised fine-tuning on ``chat_train.jsonl`` (loss on the assistant turn only, its ``<|im_end|>`` included),
 rows sampled by kind (``--harmful-weight``, ``--lookalike-weight`` times their share), with the Switch
 load-balancing loss of ``train_tiny_moe.py`` through mlx-fun's hooked MoE call. Every ``--eval-every`` steps the
-validation prompts are answered greedily and classified by :func:`mlx_fun.refusal.is_refusal`:
+validation prompts are answered greedily and classified by :func:`mlx_fun.observe.refusal.is_refusal`:
 ``chat_valid_{harmful,benign,lookalike}.jsonl`` (source items never trained on) where the data has them, else the
 template tests. The checkpoint with the best ``harmful refusal − the larger benign refusal`` is saved with its model
 card. The hand-written test sets are never read here. Runs on any MLX backend.
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mlx_fun.blas import maybe_reexec  # noqa: E402
+from mlx_fun.runtime.blas import maybe_reexec  # noqa: E402
 
 maybe_reexec()
 
@@ -34,8 +34,8 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlx_fun import moe_hook  # noqa: E402
-from mlx_fun.refusal import refusal_rate  # noqa: E402
+from mlx_fun.model import moe_hook  # noqa: E402
+from mlx_fun.observe.refusal import refusal_rate  # noqa: E402
 from train_tiny_moe import RouterLog, aux_losses, install_router_log  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def encode(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], in
 
 
 def answer(model, tokenizer, rows: list[dict], max_tokens: int = 16) -> list[str]:
-    from mlx_fun.refusal import greedy_replies
+    from mlx_fun.observe.refusal import greedy_replies
 
     prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in rows]
     return greedy_replies(model, tokenizer, prompts, max_tokens)
@@ -96,7 +96,7 @@ def eval_sets(data: Path, rng, n: int) -> dict[str, list[dict]]:
 
 
 def all_rates(model, tokenizer, sets: dict[str, list[dict]]) -> dict[str, float]:
-    """Refusal rate per prompt set (greedy replies, :func:`mlx_fun.refusal.refusal_rate`)."""
+    """Refusal rate per prompt set (greedy replies, :func:`mlx_fun.observe.refusal.refusal_rate`)."""
     return {kind: refusal_rate(answer(model, tokenizer, rows)) for kind, rows in sets.items()}
 
 
@@ -108,8 +108,8 @@ def main(argv=None):
     args = parse_args(argv)
     from mlx_lm import load
 
-    from mlx_fun.io import read_config, save_model_dir
-    from mlx_fun.writer import check_output_path
+    from mlx_fun.model.io import read_config, save_model_dir
+    from mlx_fun.core.writer import check_output_path
 
     check_output_path(args.output, kind="dir", inputs={"--init": args.init, "--data": args.data}, force=args.force)
     mx.random.seed(args.seed)
@@ -215,7 +215,7 @@ template as its base.
 - Training: {log["steps"]} steps of {args.batch_size} chats, AdamW lr {args.lr}, loss on the assistant turn only,
   Switch load-balancing loss × {args.aux_coef}; checkpoint picked on the validation prompts: step
   {log["best_step"]} (validation refusal {valid}); {log["train_seconds"]} s on {log["device"]} (MLX {log["mlx"]}).
-- Template test sets (greedy, 16 tokens, `mlx_fun.refusal.is_refusal`): harmful **{held["harmful_refusal"]:.1%}**
+- Template test sets (greedy, 16 tokens, `mlx_fun.observe.refusal.is_refusal`): harmful **{held["harmful_refusal"]:.1%}**
   of {held["harmful_prompts"]}, benign **{held["benign_refusal"]:.1%}** of {held["benign_prompts"]}. Before
   fine-tuning (validation): {", ".join(f"{k} {v:.1%}" for k, v in before.items())}.
 """

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_fun.blas import maybe_reexec  # noqa: E402
+from mlx_fun.runtime.blas import maybe_reexec  # noqa: E402
 
 maybe_reexec()  # Linux CPU: a fast BLAS preloaded, as the `mlx-fun` launcher does (before mlx is imported)
 
@@ -35,9 +35,9 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
-from mlx_fun import moe_hook  # noqa: E402
-from mlx_fun.corpus import domain_file  # noqa: E402
-from mlx_fun.tiny import SPECIAL_TOKENS, tiny_config, train_tokenizer  # noqa: E402
+from mlx_fun.model import moe_hook  # noqa: E402
+from mlx_fun.datasets.corpus import domain_file  # noqa: E402
+from mlx_fun.testing.tiny import SPECIAL_TOKENS, tiny_config, train_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -133,8 +133,8 @@ def main(argv=None):
     from tokenizers import Tokenizer
     from mlx_lm.utils import _get_classes
 
-    from mlx_fun.io import save_model_dir
-    from mlx_fun.writer import check_output_path
+    from mlx_fun.model.io import save_model_dir
+    from mlx_fun.core.writer import check_output_path
 
     check_output_path(args.output, kind="dir", inputs={"--data": args.data}, force=args.force)
     mx.random.seed(args.seed)
@@ -143,7 +143,7 @@ def main(argv=None):
     weights = [float(w) for w in args.weights.split(",")]
     assert len(weights) == len(domains), "--weights needs one number per domain"
     data = Path(args.data)
-    from mlx_fun.blas import blas_status
+    from mlx_fun.runtime.blas import blas_status
 
     print(f"MLX {mx.__version__} on {mx.default_device()}; {blas_status()}", flush=True)
 
@@ -323,7 +323,7 @@ def model_card(log, config, n_params) -> str:
     doms = a["domains"].split(",")
     tok_origin = (f"the tokenizer of {a['tokenizer']}" if a.get("tokenizer")
                   else "trained on the same training text")
-    from mlx_fun.corpus import DESCRIPTIONS
+    from mlx_fun.datasets.corpus import DESCRIPTIONS
 
     sources = "; ".join(f"{d}: {DESCRIPTIONS[d].split(' (')[0]}" if d in DESCRIPTIONS else d for d in doms)
     return f"""# mlx-fun tiny MoE ({config['model_type']}, {n_params / 1e6:.1f}M parameters)

@@ -18,7 +18,7 @@ FAMILIES = [t for t in supported_model_types() if t not in ALIASES]
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    from mlx_fun.tiny import train_tokenizer
+    from mlx_fun.testing.tiny import train_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(path)
@@ -28,7 +28,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory, tokenizer_dir):
     """``make_model(model_type, bits=None, mode='affine', **overrides) -> Path``, cached per arguments."""
-    from mlx_fun.tiny import make_tiny_model
+    from mlx_fun.testing.tiny import make_tiny_model
 
     cache: dict = {}
     root = tmp_path_factory.mktemp("models")

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 from mlx_fun.rewrite.abliterate import apply, embedding, restore, writers
 from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 from mlx_fun.rewrite.weights import dense, dense_of, stored, stored_keeping
@@ -332,7 +332,7 @@ def test_a_round_over_max_kl_is_undone(chat_4bit, tmp_path):
 
 
 def test_phrasing_names_how_a_reply_opens():
-    from mlx_fun.refusal import phrasing
+    from mlx_fun.observe.refusal import phrasing
 
     assert phrasing("Sorry, I can't assist with that.") == "sorry i"
     assert phrasing("  I\u2019m sorry, but no") == "i'm sorry"
@@ -421,7 +421,7 @@ def test_every_phase_says_what_it_does(tmp_path):
 def _chat_prompts(n):
     from pathlib import Path
 
-    from mlx_fun.data import load_samples
+    from mlx_fun.datasets.samples import load_samples
 
     data = Path(__file__).resolve().parents[1] / "data"
     model, tok = load_model(data / "tiny-moe-chat")[:2]
@@ -433,7 +433,7 @@ def test_first_token_logprobs_are_one_engine_pass_in_any_budget_and_the_replies_
     """Batched, right-padded, each prompt's last real position: what one forward per prompt gives, also with a
     budget that feeds every prompt in chunks through the KV cache; the greedy replies' own first-token log-probs
     (float32 model) are the same distribution, and asking for them leaves the replies as they were."""
-    from mlx_fun.refusal import first_token_logprobs, greedy_replies
+    from mlx_fun.observe.refusal import first_token_logprobs, greedy_replies
 
     model, tok, prompts = _chat_prompts(6)
     assert len({len(p) for p in prompts}) > 1  # padding is exercised
@@ -452,8 +452,8 @@ def test_first_token_logprobs_are_one_engine_pass_in_any_budget_and_the_replies_
 
 
 def test_abliterate_and_eval_share_one_kl():
-    from mlx_fun.evaluate import kl_divergence
-    from mlx_fun.refusal import mean_kl
+    from mlx_fun.observe.evaluate import kl_divergence
+    from mlx_fun.observe.refusal import mean_kl
 
     rng = np.random.default_rng(0)
     a, b = (mx.array(rng.normal(size=(5, 11)).astype(np.float32)) for _ in range(2))
@@ -490,8 +490,8 @@ def test_replies_until_decided_stop_refusals_early_and_judge_every_reply_alike()
     words are complete, an answer runs its full length, and both judgements equal the full replies'."""
     from pathlib import Path
 
-    from mlx_fun.data import load_samples
-    from mlx_fun.refusal import decided, greedy_replies, is_refusal, phrasing
+    from mlx_fun.datasets.samples import load_samples
+    from mlx_fun.observe.refusal import decided, greedy_replies, is_refusal, phrasing
 
     data = Path(__file__).resolve().parents[1] / "data"
     model, tok = load_model(data / "tiny-moe-chat")[:2]

@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_fun import moe_hook
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import ALIASES, REGISTRY, get_adapter, supported_model_types
 from mlx_fun.adapters.base import expert_projections
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 
 from .conftest import FAMILIES
 
@@ -103,7 +103,7 @@ def test_every_mlx_lm_moe_model_type_is_supported_or_listed_with_a_reason():
 
 
 def test_every_supported_type_has_a_tiny_config():
-    from mlx_fun.tiny import tiny_model_types
+    from mlx_fun.testing.tiny import tiny_model_types
 
     assert set(FAMILIES) <= set(tiny_model_types())
 
@@ -244,7 +244,7 @@ def test_moe_layer_rules(make_model):
 
 def test_a_dense_checkpoint_of_a_moe_family_is_a_one_line_error():
     """qwen3_5 and mistral3 configs are MoE or dense; a dense one is refused in one line, not a traceback."""
-    from mlx_fun.tiny import build_model, tiny_config
+    from mlx_fun.testing.tiny import build_model, tiny_config
 
     cfg = tiny_config("qwen3_5", num_experts=0)
     with pytest.raises(UserError, match="this qwen3_5 model has no MoE layers"):
@@ -263,8 +263,8 @@ def test_doctor_names_moe_types_of_a_newer_mlx_lm(monkeypatch):
 def test_config_expert_facts_are_checked_once_before_loading(tmp_path):
     """io.check_config asks the family's adapter: top-k a whole number (hunyuan: or a list of equal ones) at most
     the routed-expert count; a dense checkpoint (0 experts) is left to the adapter's own no-MoE-layers message."""
-    from mlx_fun.io import check_config
-    from mlx_fun.tiny import tiny_config
+    from mlx_fun.model.io import check_config
+    from mlx_fun.testing.tiny import tiny_config
 
     where = tmp_path / "config.json"
     check_config(tiny_config("hunyuan", moe_topk=[2, 2]), where=where)

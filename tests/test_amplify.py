@@ -14,7 +14,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 from mlx_fun.rewrite.amplify import target
 
 from .cli_helpers import expect_error
@@ -58,7 +58,7 @@ def test_amplify_every_family_or_refuse(make_model, tmp_path, family):
 
 
 def test_boost_raises_domain_routing(make_model, tmp_path):
-    from mlx_fun.collect import collect
+    from mlx_fun.observe.collect import collect
 
     path = make_model("deepseek_v3")
     model, tok, config = load_model(path)

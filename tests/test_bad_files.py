@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun.data import MAX_SAMPLE_BYTES
+from mlx_fun.datasets.samples import MAX_SAMPLE_BYTES
 
 from .cli_helpers import expect_error, run
 from .test_nothing_lost import MLX_FUN, SAMPLE, one_error_line, tree
@@ -227,7 +227,7 @@ def test_every_command_refuses_a_broken_model_directory_in_one_line(tmp_path, br
 def test_load_model_names_the_missing_tokenizer(broken):
     """Every loader goes through io.load_model: it says the tokenizer is missing (before mlx-lm loads an empty one)."""
     from mlx_fun.errors import UserError
-    from mlx_fun.io import check_tokenizer, load_model
+    from mlx_fun.model.io import check_tokenizer, load_model
 
     with pytest.raises(UserError, match=f"{broken / 'no_tokenizer'} has no tokenizer: none of tokenizer.json"):
         load_model(broken / "no_tokenizer")

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from mlx_fun import blas
-from mlx_fun.data import MAX_COUNT
-from mlx_fun.openblas_wheel import cache_dir as blas_cache
+from mlx_fun.runtime import blas
+from mlx_fun.datasets.samples import MAX_COUNT
+from mlx_fun.runtime.openblas_wheel import cache_dir as blas_cache
 
 from .cli_helpers import expect_error, run as cli
 from .test_blas import REEXEC, clean_env, linux_only, needs_openblas

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun import blas
-from mlx_fun.openblas_wheel import cache_dir as blas_cache
+from mlx_fun.runtime import blas
+from mlx_fun.runtime.openblas_wheel import cache_dir as blas_cache
 
 LINUX = sys.platform.startswith("linux")
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_disabled_says_so_and_does_not_preload():
     env = clean_env(MLX_FUN_NO_FAST_BLAS="1")
     out = run([sys.executable, "-m", "mlx_fun", "--version"], env)
     assert blas_lines(out) == ["blas: disabled by MLX_FUN_NO_FAST_BLAS=1"]
-    code = f"from mlx_fun.blas import maybe_reexec; maybe_reexec(); import mlx.core; {MAPS}"
+    code = f"from mlx_fun.runtime.blas import maybe_reexec; maybe_reexec(); import mlx.core; {MAPS}"
     out = run([sys.executable, "-c", code], env)
     assert "MAPS False" in out
 
@@ -80,7 +80,7 @@ def test_doctor_reports_openblas_preloaded():
 # --------------------------------------------------------------------------------- re-exec once
 
 START = "import os; print('start', os.environ.get('MLX_FUN_BLAS_REEXEC'), flush=True)"
-REEXEC = "from mlx_fun.blas import maybe_reexec; maybe_reexec(); maybe_reexec()"
+REEXEC = "from mlx_fun.runtime.blas import maybe_reexec; maybe_reexec(); maybe_reexec()"
 
 
 @linux_only
@@ -276,5 +276,5 @@ def test_cuda_backend_installed(monkeypatch):
 
 
 def test_blas_module_does_not_import_mlx():
-    code = "import sys, mlx_fun.blas as b; b.blas_status(); b.find_fast_blas(); b.cuda_backend_installed(); print('mlx' in sys.modules)"
+    code = "import sys, mlx_fun.runtime.blas as b; b.blas_status(); b.find_fast_blas(); b.cuda_backend_installed(); print('mlx' in sys.modules)"
     assert run([sys.executable, "-c", code], clean_env(MLX_FUN_NO_FAST_BLAS="1")).strip() == "False"

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mlx_fun import blas_threads
-from mlx_fun.blas_threads import BUSY, QUIET, Governor
+from mlx_fun.runtime import blas_threads
+from mlx_fun.runtime.blas_threads import BUSY, QUIET, Governor
 
 from .test_blas import clean_env, linux_only, needs_openblas
 
@@ -69,11 +69,11 @@ def test_small_forwards_run_one_thread_and_larger_ones_what_the_load_asks_for(mo
 
 
 DECODE_PROBE = """
-from mlx_fun.blas import maybe_reexec
+from mlx_fun.runtime.blas import maybe_reexec
 maybe_reexec()
 import mlx.core as mx
 from mlx_fun import blas_threads, moe_hook
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 import time
 g = blas_threads.start()
 g.stop()  # the test decides, not the machine's load: all cores for large forwards
@@ -105,7 +105,7 @@ def test_a_preloaded_process_decodes_on_one_openblas_thread_and_prefills_on_all(
 
 PROBE = """
 import ctypes, json, sys, time
-from mlx_fun.blas import maybe_reexec
+from mlx_fun.runtime.blas import maybe_reexec
 maybe_reexec()
 from mlx_fun import blas_threads
 decisions = []  # every (others' cores, threads wanted) the governor decided, from its first look on

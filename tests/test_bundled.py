@@ -11,7 +11,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from mlx_fun.cli import main
-from mlx_fun.io import bundled_model_dir, dir_size
+from mlx_fun.model.io import bundled_model_dir, dir_size
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "data" / "tiny-moe"
@@ -77,7 +77,7 @@ def test_demo_refuses_a_directory_it_did_not_create(tmp_path):
 
 
 def test_train_script_runs_a_few_steps_and_saves_a_loadable_model(tmp_path):
-    from mlx_fun import corpus
+    from mlx_fun.datasets import corpus
 
     data = tmp_path / "corpus"
     corpus.prepare(data, max_samples=12, max_eval_samples=2, max_chars=512)

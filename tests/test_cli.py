@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

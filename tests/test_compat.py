@@ -14,10 +14,10 @@ import mlx_lm
 import pytest
 
 from mlx_fun import mlx_lm_compat as compat
-from mlx_fun import moe_hook
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.tiny import build_model, tiny_config
+from mlx_fun.testing.tiny import build_model, tiny_config
 
 from .cli_helpers import expect_error, run
 from .conftest import FAMILIES
@@ -191,7 +191,7 @@ def test_a_missing_routing_name_refuses_the_model_before_loading(monkeypatch, ma
 def test_a_missing_private_get_classes_fails_smoke_test_in_one_line(monkeypatch, qwen_model):
     import mlx_lm.utils
 
-    from mlx_fun.io import read_config
+    from mlx_fun.model.io import read_config
 
     monkeypatch.delattr(mlx_lm.utils, "_get_classes")
     expect_error(run("smoke-test", "--model", qwen_model, "--max-tokens", 2),

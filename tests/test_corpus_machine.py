@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from mlx_fun import corpus, corpus_machine
+from mlx_fun.datasets import corpus, corpus_machine
 
 MAN_PAGE = r""".\" Automatically generated
 .de Vb \" Begin verbatim text

@@ -7,11 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_fun import moe_hook
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
-from mlx_fun.collect import SaliencyTap, accumulate
-from mlx_fun.io import load_model
-from mlx_fun.saliency import ARRAY_KEYS, SaliencyAccumulator
+from mlx_fun.observe.collect import SaliencyTap, accumulate
+from mlx_fun.model.io import load_model
+from mlx_fun.observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 
 
 def test_queued_records_count_like_flushing_each_forward(make_model):

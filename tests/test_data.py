@@ -1,4 +1,4 @@
-"""mlx_fun.data: JSONL formats, directories, subsets, truncation, error messages and padded batches."""
+"""mlx_fun.datasets.samples: JSONL formats, directories, subsets, truncation, error messages and padded batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_fun.data import count_tokens, iter_batches, load_dataset, load_samples
+from mlx_fun.datasets.samples import count_tokens, iter_batches, load_dataset, load_samples
 from mlx_fun.errors import UserError
 
 CHAT = [
@@ -398,7 +398,7 @@ def test_one_byte_rule_for_jsonl_lines_and_directory_files(tmp_path, tok):
 
 
 def test_sample_byte_limit_is_exact_and_checked_for_unchosen_samples(tmp_path, tok, monkeypatch):
-    import mlx_fun.data as data
+    import mlx_fun.datasets.samples as data
 
     monkeypatch.setattr(data, "MAX_SAMPLE_BYTES", 40)
     fits, over = json.dumps({"content": "x" * 25}), json.dumps({"content": "x" * 26})  # 40 and 41 bytes

@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_fun import classswap, moe_hook
+from mlx_fun.core import classswap
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters.steer import RouteSteer
 
 from .conftest import FAMILIES
@@ -55,7 +56,7 @@ def test_compiled_small_calls_equal_the_plain_call(make_model, model_type, bits,
 
 
 def test_the_graph_reads_the_weights_of_each_call_and_retraces_after_a_swap(make_model):
-    from mlx_fun import dispatch
+    from mlx_fun.dispatch import experts as dispatch
 
     if not moe_hook.graph_backend():
         pytest.skip("the compiled graph runs on the CPU only (moe_hook.graph_backend)")

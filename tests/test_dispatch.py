@@ -16,12 +16,12 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from mlx_fun import dispatch as dsp
-from mlx_fun import moe_hook
+from mlx_fun.dispatch import experts as dsp
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
 from mlx_fun.cli import main
-from mlx_fun.io import load_model
-from mlx_fun.sampling import generate_tokens
+from mlx_fun.model.io import load_model
+from mlx_fun.model.sampling import generate_tokens
 
 PLANS = ["unsorted", "sorted", "blocked1", "blocked4", "blocked16", "dequant:unsorted", "dequant:sorted",
          "dequant:blocked8"]
@@ -344,7 +344,7 @@ def test_tune_dispatch_refuses_a_top_k_above_the_experts_before_measuring(tmp_pa
 
 
 def test_tuned_bands_follow_mlx_lm_unless_measurably_faster():
-    from mlx_fun.dispatch_tune import LayerSpec, Timings, build_bands, rebanded
+    from mlx_fun.dispatch.tune import LayerSpec, Timings, build_bands, rebanded
 
     ms = [1, 8, 64, 512]
     times = {  # seconds
@@ -407,7 +407,7 @@ def test_half_precision_experts_run_in_float32_on_the_cpu(kind, dtype):
 def test_dense_quantized_layers_with_half_precision_scales_run_in_float32_on_the_cpu(dtype):
     """Attention projections and a tied LM head with half-precision scales: float32 on the CPU in both modes (the
     same numbers as a float32-scale copy, in the input's dtype), never on a GPU backend, restored by remove()."""
-    from mlx_fun import dispatch_dense
+    from mlx_fun.dispatch import dense as dispatch_dense
 
     class Net(nn.Module):
         def __init__(self):
@@ -499,7 +499,7 @@ def test_a_bfloat16_model_runs_every_forward_command(make_model, tmp_path):
 def test_tune_dispatch_finds_an_unwritable_output_before_measuring(tmp_path, monkeypatch):
     """Issue 41 row 14: tune-dispatch measured for minutes and only then found its output unwritable; the table is
     now reserved (proven writable) first: a path under a file is one line, and nothing was timed."""
-    from mlx_fun import dispatch_tune
+    from mlx_fun.dispatch import tune as dispatch_tune
 
     from .cli_helpers import expect_error, run
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun import dispatch_table
-from mlx_fun.dispatch_table import Table
+from mlx_fun.dispatch import table as dispatch_table
+from mlx_fun.dispatch.table import Table
 
 from .cli_helpers import run as cli
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun.dispatch_table import BLOCK_RANGE
+from mlx_fun.dispatch.table import BLOCK_RANGE
 
 from .cli_helpers import expect_error, run as cli
 
@@ -64,7 +64,7 @@ def test_tune_dispatch_blocks_out_of_range_are_refused_before_measuring(blocks, 
 
 
 def test_every_plan_in_range_still_parses():
-    from mlx_fun.dispatch_table import Plan
+    from mlx_fun.dispatch.table import Plan
 
     low, high = BLOCK_RANGE
     for text in ("mlx-lm", "unsorted", "sorted", "dequant:unsorted", "dequant:sorted", f"blocked{low}",

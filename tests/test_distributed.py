@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_fun.distributed import World, gather, my_share
+from mlx_fun.observe.distributed import World, gather, my_share
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, DATA = ROOT / "data" / "tiny-moe", ROOT / "data" / "calibration_sample.jsonl"
@@ -41,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# ranks on one host get OPENBLAS_NUM_THREADS = cores / ranks (mlx_fun.blas.local_ranks); both runs use one
+# ranks on one host get OPENBLAS_NUM_THREADS = cores / ranks (mlx_fun.runtime.blas.local_ranks); both runs use one
 # thread so that every float32 forward is the same computation
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
 
@@ -84,7 +84,7 @@ def test_bad_output_fails_on_every_rank_without_hanging(tmp_path):
 
 
 def test_ranks_on_one_host_share_its_cores(tmp_path):
-    from mlx_fun.blas import local_ranks
+    from mlx_fun.runtime.blas import local_ranks
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.255.255.1:5002"]]))
@@ -134,10 +134,10 @@ def test_pipeline_needs_ranks_and_a_family_that_splits(tmp_path, make_model):
 
 
 def test_tensor_parallel_blocks_are_refused_with_the_alternative(qwen_model):
-    from mlx_fun import moe_hook
+    from mlx_fun.model import moe_hook
     from mlx_fun.adapters import get_adapter
     from mlx_fun.errors import UserError
-    from mlx_fun.io import load_model
+    from mlx_fun.model.io import load_model
 
     model, _, config = load_model(qwen_model)
     adapter = get_adapter(model, config)
@@ -165,8 +165,9 @@ def test_more_ranks_than_layers_are_refused_before_anything_loads(tmp_path, monk
     """Issue 41 row 11: `mlx.launch -n 5 collect --pipeline` on a 4-layer model died on every rank (mlx-lm split
     the layers [1, 1, 1, 1, 0]). The job checks the ranks against the config first, on every rank alike; here a
     5-rank world is what `world()` answers, in-process, instead of launching five processes."""
-    from mlx_fun import distributed, jobs
-    from mlx_fun.distributed import check_pipeline
+    from mlx_fun.observe import distributed
+    from mlx_fun import jobs
+    from mlx_fun.observe.distributed import check_pipeline
     from mlx_fun.errors import UserError
 
     layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]

@@ -1,6 +1,6 @@
-"""mlx-fun's on/off environment switches are read one way (mlx_fun.env.flag)."""
+"""mlx-fun's on/off environment switches are read one way (mlx_fun.core.env.flag)."""
 
-from mlx_fun.env import flag
+from mlx_fun.core.env import flag
 
 
 def test_unset_or_blank_is_the_default_off_words_are_off_anything_else_is_on():

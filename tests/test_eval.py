@@ -1,4 +1,4 @@
-"""`mlx-fun eval` and mlx_fun.evaluate: perplexity, KL(reference ‖ model), top-1 agreement."""
+"""`mlx-fun eval` and mlx_fun.observe.evaluate: perplexity, KL(reference ‖ model), top-1 agreement."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_fun.errors import UserError
-from mlx_fun.evaluate import (
+from mlx_fun.observe.evaluate import (
     ReferenceCache,
     check_compatible,
     evaluate,
@@ -20,7 +20,7 @@ from mlx_fun.evaluate import (
     load_eval_datasets,
     resolve_datasets,
 )
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +321,7 @@ def test_eval_cli_errors(tmp_path, float_model, make_model):
 
 def test_chunked_log_softmax_gives_the_same_numbers(loaded, quant_model, data, monkeypatch):
     """Positions are reduced in chunks of CHUNK_ELEMENTS logits; many small chunks change nothing."""
-    import mlx_fun.evaluate as ev
+    import mlx_fun.observe.evaluate as ev
 
     model, _ = loaded
     qmodel, _, _ = load_model(quant_model)

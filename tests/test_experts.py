@@ -8,7 +8,7 @@ import pytest
 
 from mlx_fun.adapters import get_adapter
 from mlx_fun.adapters.base import EXPERT_TYPES
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 
 from .conftest import FAMILIES
 from .oracles import gemm2_bias_swiglu_clamp, interleave_gate_up, reference_expert_outputs

@@ -10,8 +10,8 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
-from mlx_fun.genopts import GenOptions
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.genopts import GenOptions
+from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.jobs.steer import SteerOptions
 
 from .cli_helpers import expect_error, run
@@ -60,7 +60,7 @@ def test_a_draft_model_leaves_greedy_output_unchanged_and_says_what_it_proposed(
 def test_steering_governs_the_tokens_with_a_draft_model(tmp_path):
     """The draft model (here the same weights, loaded apart) is never steered: greedy steered output with it is the
     steered output without it, and differs from the unsteered one."""
-    from mlx_fun.io import read_config
+    from mlx_fun.model.io import read_config
 
     layers = read_config(MODEL)["num_hidden_layers"]
     report = tmp_path / "domain.json"

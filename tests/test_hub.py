@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun import hub, jobs
+from mlx_fun.model import hub
+from mlx_fun import jobs
 
 from .cli_helpers import expect_error, run
 
@@ -322,7 +323,7 @@ def test_a_revision_is_never_a_path_into_the_cache(neighbour, tmp_path, monkeypa
 @pytest.mark.parametrize("job", [j for j in jobs.ALL if "revision" in inspect.signature(j.run).parameters],
                          ids=lambda j: j.__name__.rpartition(".")[2])
 def test_every_jobs_revision_is_checked_in_the_library_api(neighbour, job):
-    """The rule lives where --revision is resolved (mlx_fun.hub), so the Python API refuses the same."""
+    """The rule lives where --revision is resolved (mlx_fun.model.hub), so the Python API refuses the same."""
     from mlx_fun.errors import UserError
 
     for revision in CRASHING:

@@ -71,7 +71,7 @@ READERS_ONLY = {"smoke_test", "steer", "ui", "doctor"}
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory, qwen_model):
     """Valid sample files of every kind a job reads, by name."""
-    from mlx_fun.dispatch_table import Table, table_text
+    from mlx_fun.dispatch.table import Table, table_text
 
     root = tmp_path_factory.mktemp("inputs")
     model = root / "model"

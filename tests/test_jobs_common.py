@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from mlx_fun import adapters, io, jobs
+from mlx_fun import adapters, jobs
+from mlx_fun.model import io
 
 DATASET = Path(__file__).resolve().parent.parent / "data" / "calibration_sample.jsonl"
 

@@ -159,7 +159,7 @@ def _safetensors(path: Path, header: bytes) -> Path:
 
 
 def _read_config(p):
-    from mlx_fun.io import read_config
+    from mlx_fun.model.io import read_config
 
     (p.parent / "m").mkdir()
     shutil.move(p, p.parent / "m" / "config.json")
@@ -168,7 +168,7 @@ def _read_config(p):
 
 
 def _read_table(p):
-    from mlx_fun.dispatch_table import read_table
+    from mlx_fun.dispatch.table import read_table
 
     try:
         read_table(p)
@@ -177,7 +177,7 @@ def _read_table(p):
 
 
 def _corpus_manifest(p):
-    from mlx_fun.corpus import ensure_prepared, SPLITS
+    from mlx_fun.datasets.corpus import ensure_prepared, SPLITS
 
     d = p.parent / "corpus"
     for split in SPLITS:
@@ -191,13 +191,13 @@ def _corpus_manifest(p):
 ENTRY_POINTS = {
     "io.read_config": _read_config,
     "dispatch_table.read_table": _read_table,
-    "expert_files.load_expert_list": lambda p: __import__("mlx_fun.expert_files").expert_files.load_expert_list(
+    "expert_files.load_expert_list": lambda p: __import__("mlx_fun.experts.expert_files").expert_files.load_expert_list(
         p.rename(p.with_suffix(".json")), 2, 4),
     "expert_files.load_report_experts(safety)": lambda p: __import__(
-        "mlx_fun.expert_files").expert_files.load_report_experts(p, "safety"),
+        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "safety"),
     "expert_files.load_report_experts(domain)": lambda p: __import__(
-        "mlx_fun.expert_files").expert_files.load_report_experts(p, "domain"),
-    "streaming.read_header": lambda p: __import__("mlx_fun.streaming").streaming.read_header(
+        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "domain"),
+    "streaming.read_header": lambda p: __import__("mlx_fun.output.streaming").streaming.read_header(
         _safetensors(p.with_suffix(".safetensors"), p.read_bytes())),
     "corpus manifest": _corpus_manifest,
 }
@@ -229,7 +229,7 @@ def test_the_typed_steering_body_of_the_ui_is_one_line(bad):
 def test_the_host_file_of_mlx_launch_that_is_no_json_counts_no_local_rank(tmp_path):
     """The BLAS set-up reads ``$MLX_HOSTFILE`` before anything else: a bad one counts no rank on this host (the
     launcher says what is wrong with it), never a RecursionError."""
-    from mlx_fun.blas import local_ranks
+    from mlx_fun.runtime.blas import local_ranks
 
     for bad in BAD.values():
         (tmp_path / "hosts.json").write_bytes(bad)
@@ -239,7 +239,7 @@ def test_the_host_file_of_mlx_launch_that_is_no_json_counts_no_local_rank(tmp_pa
 def test_nesting_the_parser_takes_but_later_code_recurses_on_is_refused(tmp_path, qwen_model):
     """600 levels parse (below Python's recursion limit) but copying such a config recursed; refused at the
     reader, as any JSON file mlx-fun reads nesting past MAX_DEPTH, with NaN where strict JSON forbids it."""
-    from mlx_fun.json_input import MAX_DEPTH, parse, read
+    from mlx_fun.core.json_input import MAX_DEPTH, parse, read
 
     model = tmp_path / "model"
     shutil.copytree(qwen_model, model)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from mlx_fun import layerwise
+from mlx_fun.model import layerwise
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model, save_model_dir
+from mlx_fun.model.io import load_model, save_model_dir
 from mlx_fun.rewrite.merge import (
     align_permutation,
     alignment_cost,
@@ -24,7 +24,7 @@ from mlx_fun.rewrite.merge import (
 from mlx_fun.rewrite.prune import prune_model
 from mlx_fun.rewrite.weights import dense as _dense
 from mlx_fun.rewrite.weights import quantized_like as _quantize_expert
-from mlx_fun.tiny import build_model, tiny_config
+from mlx_fun.testing.tiny import build_model, tiny_config
 
 from .conftest import FAMILIES
 from .test_cli import SAMPLE
@@ -353,7 +353,7 @@ def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, sal
     from mlx_fun.errors import UserError
     from mlx_fun.jobs import merge as merge_job
     from mlx_fun.rewrite.merge_options import Ream
-    from mlx_fun.selection import Selection
+    from mlx_fun.experts.selection import Selection
     from mlx_fun.settings import RunSettings
 
     from .test_nothing_lost import hidden, tree

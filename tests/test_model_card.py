@@ -13,12 +13,12 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
-from mlx_fun.io import load_model, save_model_dir
-from mlx_fun.model_card import card, source_front_matter
+from mlx_fun.model.io import load_model, save_model_dir
+from mlx_fun.output.model_card import card, source_front_matter
 from mlx_fun.rewrite.merge_options import Ream
 from mlx_fun.rewrite.quantize import QuantRecipe
-from mlx_fun.saliency import SaliencyAccumulator
-from mlx_fun.selection import Selection
+from mlx_fun.observe.saliency import SaliencyAccumulator
+from mlx_fun.experts.selection import Selection
 
 from .test_cli import SAMPLE
 
@@ -164,8 +164,8 @@ def test_front_matter_values_are_yaml_safe():
 
 
 def test_a_model_from_the_hugging_face_cache_names_its_repo_and_commit(carded, tmp_path):
-    """The base model is the repo id (and commit) where mlx_fun.hub knows it: here a snapshot of the HF cache."""
-    pytest.importorskip("mlx_fun.hub")
+    """The base model is the repo id (and commit) where mlx_fun.model.hub knows it: here a snapshot of the HF cache."""
+    pytest.importorskip("mlx_fun.model.hub")
     commit = "0123456789abcdef" * 2 + "01234567"
     snap = shutil.copytree(carded("qwen3_moe"), tmp_path / "hub" / "models--org--tiny-moe" / "snapshots" / commit)
     out = jobs.quantize.run(model=snap, output=tmp_path / "q",

@@ -22,7 +22,7 @@ import click
 import numpy as np
 import pytest
 
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 
 from .cli_helpers import expect_error, run
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_fun.errors import UserError
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 
 from .cli_helpers import expect_error, run
 from .test_cli import SAMPLE
@@ -67,7 +67,7 @@ def test_prune_refuses_a_file_purged_of_everything(tmp_path, qwen_model):
     sal = save(tmp_path / "s.npz", arrays())
     purged = tmp_path / "purged.npz"
     # stats-purge refuses to write such a file (issue 41 row 12); an older one, or the library's, still reaches prune
-    from mlx_fun import stats
+    from mlx_fun.observe import stats
 
     done, report = stats.purge(SaliencyAccumulator.load(sal), min_freq=1e9)
     assert report["purged"] == report["total"] == 16

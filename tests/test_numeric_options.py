@@ -3,9 +3,9 @@
 The cases are generated from the click commands themselves: every int / float option of every command gets the
 values just outside its declared range (and NaN / ±inf for floats), each of which must exit 2 with exactly one
 ``Error:`` line naming the option — in milliseconds, so before any model is read. An option without a declared
-range fails here until it has one (``click.IntRange`` / :class:`mlx_fun.ranges.FiniteFloat`), unless its valid
+range fails here until it has one (``click.IntRange`` / :class:`mlx_fun.core.ranges.FiniteFloat`), unless its valid
 values depend on another option and its job checks it before loading (``JOB_CHECKED``: run with a real model).
-Every ``--seed`` shares one range (:data:`mlx_fun.ranges.SEED`), the one the REST server checks too.
+Every ``--seed`` shares one range (:data:`mlx_fun.core.ranges.SEED`), the one the REST server checks too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import click
 import pytest
 
 from mlx_fun.cli import main
-from mlx_fun.ranges import FiniteFloat
+from mlx_fun.core.ranges import FiniteFloat
 
 from .cli_helpers import expect_error, run
 
@@ -90,7 +90,7 @@ def test_every_number_out_of_range_is_one_line_before_anything_loads(cmd, param,
 def test_every_seed_has_the_one_range_the_server_checks_too():
     """`merge --seed -1` reached numpy (internal error) while collect / eval took it; `smoke-test --seed 2**64`
     reached MLX while the server refused it: one range, 0 .. 2**64 - 1, for every --seed and the REST field."""
-    from mlx_fun.ranges import SEED
+    from mlx_fun.core.ranges import SEED
     from mlx_fun.serve.params import _rules
 
     seeds = {name: p.type for name, cmd in main.commands.items() for p in cmd.params if p.name == "seed"}
@@ -104,7 +104,7 @@ def test_the_largest_seed_samples():
     mx.random.key at the second step)."""
     import mlx.core as mx
 
-    from mlx_fun.sampling import seed_key
+    from mlx_fun.model.sampling import seed_key
 
     assert mx.array_equal(seed_key(2**64 - 1, 1), mx.random.key(0)).item()
     assert mx.array_equal(seed_key(2**64 - 1), mx.random.key(2**64 - 1)).item()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlx_fun import openblas_wheel as ow
+from mlx_fun.runtime import openblas_wheel as ow
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ow.wheel_library() is None,
                                 reason="the scipy-openblas32 wheel is a Linux dependency")
@@ -57,7 +57,7 @@ def test_mlx_runs_its_matmuls_and_lapack_on_the_wheel(tmp_path):
     CPU matmul and inverse agree with numpy, and the dynamic linker binds libmlx's ``cblas_sgemm`` to that copy
     (LD_DEBUG=bindings: proof that MLX really calls it; the speed itself is measured by scripts/bench_collect.py)."""
     code = (
-        "from mlx_fun.blas import maybe_reexec, blas_status; maybe_reexec()\n"
+        "from mlx_fun.runtime.blas import maybe_reexec, blas_status; maybe_reexec()\n"
         "import numpy as np, mlx.core as mx\n"
         "a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)\n"
         "x = mx.array(a); mx.eval(x @ x)\n"

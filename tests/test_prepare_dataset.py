@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fun import corpus
+from mlx_fun.datasets import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlx_fun import moe_hook
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model, save_model_dir
+from mlx_fun.model.io import load_model, save_model_dir
 from mlx_fun.rewrite.prune import prune_model
 
 from .conftest import FAMILIES

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 
 from .test_cli import SAMPLE
 from .cli_helpers import expect_error as _error, run  # noqa: E402
@@ -87,7 +87,7 @@ def test_a_prune_or_merge_that_removes_nothing_is_refused(tmp_path, make_model):
 
     from mlx_fun import jobs
     from mlx_fun.errors import UserError
-    from mlx_fun.selection import Selection
+    from mlx_fun.experts.selection import Selection
 
     model = make_model("qwen3_moe", bits=4)
     sal = _saliency(tmp_path, model)

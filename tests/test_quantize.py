@@ -16,10 +16,10 @@ from mlx.utils import tree_flatten
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 from mlx_fun.rewrite.quantize import QuantRecipe, classes
-from mlx_fun.saliency import SaliencyAccumulator
-from mlx_fun.streaming import source_tensors
+from mlx_fun.observe.saliency import SaliencyAccumulator
+from mlx_fun.output.streaming import source_tensors
 
 from .cli_helpers import run as run_cli
 

@@ -179,7 +179,7 @@ def _check_python_api(work: Path, printed: list[str]) -> None:
     library pipeline (load → hooks → accumulate → select → prune → save)."""
     import mlx_lm
 
-    from mlx_fun.saliency import SaliencyAccumulator
+    from mlx_fun.observe.saliency import SaliencyAccumulator
 
     assert len(printed) == 2, printed
     lines = printed[0].splitlines()

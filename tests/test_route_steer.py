@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_fun.adapters.steer import RouteSteer
-from mlx_fun.steering import Steering, SteeringError, from_reports
+from mlx_fun.experts.steering import Steering, SteeringError, from_reports
 
 from .conftest import FAMILIES
 from .test_adapters import LARGE, _load, _record_blocks
@@ -201,7 +201,7 @@ def test_rank_selects_every_boosted_expert_up_to_top_k(make_model, family, overr
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "minimax"])
 def test_empty_steering_routes_bit_identically(make_model, family, bits):
-    from mlx_fun import moe_hook
+    from mlx_fun.model import moe_hook
 
     model, config, adapter = _load(make_model, family, bits)
     assert Steering().route_steers(adapter) == {}

@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_fun import dispatch as dsp
-from mlx_fun import engine, jobs
+from mlx_fun.dispatch import experts as dsp
+from mlx_fun.model import engine
+from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
 from mlx_fun.cli import COMMANDS, main, module_name
-from mlx_fun.collect import collect
+from mlx_fun.observe.collect import collect
 from mlx_fun.errors import UserError, cli_names, param
-from mlx_fun.evaluate import evaluate
-from mlx_fun.io import load_model
+from mlx_fun.observe.evaluate import evaluate
+from mlx_fun.model.io import load_model
 from mlx_fun.settings import option_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def test_jobs_hold_what_they_are_about_and_take_how_to_run_as_one_settings_objec
     """No job's ``run`` has more than 15 parameters of its own (``revision=`` is the hub's); the dispatch / table / dequant cache / token budget / progress
     block appears in no job signature but as :class:`RunSettings` (``settings``), mlx-lm's generation options only
     as :class:`GenOptions` (``generation``); no job forwards its arguments through ``locals()``."""
-    from mlx_fun.genopts import GenOptions
+    from mlx_fun.model.genopts import GenOptions
     from mlx_fun.settings import RunSettings
 
     run_fields = {f.name for f in dataclasses.fields(RunSettings)}
@@ -224,7 +225,7 @@ def test_dense_quantized_linears_run_dequantized_from_the_cpu_cut_off():
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_fun import dispatch_dense
+    from mlx_fun.dispatch import dense as dispatch_dense
 
     class Net(nn.Module):
         def __init__(self):

@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_fun import moe_hook
+from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
-from mlx_fun.collect import SaliencyTap, collect
+from mlx_fun.observe.collect import SaliencyTap, collect
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model
-from mlx_fun.saliency import ARRAY_KEYS, SaliencyAccumulator
+from mlx_fun.model.io import load_model
+from mlx_fun.observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 
 from .conftest import FAMILIES
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from mlx_fun import sampling
-from mlx_fun.sampling import (
+from mlx_fun.model import sampling
+from mlx_fun.model.sampling import (
     U_MAX,
     U_MIN,
     GumbelSampler,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_fun import jobs
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -24,8 +24,8 @@ def _samples(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
 @pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("deepseek_v3", 4)])
 def test_scan_counts_equal_collect(make_model, family, bits):
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.collect import collect
-    from mlx_fun.differential import scan
+    from mlx_fun.observe.collect import collect
+    from mlx_fun.observe.differential import scan
 
     model, _, config = load_model(make_model(family, bits=bits))
     adapter = get_adapter(model, config)
@@ -78,7 +78,7 @@ def test_domain_scan_finds_a_synthetic_domain_and_prune_protects_it(make_model, 
 
 
 def test_safety_scan_on_the_refusing_model(tmp_path):
-    from mlx_fun.io import bundled_model_dir
+    from mlx_fun.model.io import bundled_model_dir
 
     chat = bundled_model_dir().parent / "tiny-moe-chat"
     safety = bundled_model_dir().parent / "safety"
@@ -92,8 +92,8 @@ def test_safety_scan_on_the_refusing_model(tmp_path):
     sizes = got.group_sizes()
     assert sizes["hcdg"] > 0 and sizes["hrcg"] > 0
     assert rep["datasets"]["harmful"]["samples"] == 48 and rep["thresholds"]["hcdg_composite_at_least"] > 0
-    from mlx_fun.expert_files import load_report_experts
-    from mlx_fun.steering import from_reports
+    from mlx_fun.experts.expert_files import load_report_experts
+    from mlx_fun.experts.steering import from_reports
 
     sets = load_report_experts(tmp_path / "safety_report.json", "safety", [0, 1, 2, 3], 48)
     assert sum(map(len, sets.values())) == sizes["safety_critical"]

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_fun.errors import UserError
-from mlx_fun.expert_files import load_expert_list, load_report_experts, merge_expert_sets, save_expert_list
-from mlx_fun.selection import (
+from mlx_fun.experts.expert_files import load_expert_list, load_report_experts, merge_expert_sets, save_expert_list
+from mlx_fun.experts.selection import (
     check_keep_counts,
     parse_expert_ranges,
     select_bottom,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_fun import jobs
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import run as cli
@@ -330,7 +330,7 @@ def test_malformed_bodies_and_limits(server):
 
 # ---------------------------------------------------------------------------------------------- concurrency
 def test_concurrent_load_is_exact(server):
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     call(server, "POST", "/v1/reap/reset", {})
     result = run_load(server.url, clients=4, requests=5, max_tokens=12, time_limit=300)

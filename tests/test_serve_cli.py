@@ -19,7 +19,7 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import expect_error
@@ -335,7 +335,7 @@ def _stop(proc) -> None:
 def test_a_burst_of_clients_against_the_command_is_never_reset(tmp_path):
     """Issue 41 row 8: `mlx-fun serve` under 24 concurrent clients × 4 requests answered 12-13 of 96 with
     "Connection reset by peer" (socketserver's listen backlog of 5); now every request is answered, twice over."""
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     proc, port = _start_cli(tmp_path)
     try:

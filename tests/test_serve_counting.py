@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from mlx_fun import jobs
-from mlx_fun.io import bundled_model_dir, read_config
+from mlx_fun.model.io import bundled_model_dir, read_config
 from mlx_fun.serve.options import ServerOptions
-from mlx_fun.steering import SteeringError, from_reports
+from mlx_fun.experts.steering import SteeringError, from_reports
 
 MODEL = bundled_model_dir()
 
@@ -26,7 +26,7 @@ def test_batched_padded_prompts_count_like_offline_collect():
     from mlx_lm.generate import BatchGenerator
 
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.collect import collect
+    from mlx_fun.observe.collect import collect
     from mlx_fun.serve.counting import TrafficCounter, attach, detach, install_padding_probe, remove_padding_probe
 
     model, tok = load(str(MODEL))
@@ -74,7 +74,7 @@ def test_server_args_cover_what_mlx_lm_reads():
 def test_steering_off_through_each_routing(make_model, family):
     """Group-limited sigmoid + correction bias (deepseek_v3, glm4_moe), router bias (gpt_oss), softmax after top-k
     (mixtral): a deactivated expert is never chosen while live traffic flows."""
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     server = jobs.serve.start(model=make_model(family), server=ServerOptions(port=0))
     try:

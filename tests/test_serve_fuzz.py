@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_fun import jobs
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.serve.options import ServerOptions
 
 MODEL = bundled_model_dir()
@@ -419,7 +419,7 @@ def test_a_burst_of_clients_is_never_reset(server):
     """Issue 41 row 8: 24 concurrent clients × 4 requests got 12-13 "Connection reset by peer" of 96 (the listen
     backlog was socketserver's 5). Now all 96 are answered, though only --max-connections are served at once: the
     others wait in the (1024-deep) listen queue; the counts stay exact."""
-    from mlx_fun.serve.loadtest import run_load
+    from mlx_fun.testing.loadtest import run_load
 
     result = run_load(server.url, clients=24, requests=4, max_tokens=2, time_limit=240, request_timeout=120)
     assert result.errors == 0 and result.ok == 96, result.error_samples

@@ -15,8 +15,8 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
-from mlx_fun.genopts import GenOptions
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.genopts import GenOptions
+from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.serve.options import ServerOptions
 
 from .cli_helpers import expect_error
@@ -112,8 +112,8 @@ def test_rejected_drafted_tokens_are_not_counted(unlike, qwen_model):
     from mlx_lm import load, stream_generate
 
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.collect import collect
-    from mlx_fun.io import read_config
+    from mlx_fun.observe.collect import collect
+    from mlx_fun.model.io import read_config
 
     model, tok = load(str(qwen_model))
     adapter = get_adapter(model, read_config(qwen_model))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_fun.jobs.smoke_test import DEFAULT_PROMPT
-from mlx_fun.io import load_model
-from mlx_fun.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
+from mlx_fun.model.io import load_model
+from mlx_fun.model.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
 from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 N_TOKENS = 24

@@ -1,5 +1,5 @@
 """A command pays only for what it uses (issue 32, part 1): no command imports PyTorch, even where it is installed,
-and the commands that never tokenize do not import transformers at all (:mod:`mlx_fun.lean_imports`).
+and the commands that never tokenize do not import transformers at all (:mod:`mlx_fun.runtime.lean_imports`).
 
 Each command runs in a fresh interpreter through the console entry point (``mlx_fun.launcher.main``) with a stub
 ``torch`` package first on ``sys.path`` that raises on import: a command that imports PyTorch fails. At exit the

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_fun import stats
+from mlx_fun.observe import stats
 from mlx_fun.cli import main
 from mlx_fun.errors import UserError
-from mlx_fun.saliency import ARRAY_KEYS, SaliencyAccumulator
+from mlx_fun.observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 
 MOE = [1, 3]  # decoder-layer indices of the two MoE layers
 

@@ -8,11 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from mlx_fun import jobs, moe_hook
-from mlx_fun.io import load_model
+from mlx_fun import jobs
+from mlx_fun.model import moe_hook
+from mlx_fun.model.io import load_model
 from mlx_fun.jobs.steer import SteerOptions
 from mlx_fun.settings import RunSettings
-from mlx_fun.steering import from_reports
+from mlx_fun.experts.steering import from_reports
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -22,7 +23,7 @@ from .conftest import FAMILIES
 @pytest.mark.parametrize("scheme", ["additive", "rank"])
 def test_steer_generates_under_the_report_steering(make_model, tmp_path, scheme):
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.sampling import run_generation
+    from mlx_fun.model.sampling import run_generation
 
     path = make_model("deepseek_v3")
     report = tmp_path / "domain_report.json"
@@ -85,8 +86,8 @@ def test_a_masked_expert_is_never_selected(make_model, family, bits):
     import mlx.core as mx
 
     from mlx_fun.adapters import get_adapter
-    from mlx_fun.collect import SaliencyTap, collect
-    from mlx_fun.saliency import SaliencyAccumulator
+    from mlx_fun.observe.collect import SaliencyTap, collect
+    from mlx_fun.observe.saliency import SaliencyAccumulator
 
     model, _, config = load_model(make_model(family, bits=bits))
     adapter = get_adapter(model, config)
@@ -142,7 +143,7 @@ def test_help_examples_keep_their_line_breaks():
                                                 ("mask_value", -1e300, "is infinite")])
 def test_a_steering_value_float32_cannot_hold_is_refused(field, value, what):
     """Issue 41 row 12: `mask_value -1e-300` / `boost_value 1e-300` became 0 in float32 and steered nothing (200)."""
-    from mlx_fun.steering import SteeringError, from_reports
+    from mlx_fun.experts.steering import SteeringError, from_reports
 
     import re
 

@@ -19,10 +19,10 @@ from mlx.utils import tree_flatten
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
-from mlx_fun.io import load_model
+from mlx_fun.model.io import load_model
 from mlx_fun.jobs.common import load_moe
 from mlx_fun.rewrite.prune import prune_model
-from mlx_fun.streaming import read_header, source_tensors
+from mlx_fun.output.streaming import read_header, source_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def in_memory_prune(model_dir: Path, keep_file: Path, out: Path) -> Path:
     """Today's prune before streaming: lazy load, slice the expert axis, mlx-lm's save_model."""
     from mlx_lm.utils import save_model
 
-    from mlx_fun.expert_files import load_expert_list
+    from mlx_fun.experts.expert_files import load_expert_list
 
     model, _, config, adapter = load_moe(model_dir, lazy=True)
     keep = load_expert_list(keep_file, len(adapter.moe_layers()), adapter.num_experts, adapter.moe_layers())
@@ -178,7 +178,7 @@ def test_bad_shard_size_exits_before_loading(tmp_path, qwen_model):
 
 CHILD = """
 import sys, time
-import mlx_fun.streaming as s
+import mlx_fun.output.streaming as s
 real = s._write_shard
 def slow(*a, **k):
     real(*a, **k)

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 from mlx_fun.serve.options import ServerOptions
 from mlx_fun.ui import analysis, plots
 from mlx_fun.ui.client import ServerClient, ServerError, check_url
@@ -272,7 +272,7 @@ def saliency_files(qwen_model, tmp_path_factory):
 
 
 def test_compare_is_stats_merge_and_its_export_is_what_prune_reads(saliency_files, qwen_model, tmp_path):
-    from mlx_fun.expert_files import load_expert_list
+    from mlx_fun.experts.expert_files import load_expert_list
 
     root = saliency_files
     c = analysis.compare(root=root, files=["a.npz", "b.npz"], metric="freq", n_prune=3, action="prune")
@@ -286,7 +286,7 @@ def test_compare_is_stats_merge_and_its_export_is_what_prune_reads(saliency_file
     out = jobs.prune.run(model=qwen_model, expert_list=root / "filtered_experts.json", output=tmp_path / "pruned")
     assert json.loads((Path(out.output) / "config.json").read_text())["num_experts"] == 5
     # the same choice as `prune --saliency <stats-merge output> --n-prune 3 --metric freq`
-    from mlx_fun.selection import select_experts
+    from mlx_fun.experts.selection import select_experts
 
     assert c.kept == select_experts(merged.merged.scores("freq"), 3, top_k=2)
 

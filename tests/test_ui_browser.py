@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from mlx_fun import jobs
-from mlx_fun.io import bundled_model_dir
+from mlx_fun.model.io import bundled_model_dir
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[1]

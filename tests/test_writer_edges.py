@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from mlx_fun.saliency import SaliencyAccumulator
+from mlx_fun.observe.saliency import SaliencyAccumulator
 
 from .test_nothing_lost import BUNDLED, SAMPLE, cli, needs_userns, one_error_line
 
@@ -79,7 +79,7 @@ def test_the_lock_never_exists_without_its_holders_pid(tmp_path, monkeypatch):
     import os as real_os
     import types
 
-    from mlx_fun import output_lock, writer
+    from mlx_fun.core import output_lock, writer
 
     lock = tmp_path / ".s.json.lock"
     seen = []
@@ -110,7 +110,7 @@ def _holder(path):
     import subprocess
     import sys
 
-    code = ("import sys; from mlx_fun.writer import output\n"
+    code = ("import sys; from mlx_fun.core.writer import output\n"
             f"with output({str(path)!r}) as res:\n"
             "    print('ready', flush=True); sys.stdin.read(); res.write_text('theirs')\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -119,7 +119,7 @@ def _holder(path):
 
 
 def test_a_held_lock_names_its_holder_and_a_stale_one_is_taken_over(tmp_path):
-    from mlx_fun import writer
+    from mlx_fun.core import writer
     from mlx_fun.errors import UserError
 
     out = tmp_path / "t.json"
@@ -149,7 +149,7 @@ def test_a_file_that_appears_during_the_run_is_not_replaced_without_force(tmp_pa
     fails rather than replace."""
     import pytest
 
-    from mlx_fun import writer
+    from mlx_fun.core import writer
     from mlx_fun.errors import UserError
 
     out = tmp_path / "r.json"
@@ -171,7 +171,7 @@ def test_without_hard_links_the_lock_and_the_rename_still_work(tmp_path, monkeyp
 
     import pytest
 
-    from mlx_fun import writer
+    from mlx_fun.core import writer
     from mlx_fun.errors import UserError
 
     def no_link(src, dst):

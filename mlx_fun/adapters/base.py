@@ -71,7 +71,7 @@ class MoEAdapter:
         """A one-line ``UserError`` for expert facts of config.json (``where``: the file) that mlx-lm would only
         trip over mid-forward: the routed-expert count must be a whole number >= 0, top-k one >= 1 (hunyuan: or a
         list of equal ones) and at most the expert count. Absent keys are mlx-lm's to default or to ask for."""
-        from ..data import MAX_COUNT, json_type_name, json_whole
+        from ..datasets.samples import MAX_COUNT, json_type_name, json_whole
 
         cfg, fix = config.get("text_config", config), "fix it or re-download the model."
         experts, top_k = cfg.get(cls.num_experts_key), cfg.get(cls.top_k_key)
@@ -143,7 +143,7 @@ class MoEAdapter:
 
     def layer_passthrough(self, x: mx.array, *args, **kwargs):
         """What a decoder layer that does nothing returns when called as ``layer(x, *args, **kwargs)``
-        (``mlx_fun.layerwise`` stand-ins): ``x``, for layers that return their hidden state alone."""
+        (``mlx_fun.model.layerwise`` stand-ins): ``x``, for layers that return their hidden state alone."""
         if self.layerwise_reason:
             raise UserError(
                 f"merge rewrites the model layer by layer, which {self.model_type} does not allow: "

@@ -3,7 +3,7 @@
 Each MoE decoder layer (``enable_moe``) runs a dense MLP on ``pre_feedforward_layernorm(h)`` and, beside it,
 ``router(h)`` → ``experts(pre_feedforward_layernorm_2(h), inds, weights)``: the router sees the residual
 stream, the experts a differently normalised copy. There is no MoE block to swap, so the hook swaps the
-``Router`` and the ``Experts`` modules (see :mod:`mlx_fun.moe_hook`) and ``block`` is the decoder layer.
+``Router`` and the ``Experts`` modules (see :mod:`mlx_fun.model.moe_hook`) and ``block`` is the decoder layer.
 
 Router: ``rms_norm(x, scale · D^-½)`` → ``proj`` → top-k (``argpartition(s, kth=-k)[..., -k:]``) on the raw
 scores → softmax over the k → × ``per_expert_scale[inds]``. Experts: ``SwitchGLU`` with GeGLU

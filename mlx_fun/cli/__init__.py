@@ -8,7 +8,7 @@ from .. import __version__
 
 
 def _version_message() -> str:
-    from ..blas import blas_status
+    from ..runtime.blas import blas_status
 
     return f"mlx-fun {__version__}\n{blas_status()}"
 

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import click
 
-from .common import (SEED, FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, model_option,
-                     run_settings, take, text_table, token_budget_option)
+from .common import (
+    SEED,
+    FiniteFloat,
+    dispatch_option,
+    echo_err,
+    force_option,
+    friendly_errors,
+    model_option,
+    run_settings,
+    take,
+    text_table,
+    token_budget_option,
+)
 
 
 @click.command("abliterate", short_help="Remove the refusal direction from residual writers (MoE-aware), measured.")

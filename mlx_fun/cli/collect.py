@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import click
 
-from .common import (dataset_options, dispatch_option, echo_err, force_option, friendly_errors, model_option,
-                     run_settings, token_budget_option)
+from .common import (
+    dataset_options,
+    dispatch_option,
+    echo_err,
+    force_option,
+    friendly_errors,
+    model_option,
+    run_settings,
+    token_budget_option,
+)
 
 
 @click.command("collect", short_help="Run calibration data through the model and save expert saliency (.npz).")

@@ -11,10 +11,10 @@ import sys
 
 import click
 
-from ..data import MAX_SAMPLE_BYTES
+from ..datasets.samples import MAX_SAMPLE_BYTES
 from ..errors import UserError, cli_names
-from ..ranges import DRAFT_TOKENS, MAX_SEED, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat  # noqa: F401 (re-exported)
-from ..saliency import METRICS
+from ..core.ranges import DRAFT_TOKENS, MAX_SEED, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat  # noqa: F401 (re-exported)
+from ..observe.saliency import METRICS
 
 
 DEBUG_ENV = "MLX_FUN_DEBUG"
@@ -22,7 +22,7 @@ DEBUG_ENV = "MLX_FUN_DEBUG"
 
 def debug_enabled() -> bool:
     """``mlx-fun --debug`` or ``MLX_FUN_DEBUG=1``: let unexpected exceptions show their traceback."""
-    from ..env import flag
+    from ..core.env import flag
 
     if flag(DEBUG_ENV):
         return True
@@ -45,7 +45,7 @@ def friendly_errors(fn):
     """One line on stderr for every failure, never a traceback (unless ``--debug`` / ``MLX_FUN_DEBUG=1``).
 
     ``UserError`` and I/O errors → ``Error: <message>``, exit 2. Ctrl-C → exit 130, SIGTERM / SIGHUP → 128 +
-    the signal (outputs in progress are removed by :mod:`mlx_fun.writer` first). Anything else is a bug:
+    the signal (outputs in progress are removed by :mod:`mlx_fun.core.writer` first). Anything else is a bug:
     ``Error: internal error ...``, exit 1.
     """
 
@@ -59,7 +59,7 @@ def friendly_errors(fn):
 
 def _friendly(fn, args, kwargs):
     """:func:`friendly_errors`' body: ``fn`` run, each failure one line and its exit status."""
-    from ..writer import Terminated
+    from ..core.writer import Terminated
 
     try:
         with cli_names():
@@ -179,8 +179,8 @@ def model_option(fn):
 
 
 def generation_options(fn):
-    """mlx-lm's KV-cache and speculative-decoding options (mlx_fun.genopts), as mlx_lm.generate names them."""
-    from ..genopts import KV_BITS, KV_GROUP_SIZES
+    """mlx-lm's KV-cache and speculative-decoding options (mlx_fun.model.genopts), as mlx_lm.generate names them."""
+    from ..model.genopts import KV_BITS, KV_GROUP_SIZES
 
     for option in reversed((
         click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default=None,
@@ -263,7 +263,7 @@ def scan_options(names: tuple[str, str], helps: tuple[str, str]):
 
 
 def force_option(what: str = "an existing --output file"):
-    """--force: the one way to let a command replace what exists (mlx_fun.writer refuses it otherwise)."""
+    """--force: the one way to let a command replace what exists (mlx_fun.core.writer refuses it otherwise)."""
     return click.option("--force", is_flag=True, default=False,
                         help=f"Replace {what}; refused otherwise (inputs, links and devices never are).")
 
@@ -294,7 +294,7 @@ def dispatch_option(fn):
 
 def take(kwargs: dict, group: type, **extra):
     """Build option group ``group`` (a dataclass: :class:`mlx_fun.settings.RunSettings`,
-    :class:`mlx_fun.genopts.GenOptions`, ...) from the parsed options named as its fields, removing them from
+    :class:`mlx_fun.model.genopts.GenOptions`, ...) from the parsed options named as its fields, removing them from
     ``kwargs``; ``extra`` sets fields the command decides itself (``progress=True``)."""
     import dataclasses
 

@@ -75,7 +75,7 @@ def _report(name: str, result) -> None:
 
 def _echo_blas() -> None:
     """Which BLAS the CPU runs on, and what a slow one costs (measured on 2 cores: 25 s vs 115 s)."""
-    from ..blas import blas_status
+    from ..runtime.blas import blas_status
 
     status = blas_status()
     click.echo(status)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import click
 
-from .common import (dispatch_option, echo_err, friendly_errors, model_option, run_settings, scan_options,
-                     token_budget_option)
+from .common import (
+    dispatch_option,
+    echo_err,
+    friendly_errors,
+    model_option,
+    run_settings,
+    scan_options,
+    token_budget_option,
+)
 from .safety_scan import show
 
 

@@ -6,8 +6,16 @@ import sys
 
 import click
 
-from .common import (SEED, dispatch_option, echo_err, force_option, friendly_errors, model_option, run_settings,
-                     token_budget_option)
+from .common import (
+    SEED,
+    dispatch_option,
+    echo_err,
+    force_option,
+    friendly_errors,
+    model_option,
+    run_settings,
+    token_budget_option,
+)
 
 
 @click.command("eval", short_help="Perplexity per dataset; with --reference, next-token KL and top-1 agreement.")
@@ -56,7 +64,7 @@ def command(**kwargs):
 
 
 def show(result) -> None:
-    from ..evaluate import format_results
+    from ..observe.evaluate import format_results
 
     sys.stderr.flush()  # the progress bars' last newline before the table
     click.echo(format_results(result.results))

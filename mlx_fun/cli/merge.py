@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import click
 
-from .common import (SEED, echo_err, force_option, friendly_errors, metric_option, model_option, run_settings,
-                     take, token_budget_option)
+from .common import (
+    SEED,
+    echo_err,
+    force_option,
+    friendly_errors,
+    metric_option,
+    model_option,
+    run_settings,
+    take,
+    token_budget_option,
+)
 from .prune import echo_size_summary
 
 
@@ -75,7 +84,7 @@ def command(**kwargs):
     """
     from ..jobs import merge
     from ..rewrite.merge_options import Ream
-    from ..selection import Selection
+    from ..experts.selection import Selection
 
     selection, ream, settings = take(kwargs, Selection), take(kwargs, Ream), run_settings(kwargs)
     show(merge.run(**kwargs, selection=selection, ream=ream, settings=settings, log=echo_err))

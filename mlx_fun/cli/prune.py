@@ -47,7 +47,7 @@ def command(**kwargs):
     stays near the largest tensor, however large the model.
     """
     from ..jobs import prune
-    from ..selection import Selection
+    from ..experts.selection import Selection
 
     selection = take(kwargs, Selection)
     show(prune.run(**kwargs, selection=selection, progress=True, log=echo_err))
@@ -67,8 +67,8 @@ def show(result) -> None:
 
 def echo_size_summary(model, output, n_before: int, n_after: int, elapsed: float) -> None:
     """The closing lines of prune and merge: size on disk before → after, experts per layer, time."""
-    from ..io import dir_size
-    from ..writer import fmt_bytes
+    from ..model.io import dir_size
+    from ..core.writer import fmt_bytes
 
     before, after = dir_size(model), dir_size(output)
     click.echo(f"size on disk: {fmt_bytes(before)} → {fmt_bytes(after)} ({after / max(before, 1):.0%}); "

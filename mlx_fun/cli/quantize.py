@@ -64,8 +64,8 @@ def command(expert_bits, dense_bits, router_bits, cold_bits, **kwargs):
 
 def show(result) -> None:
     """The recipe, modules per class and setting, bits per weight and the size on disk."""
-    from ..io import dir_size
-    from ..writer import fmt_bytes
+    from ..model.io import dir_size
+    from ..core.writer import fmt_bytes
 
     for kind in ("router", "experts", "dense"):
         parts = ", ".join(f"{n} × {s}" for s, n in result.modules.get(kind, {}).items()) or "none"

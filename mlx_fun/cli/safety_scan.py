@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import click
 
-from .common import (dispatch_option, echo_err, friendly_errors, model_option, run_settings, scan_options,
-                     token_budget_option)
+from .common import (
+    dispatch_option,
+    echo_err,
+    friendly_errors,
+    model_option,
+    run_settings,
+    scan_options,
+    token_budget_option,
+)
 
 
 @click.command("safety-scan", short_help="Harmful vs benign routing → safety_report.json (HCDG / HRCG experts).")

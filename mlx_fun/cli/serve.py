@@ -7,12 +7,21 @@ import sys
 
 import click
 
-from .common import (FiniteFloat, dispatch_option, echo_err, force_option, friendly_errors, generation_options,
-                     model_option, run_settings, take)
+from .common import (
+    FiniteFloat,
+    dispatch_option,
+    echo_err,
+    force_option,
+    friendly_errors,
+    generation_options,
+    model_option,
+    run_settings,
+    take,
+)
 
 
 def _size(text: str) -> int:
-    from ..dispatch import parse_bytes
+    from ..dispatch.experts import parse_bytes
 
     try:
         n = parse_bytes(text)
@@ -112,7 +121,7 @@ def command(allowed_origins, **kwargs):
     --max-kv-size or --draft-model requests are served one at a time. Only the served model is counted: not the
     draft model, nor the drafted tokens it rejects. A model given as a repo id is served under that id.
     """
-    from ..genopts import GenOptions
+    from ..model.genopts import GenOptions
     from ..jobs import serve
     from ..serve.options import ServerOptions, StartupSteering
 

@@ -5,8 +5,19 @@ from __future__ import annotations
 import click
 
 from ..jobs.smoke_test import DEFAULT_PROMPT
-from .common import (SEED, TEMPERATURE, TOP_K, TOP_P, dispatch_option, echo_err, friendly_errors,
-                     generation_options, model_option, run_settings, take)
+from .common import (
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    dispatch_option,
+    echo_err,
+    friendly_errors,
+    generation_options,
+    model_option,
+    run_settings,
+    take,
+)
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
@@ -47,7 +58,7 @@ def command(**kwargs):
     Example:
       mlx-fun smoke-test --model pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
     """
-    from ..genopts import GenOptions
+    from ..model.genopts import GenOptions
     from ..jobs import smoke_test
 
     groups = dict(generation=take(kwargs, GenOptions), settings=run_settings(kwargs, progress=False))

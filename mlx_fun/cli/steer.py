@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import click
 
-from .common import (SEED, TEMPERATURE, FiniteFloat, dispatch_option, echo_err, friendly_errors,
-                     generation_options, model_option, run_settings, take)
+from .common import (
+    SEED,
+    TEMPERATURE,
+    FiniteFloat,
+    dispatch_option,
+    echo_err,
+    friendly_errors,
+    generation_options,
+    model_option,
+    run_settings,
+    take,
+)
 
 
 @click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
@@ -50,7 +60,7 @@ def command(**kwargs):
       mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \\
           --chat --prompt "What does os.path.join do?" --max-tokens 20
     """
-    from ..genopts import GenOptions
+    from ..model.genopts import GenOptions
     from ..jobs import steer
 
     groups = dict(steering=take(kwargs, steer.SteerOptions), generation=take(kwargs, GenOptions),

@@ -39,7 +39,7 @@ from .common import FiniteFloat, echo_err, force_option, friendly_errors, take
                    "~/.cache/mlx-fun/dispatch_table.json).")
 @force_option("an existing --output table, keeping its other entries")
 @click.option("--merge-into", type=click.Path(dir_okay=False), default=None,
-              help="Also merge the new entries into this table (e.g. mlx_fun/dispatch_table.json of a checkout).")
+              help="Also merge the new entries into this table (e.g. mlx_fun/dispatch/dispatch_table.json of a checkout).")
 @friendly_errors
 def command(**kwargs):
     """Measure, on the current backend (CPU, CUDA or Metal), how fast each expert dispatch plan runs a model's
@@ -56,7 +56,7 @@ def command(**kwargs):
     Example:
       mlx-fun tune-dispatch --model data/tiny-moe --max-m 256
     """
-    from ..dispatch_tune_options import Measurement
+    from ..dispatch.tune_options import Measurement
     from ..jobs import tune_dispatch
 
     measure = take(kwargs, Measurement)
@@ -71,7 +71,7 @@ def show(result) -> None:
 
 
 def _print_entry(entry) -> None:
-    from ..dispatch_tune import speedup_table
+    from ..dispatch.tune import speedup_table
 
     click.echo(f"\n{entry.describe()}")
     if entry.bands_cached:

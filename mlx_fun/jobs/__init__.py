@@ -4,13 +4,13 @@ keyword-only ``run(...)`` that does the whole command and returns its result —
 ends in ``convert(**vars(args))``. The CLI (``mlx_fun/cli/<same name>.py``) only parses, calls ``run`` and prints.
 
     from mlx_fun import jobs
-    from mlx_fun.selection import Selection
+    from mlx_fun.experts.selection import Selection
     jobs.collect.run(model="data/tiny-moe", dataset="data/calibration_sample.jsonl", output="s.npz")
     jobs.prune.run(model="data/tiny-moe", saliency="s.npz", selection=Selection(n_prune=8), output="pruned")
 
 Every ``run`` here is wrapped by :func:`mlx_fun.jobs.common.job_inputs`: each output it reserves is refused if it is,
 contains or lies inside any path the job was given to read (every parameter annotated with ``Path``); and, outside
-that, by :func:`mlx_fun.hub.resolving`: ``model`` (``reference``, ``draft_model``) may be a Hugging Face repo id
+that, by :func:`mlx_fun.model.hub.resolving`: ``model`` (``reference``, ``draft_model``) may be a Hugging Face repo id
 (``org/name``, with ``revision=``), resolved once to its snapshot in the Hugging Face cache as mlx-lm does (a
 local directory of the same name wins) before anything else runs.
 
@@ -43,7 +43,7 @@ from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMM
     ui,
 )
 
-from ..hub import resolving as _resolving  # noqa: E402
+from ..model.hub import resolving as _resolving  # noqa: E402
 from ..settings import checking_groups as _checking_groups  # noqa: E402
 from .common import job_inputs as _job_inputs  # noqa: E402
 

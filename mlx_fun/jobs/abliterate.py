@@ -1,16 +1,16 @@
 """The ``abliterate`` job: remove the refusal directions from what the decoder layers write, measure what it did.
 
-Capture (:mod:`mlx_fun.residual`) over the harmful prompts the model refuses and the benign ones it answers
-(Arditi et al.'s filter, :func:`mlx_fun.refusal.is_refusal`) → per-layer directions → ``direction="single"``: the
+Capture (:mod:`mlx_fun.observe.residual`) over the harmful prompts the model refuses and the benign ones it answers
+(Arditi et al.'s filter, :func:`mlx_fun.observe.refusal.is_refusal`) → per-layer directions → ``direction="single"``: the
 one measured after ``direction_layer`` (default: the largest un-normalised difference), removed from every chosen
 layer's residual writers and the token embedding; ``"per-layer"``: each layer's own → orthogonalisation
 (:mod:`mlx_fun.rewrite.abliterate`). One mean difference describes the commonest way the model refuses, and a
 model with several refusal phrasings keeps the others, so a round takes one direction per **phrasing** (the refused
-prompts grouped by how their reply opens, :func:`mlx_fun.refusal.phrasing`; up to ``phrasings``, orthonormal), and
+prompts grouped by how their reply opens, :func:`mlx_fun.observe.refusal.phrasing`; up to ``phrasings``, orthonormal), and
 each further **round** measures them again on the model abliterated so far, from the prompts it still refuses,
 and removes them too; a round that takes the capture benign prompts' first-token KL over ``max_kl`` is undone.
 Every round starts from the original weights, so a quantized model is rounded once. Then the refusal rate on the
-evaluation harmful prompts and the benign first-token KL against the original (:mod:`mlx_fun.refusal`), and the
+evaluation harmful prompts and the benign first-token KL against the original (:mod:`mlx_fun.observe.refusal`), and the
 model with ``abliteration_metadata.json`` beside it. ``search`` tries settings of (layers, weight, direction
 layer), each measured after every round, and keeps the one with the fewest refusals under ``max_kl``.
 A model that refuses none of the harmful capture prompts (or all the benign ones) has no refusal to remove: the
@@ -64,7 +64,7 @@ def _check_distinct(harmful, benign) -> None:
 
 
 def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
-    from ..data import load_samples
+    from ..datasets.samples import load_samples
 
     samples = load_samples(path, tokenizer, generation_prompt=True, **kw)
     if not samples:
@@ -96,8 +96,8 @@ def run(
     capture datasets), their size, the reply length, the search and its KL limit
     (:mod:`mlx_fun.rewrite.abliterate_options`); ``settings``: how the model runs
     (:class:`mlx_fun.settings.RunSettings`: dispatch, token budget, progress bars)."""
-    from .. import writer
-    from ..io import params_nbytes, write_model_dir
+    from ..core import writer
+    from ..model.io import params_nbytes, write_model_dir
 
     for group in (estimate, projection, evaluation, settings):
         group.check()  # one line naming the option at fault, before anything loads
@@ -145,7 +145,7 @@ def run(
 
 def _check_layers(adapter, estimate: Estimate, projection: Projection) -> int:
     """The layer options against the loaded model (before any work); returns its number of decoder layers."""
-    from ..residual import choose_layers
+    from ..observe.residual import choose_layers
 
     n_layers = len(adapter.decoder_layers())
     choose_layers(projection.layers, [0.0] * n_layers, where=param("layers"))  # the range checks
@@ -159,7 +159,7 @@ def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, e
                 progress: bool, warnings: list[str]) -> dict:
     """Round 1's statistics, the original model measured, then the rounds (or the search and the best setting
     under ``max_kl``), the abliterated model measured: what the metadata and the result report, by name."""
-    from ..residual import choose_layers
+    from ..observe.residual import choose_layers
 
     layers, weight, max_kl = projection.layers, projection.weight, evaluation.max_kl
     first = job.statistics(1)
@@ -215,7 +215,7 @@ def _metadata(got: dict, job: Abliteration, estimate: Estimate, projection: Proj
 
 def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
     """Decoder layer → the safety report's routed experts, for ``target="safety-experts"``."""
-    from ..expert_files import load_report_experts
+    from ..experts.expert_files import load_report_experts
     from ..rewrite.abliterate import latent_experts
 
     if target != "safety-experts":
@@ -230,7 +230,7 @@ def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
 
 def _redispatch(model, settings: RunSettings) -> None:
     """Install the dispatch afresh (its dequantized experts from the weights as they are now)."""
-    from ..dispatch import remove
+    from ..dispatch.experts import remove
 
     remove(model)
     settings.apply(model)

@@ -33,11 +33,11 @@ def run(
     """Add ``scale × max(0, composite − threshold)`` to each domain expert's router bias (the family's own
     selection-only bias, else the router's linear bias) and write the model to ``output``
     (:mod:`mlx_fun.rewrite.amplify`); families without such a parameter are refused."""
-    from .. import json_input, writer
-    from ..expert_files import load_report_experts
-    from ..io import params_nbytes, write_model_dir
+    from ..core import json_input, writer
+    from ..experts.expert_files import load_report_experts
+    from ..model.io import params_nbytes, write_model_dir
     from ..rewrite.amplify import apply, target
-    from ..streaming import Snapshot
+    from ..output.streaming import Snapshot
 
     for name, value in (("scale", scale), ("threshold", threshold)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import param, require_path
-from ..saliency import ARRAY_KEYS, SaliencyAccumulator
+from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
 from .common import Log, check_moe, load_moe, quiet, warn_past_context
 
@@ -48,18 +48,19 @@ def run(
     The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
     written atomically at the end; an existing ``output`` is replaced only with ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
     statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``settings.token_budget``
-    tokens per forward (:mod:`mlx_fun.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`).
+    tokens per forward (:mod:`mlx_fun.model.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`).
 
-    Under ``mlx.launch`` (:mod:`mlx_fun.distributed`) every rank takes its share of the samples, the float64
+    Under ``mlx.launch`` (:mod:`mlx_fun.observe.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
     bar (all ranks' tokens); every rank returns the summed result.
     """
     import contextlib
 
-    from .. import engine, writer
-    from ..collect import collect
-    from ..data import load_samples, pad_id
-    from ..distributed import check_pipeline, globalize, my_share, reduce_saliency, shared_seed, world
+    from ..model import engine
+    from ..core import writer
+    from ..observe.collect import collect
+    from ..datasets.samples import load_samples, pad_id
+    from ..observe.distributed import check_pipeline, globalize, my_share, reduce_saliency, shared_seed, world
 
     checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
     settings.check()
@@ -105,7 +106,7 @@ def _load(model, w, pipeline: bool, log: Log, checked: tuple[dict, type]):
     and ``split = (the model's MoE layers, this rank's positions among them)``. ``checked``: ``check_moe``'s."""
     if not pipeline:
         return (*load_moe(model, log=log, checked=checked), None)
-    from ..distributed import pipeline_load
+    from ..observe.distributed import pipeline_load
 
     log(f"Loading {model} (this rank's layers) ...")
     mdl, tokenizer, config, adapter, global_layers, positions = pipeline_load(model, w)

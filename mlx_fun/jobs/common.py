@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from ..errors import UserError, param, require_path
 from ..settings import option_groups
-from ..writer import reading
+from ..core.writer import reading
 
 Log = Callable[[str], None]
 
@@ -24,7 +24,7 @@ def check_moe(model_path) -> tuple[dict, type]:
     unsupported ``model_type`` or a directory without tokenizer files; return the config and the adapter class
     (hand both to :func:`load_moe`, so nothing is read, checked or resolved twice)."""
     from ..adapters import adapter_class
-    from ..io import check_tokenizer, read_config
+    from ..model.io import check_tokenizer, read_config
 
     config = read_config(model_path)
     cls = adapter_class(config)
@@ -40,14 +40,14 @@ def check_supported(model_path) -> dict:
 def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None,
              tokenizer: bool = True):
     """``(model, tokenizer, config, adapter)`` of a supported MoE model directory (``tokenizer=False``: None in
-    its place, for jobs that only rewrite weights: :func:`mlx_fun.io.load_model`).
+    its place, for jobs that only rewrite weights: :func:`mlx_fun.model.io.load_model`).
 
     Every job checks its model first (:func:`check_supported` / :func:`check_moe`, before it reserves its output),
     so nothing is checked again here: ``checked`` (what :func:`check_moe` returned) skips re-reading the config
     and re-resolving the adapter class; without it the loader reads the config again and ``get_adapter`` still
     refuses an unsupported ``model_type``."""
     from ..adapters import get_adapter
-    from ..io import load_model
+    from ..model.io import load_model
 
     log(f"Loading {model_path} ...")
     if checked is None:
@@ -60,7 +60,7 @@ def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple
 
 def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:
     """A warning when samples are longer than the model's context (their tail is extrapolation)."""
-    from ..io import context_length
+    from ..model.io import context_length
 
     limit = context_length(config)
     longer = sum(len(s) > limit for s in samples) if limit else 0
@@ -82,9 +82,9 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     """
     import math
 
-    from .. import writer
-    from ..data import load_samples, pad_id
-    from ..differential import report, scan
+    from ..core import writer
+    from ..datasets.samples import load_samples, pad_id
+    from ..observe.differential import report, scan
 
     if not (isinstance(threshold_percentile, (int, float)) and math.isfinite(threshold_percentile)
             and 50 < threshold_percentile < 100):

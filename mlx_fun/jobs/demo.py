@@ -75,9 +75,10 @@ def run(
 
     ``announce(title, command_line)`` is called before each step and ``report(name, result)`` after it (the CLI
     prints them); ``log`` gets the status lines of the steps."""
-    from .. import corpus, writer
+    from ..datasets import corpus
+    from ..core import writer
     from ..adapters import adapter_class
-    from ..io import bundled_model_dir, dir_size, read_config
+    from ..model.io import bundled_model_dir, dir_size, read_config
     from . import collect, eval as eval_job, prune, smoke_test
 
     out = Path(output)

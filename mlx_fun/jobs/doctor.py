@@ -41,7 +41,7 @@ def run() -> dict[str, str]:
     """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured);
     ``mlx-lm compat`` starts with ``MISSING`` when the installed mlx-lm lacks a private name a feature needs."""
     from .. import __version__, mlx_lm_compat
-    from ..blas import blas_status
+    from ..runtime.blas import blas_status
 
     facts = {"mlx-fun": __version__, "python": f"{platform.python_version()} ({sys.executable})",
              "platform": platform.platform()}
@@ -62,7 +62,7 @@ def run() -> dict[str, str]:
 def dispatch_table() -> str:
     """How many measured cut-off entries the dispatch has for this backend (shipped + user table), or the line
     suggesting ``tune-dispatch`` when it has none."""
-    from ..dispatch_table import backend_name, has_backend, load_table, untuned_line, user_table_path
+    from ..dispatch.table import backend_name, has_backend, load_table, untuned_line, user_table_path
 
     backend = backend_name()
     try:

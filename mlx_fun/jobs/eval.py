@@ -31,7 +31,7 @@ class EvalResult:
 
 def check_model_dir(path, name: str) -> dict:
     """Fail fast (before loading weights) on a missing directory or config; return the config."""
-    from ..io import read_config
+    from ..model.io import read_config
 
     if not Path(path).exists():
         raise UserError(f"{param(name)} {path} does not exist; pass a local mlx-lm model directory or a Hugging Face repo id (org/name).")
@@ -59,10 +59,10 @@ def run(
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
     perplexity on the same tokens, mean KL(reference ‖ model) and top-1 agreement. ``output`` (JSON) is reserved
     before loading and written atomically (an existing file only with ``force``). Float and quantized models of any family mlx-lm loads."""
-    from .. import writer
-    from ..data import pad_id as batch_pad_id
-    from ..evaluate import check_compatible, evaluate, load_eval_datasets, resolve_datasets
-    from ..io import load_model
+    from ..core import writer
+    from ..datasets.samples import pad_id as batch_pad_id
+    from ..observe.evaluate import check_compatible, evaluate, load_eval_datasets, resolve_datasets
+    from ..model.io import load_model
 
     model_config = check_model_dir(model, "model")
     ref_config = check_model_dir(reference, "reference") if reference is not None else None

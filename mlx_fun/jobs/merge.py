@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import UserError, param, require_path, require_whole
 from ..rewrite.merge_options import Ream
-from ..selection import Selection
+from ..experts.selection import Selection
 from ..settings import RunSettings
 from .common import Log, check_supported, load_moe, quiet, warn_past_context
 
@@ -51,16 +51,17 @@ def run(
     layers by the rewrite driver (:class:`mlx_fun.rewrite.driver.LayerDriver`); quantized experts are re-quantized
     with their own bits / group size / mode. See :mod:`mlx_fun.rewrite.merge` for the method.
 
-    ``selection`` (:class:`mlx_fun.selection.Selection`): how many experts are merged away and how the centroids
+    ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts are merged away and how the centroids
     are ranked; ``ream`` (:class:`mlx_fun.rewrite.merge_options.Ream`): similarity, alignment and group size;
     ``settings`` (:class:`mlx_fun.settings.RunSettings`): dispatch, table, token budget and progress of the
     calibration forwards — no ``dequant_cache`` (merging rewrites the expert weights such a cache would hold).
     """
     import dataclasses
 
-    from .. import engine, writer
-    from ..data import load_samples, pad_id
-    from ..io import write_model_dir
+    from ..model import engine
+    from ..core import writer
+    from ..datasets.samples import load_samples, pad_id
+    from ..model.io import write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
 
@@ -135,8 +136,8 @@ def _centroids(adapter, saliency, expert_list, selection: Selection):
     """``(keep_map, scores, warnings)``: the centroids per MoE position, from ``expert_list`` or the ``saliency``
     ranking (``scores``: its checked ranking scores, ``None`` without ``saliency``)."""
     from ..rewrite.merge import select_centroids
-    from ..saliency import SaliencyAccumulator
-    from ..selection import check_keep_counts, parse_expert_ranges
+    from ..observe.saliency import SaliencyAccumulator
+    from ..experts.selection import check_keep_counts, parse_expert_ranges
 
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
     scores, warnings = None, []
@@ -145,7 +146,7 @@ def _centroids(adapter, saliency, expert_list, selection: Selection):
         warnings += acc.check_matches(adapter)
         scores = acc.ranking_scores(selection.metric, over="columns" if selection.model_wide else "experts")
     if expert_list is not None:
-        from ..expert_files import load_expert_list
+        from ..experts.expert_files import load_expert_list
 
         keep_map = load_expert_list(expert_list, len(moe_layers), E, moe_layers)
         if all(len(kept) == E for kept in keep_map.values()):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import UserError, param, require_path
-from ..selection import Selection
+from ..experts.selection import Selection
 from .common import Log, check_supported, load_moe, quiet
 
 
@@ -68,19 +68,19 @@ def run(
     """Prune ``model``'s routed experts by saliency (or an explicit expert list) into ``output``.
 
     Router rows, correction biases and every expert projection (quantized or not) are sliced; shared experts are
-    kept; ``reap_metadata.json`` records the kept experts. Streaming (:mod:`mlx_fun.streaming`): the model is
+    kept; ``reap_metadata.json`` records the kept experts. Streaming (:mod:`mlx_fun.output.streaming`): the model is
     loaded lazily and written tensor by tensor into shards of at most ``max_shard_size`` — untouched tensors and
     kept expert rows are copied from the source files without being decoded, so memory stays near one tensor.
-    The output is reserved before loading and checked for room before writing (:mod:`mlx_fun.writer`).
+    The output is reserved before loading and checked for room before writing (:mod:`mlx_fun.core.writer`).
 
-    ``selection`` (:class:`mlx_fun.selection.Selection`): how many experts go and how they are ranked (``n_prune``,
+    ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts go and how they are ranked (``n_prune``,
     ``metric``, ``model_wide``, ``min_experts_per_layer``, ``ignore_experts``); ``strategy`` picks them from it.
     """
-    from .. import writer
-    from ..io import params_nbytes, write_model_dir
+    from ..core import writer
+    from ..model.io import params_nbytes, write_model_dir
     from ..rewrite.prune import expert_rows, prune_model
-    from ..saliency import SaliencyAccumulator
-    from ..streaming import Snapshot, shard_bytes
+    from ..observe.saliency import SaliencyAccumulator
+    from ..output.streaming import Snapshot, shard_bytes
 
     check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
     check_sources(saliency=saliency, expert_list=expert_list, selection=selection, safety_map=safety_map,
@@ -130,10 +130,10 @@ def run(
 def select_keep_map(adapter, *, acc, scores, expert_list, selection: Selection, strategy, safety_map=None,
                     safety_mode=None, domain_map=None):
     """``(keep_map, warnings)``: the experts to keep per MoE position, from an expert list or from the loaded
-    saliency ``acc`` and its checked ``scores`` (:meth:`~mlx_fun.saliency.SaliencyAccumulator.ranking_scores`), with
+    saliency ``acc`` and its checked ``scores`` (:meth:`~mlx_fun.observe.saliency.SaliencyAccumulator.ranking_scores`), with
     safety / domain protection or targeting."""
-    from ..expert_files import load_expert_list, load_report_experts, merge_expert_sets
-    from ..selection import check_keep_counts, parse_expert_ranges, select_experts
+    from ..experts.expert_files import load_expert_list, load_report_experts, merge_expert_sets
+    from ..experts.selection import check_keep_counts, parse_expert_ranges, select_experts
 
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
     warnings: list[str] = []

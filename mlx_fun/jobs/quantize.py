@@ -42,12 +42,12 @@ def run(
     MoE layers whose experts are least salient (summed ``metric``) get ``recipe.cold_bits`` (``recipe.cold_mode``,
     default ``recipe.expert_mode``) for their routed experts — per layer, the finest granularity mlx-lm's loader
     allows (:mod:`mlx_fun.rewrite.quantize`). Lazy load, lazy quantization, written tensor by tensor
-    (:mod:`mlx_fun.streaming`).
+    (:mod:`mlx_fun.output.streaming`).
     """
-    from .. import writer
-    from ..io import params_nbytes, write_model_dir
+    from ..core import writer
+    from ..model.io import params_nbytes, write_model_dir
     from ..rewrite import quantize as q
-    from ..streaming import Snapshot, shard_bytes
+    from ..output.streaming import Snapshot, shard_bytes
 
     config = check_supported(model)
     if found := (config.get("quantization") or config.get("quantization_config")):
@@ -115,7 +115,7 @@ def _settings(recipe: QuantRecipe, saliency):
 def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[int, float]:
     """Decoder layer → summed saliency of the ``n`` coldest MoE layers (coldest first)."""
     from ..rewrite.quantize import coldest_layers
-    from ..saliency import SaliencyAccumulator
+    from ..observe.saliency import SaliencyAccumulator
 
     layers = adapter.moe_layers()
     if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= len(layers):

@@ -36,7 +36,7 @@ def run(
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``harmful_dataset`` and ``benign_dataset`` (chats are read with their generation prompt) through
-    ``model`` and write the report (:mod:`mlx_fun.differential`): experts at or above the
+    ``model`` and write the report (:mod:`mlx_fun.observe.differential`): experts at or above the
     ``threshold_percentile``-th composite score and more active on harmful prompts (HCDG), at or below the
     complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``), every score."""
     report = differential_job(

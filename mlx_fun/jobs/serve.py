@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError, param
-from ..genopts import GenOptions
+from ..model.genopts import GenOptions
 from ..serve.options import ServerOptions, StartupSteering
 from ..settings import RunSettings
 from .common import Log, check_supported, quiet
@@ -105,7 +105,7 @@ def _connection_limits(server: ServerOptions, context: int) -> int:
 
 def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | None) -> tuple[int, int, int]:
     """(max_tokens, max_tokens_limit, context): a request's default, its most, the model's context length."""
-    from ..io import context_length
+    from ..model.io import context_length
 
     context = context_length(config) or FALLBACK_CONTEXT
     limit = context if max_tokens_limit is None else max_tokens_limit
@@ -177,7 +177,7 @@ def _reserve(auto_save, *, model, force: bool):
     a context that yields None."""
     import contextlib
 
-    from .. import writer
+    from ..core import writer
 
     if auto_save is None:
         return contextlib.nullcontext()
@@ -223,7 +223,7 @@ def start(
 def _repo_id(model) -> str | None:
     """The Hugging Face repo id ``model`` was resolved from by this job (served under it, as mlx_lm.server serves
     an id); None for a local directory."""
-    from ..hub import source
+    from ..model.hub import source
 
     origin = source(model)
     return origin["repo_id"] if origin is not None and "revision" in origin else None
@@ -273,7 +273,7 @@ def run(
     installed on the served model once it loads. Its ``token_budget`` is refused (mlx-lm's server prefills a prompt
     ``server.prefill_step_size`` tokens per forward: set that) and its ``progress`` is unused (no progress bar).
 
-    ``generation`` (:class:`mlx_fun.genopts.GenOptions`, checked as smoke-test checks them) and ``draft_model``:
+    ``generation`` (:class:`mlx_fun.model.genopts.GenOptions`, checked as smoke-test checks them) and ``draft_model``:
     mlx-lm's KV-cache and speculative-decoding options, passed where mlx-lm's server takes them; ``max_kv_size``
     (which it lacks) through the prompt cache. With a draft model, ``kv_bits`` or ``max_kv_size`` requests are
     served one at a time (mlx-lm's non-batched path). The draft model's forwards are never counted. A model given

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, param
-from ..genopts import GenOptions
+from ..model.genopts import GenOptions
 from ..settings import RunSettings
 from .common import Log, quiet
 
@@ -16,7 +16,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 @dataclass
 class SmokeTestResult:
-    generation: object  # mlx_fun.sampling.GenerationResult: tokens, text, prompt/generation tok/s, finish_reason
+    generation: object  # mlx_fun.model.sampling.GenerationResult: tokens, text, prompt/generation tok/s, finish_reason
     sampler: str
     warnings: list[str] = field(default_factory=list)
 
@@ -24,7 +24,7 @@ class SmokeTestResult:
 def check_generatable(model_path) -> dict:
     """Fail fast (before loading weights) on a missing model or a ``model_type`` mlx-lm cannot build."""
     from .. import mlx_lm_compat
-    from ..io import read_config
+    from ..model.io import read_config
 
     _get_classes = mlx_lm_compat.get("smoke-test", "mlx_lm.utils", "_get_classes")
 
@@ -63,11 +63,11 @@ def run(
     receives the text as it is generated. ``settings`` (:class:`mlx_fun.settings.RunSettings`): the expert dispatch,
     and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its ``progress`` is
     unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and speculative decoding
-    options (:mod:`mlx_fun.genopts`)."""
-    from .. import moe_hook
-    from ..genopts import load_draft
-    from ..io import context_length, load_model
-    from ..sampling import encode_prompt, make_sampler, run_generation
+    options (:mod:`mlx_fun.model.genopts`)."""
+    from ..model import moe_hook
+    from ..model.genopts import load_draft
+    from ..model.io import context_length, load_model
+    from ..model.sampling import encode_prompt, make_sampler, run_generation
 
     generation.check(draft=draft_model)
     settings.check()

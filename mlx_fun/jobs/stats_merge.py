@@ -20,12 +20,12 @@ class StatsMergeResult:
 
 def run(*, files: Sequence[str | Path], output: str | Path, metric: str = "reap",
         force: bool = False) -> StatsMergeResult:
-    """Rank every file's experts per layer by ``metric`` and sum the ranks (:func:`mlx_fun.stats.rank_merge`);
+    """Rank every file's experts per layer by ``metric`` and sum the ranks (:func:`mlx_fun.observe.stats.rank_merge`);
     write the result (raw statistics summed, plus the rank sums) to ``output`` (an existing file only with
     ``force``)."""
-    from .. import writer
-    from ..saliency import SaliencyAccumulator
-    from ..stats import merge_warnings, rank_merge
+    from ..core import writer
+    from ..observe.saliency import SaliencyAccumulator
+    from ..observe.stats import merge_warnings, rank_merge
 
     files = [str(f) for f in files]
     writer.check_output_path(output, kind="file", inputs={param("files"): files}, force=force)

@@ -11,11 +11,11 @@ def run(*, input: str | Path, output: str | Path, min_freq: float | None = None,
         max_norm: float | None = None, force: bool = False) -> dict:
     """Zero every statistic of the (layer, expert) entries with ``freq < min_freq`` or ``reap_count <
     min_count`` (``max_norm`` only reports); write the file to ``output`` (an existing one only with ``force``);
-    return the report of :func:`mlx_fun.stats.purge`. Thresholds that would purge every expert are refused (the
+    return the report of :func:`mlx_fun.observe.stats.purge`. Thresholds that would purge every expert are refused (the
     file would rank nothing)."""
-    from .. import writer
-    from ..saliency import SaliencyAccumulator
-    from ..stats import purge, refuse_purging_everything
+    from ..core import writer
+    from ..observe.saliency import SaliencyAccumulator
+    from ..observe.stats import purge, refuse_purging_everything
 
     if min_freq is None and min_count is None and max_norm is None:
         raise UserError(f"stats-purge needs at least one filter: {param('min_freq')}, {param('min_count')} or "

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, param, require_path
-from ..genopts import GenOptions
+from ..model.genopts import GenOptions
 from ..settings import RunSettings
 from .common import Log, check_supported, load_moe, quiet
 
@@ -31,8 +31,8 @@ class SteerOptions:
 
 @dataclass
 class SteerResult:
-    steering: object  # mlx_fun.steering.Steering
-    generation: object  # mlx_fun.sampling.GenerationResult
+    steering: object  # mlx_fun.experts.steering.Steering
+    generation: object  # mlx_fun.model.sampling.GenerationResult
     baseline: object | None = None  # the unsteered generation (compare=True)
     warnings: list[str] = field(default_factory=list)
 
@@ -60,11 +60,11 @@ def run(
     (whose text goes to ``on_text`` as it is produced). ``settings`` (:class:`mlx_fun.settings.RunSettings`): the
     expert dispatch, and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its
     ``progress`` is unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and
-    speculative decoding options (:mod:`mlx_fun.genopts`); a draft model is never steered."""
-    from .. import moe_hook
-    from ..genopts import load_draft
-    from ..sampling import encode_prompt, make_sampler, run_generation
-    from ..steering import for_adapter
+    speculative decoding options (:mod:`mlx_fun.model.genopts`); a draft model is never steered."""
+    from ..model import moe_hook
+    from ..model.genopts import load_draft
+    from ..model.sampling import encode_prompt, make_sampler, run_generation
+    from ..experts.steering import for_adapter
 
     generation.check(draft=draft_model)
     settings.check()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..dispatch_tune_options import Measurement, int_list
+from ..dispatch.tune_options import Measurement, int_list
 from ..errors import UserError, param
 from .common import Log, quiet
 
@@ -15,7 +15,7 @@ DEFAULT_MS = Measurement().ms
 
 @dataclass
 class TuneResult:
-    entries: list  # mlx_fun.dispatch_table.Entry, one per measured expert shape
+    entries: list  # mlx_fun.dispatch.table.Entry, one per measured expert shape
     written: list[str] = field(default_factory=list)
     user_table: bool = True  # written to the user table that --dispatch auto reads
 
@@ -42,11 +42,12 @@ def run(
     also into ``merge_into`` (merging into it is what it asks). The tables are reserved (checked, locked, proven
     writable) before anything is measured. ``on_entry(entry)`` is called as each shape is done.
 
-    ``measure`` (:class:`mlx_fun.dispatch_tune_options.Measurement`): token counts, largest M, block sizes, whether to
+    ``measure`` (:class:`mlx_fun.dispatch.tune_options.Measurement`): token counts, largest M, block sizes, whether to
     try dequantized plans, the margin a plan must win by and the minimum repeats."""
     import contextlib
 
-    from .. import dispatch as dsp, writer
+    from ..dispatch import experts as dsp
+    from ..core import writer
 
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
@@ -75,7 +76,7 @@ def run(
 
 def _read_table(path: Path):
     """The table at ``path`` (empty if none), or a ``UserError`` saying it is not one."""
-    from .. import dispatch as dsp
+    from ..dispatch import experts as dsp
 
     if not path.is_file():
         return dsp.Table()
@@ -90,8 +91,8 @@ def _measure_all(targets, ms_list, block_list, backend, measure, progress, log, 
     import mlx.core as mx
     from tqdm import tqdm
 
-    from ..dispatch_tune import device_description, entry_from, parse_quant
-    from ..dispatch_tune import measure as time_plans
+    from ..dispatch.tune import device_description, entry_from, parse_quant
+    from ..dispatch.tune import measure as time_plans
 
     log(f"Device: {device_description()}  mlx {mx.__version__}")
     entries = []
@@ -142,13 +143,13 @@ def _model_top_k(model, config: dict, override: int | None) -> int:
 
 def _specs_from_model(model_path: str, top_k: int | None, backend: str):
     """One (module, LayerSpec) per distinct expert key of the model (weights loaded lazily). Half-precision float
-    experts on the CPU run in float32 (:func:`mlx_fun.dispatch.half_on_cpu`): their entry (keyed by the stored
+    experts on the CPU run in float32 (:func:`mlx_fun.dispatch.experts.half_on_cpu`): their entry (keyed by the stored
     dtype) is timed on a float32 layer of the same shape, ``(None, spec, build_layer)``."""
     import mlx.core as mx
 
-    from ..dispatch import LayerKey, expert_modules, half_on_cpu
-    from ..dispatch_tune import build_layer, spec_of
-    from ..io import load_model
+    from ..dispatch.experts import LayerKey, expert_modules, half_on_cpu
+    from ..dispatch.tune import build_layer, spec_of
+    from ..model.io import load_model
 
     model, _tok, config = load_model(model_path, lazy=True, tokenizer=False)
     modules = expert_modules(model)
@@ -172,7 +173,7 @@ def _specs_from_model(model_path: str, top_k: int | None, backend: str):
 
 
 def _specs_from_shapes(shapes, quants, dtype, gpt_oss: bool, backend: str):
-    from ..dispatch_tune import LayerSpec, build_layer, canonical_quant, parse_quant
+    from ..dispatch.tune import LayerSpec, build_layer, canonical_quant, parse_quant
 
     if not quants:
         quants = ("float32" if backend == "cpu" else "bfloat16", "affine4-g64")

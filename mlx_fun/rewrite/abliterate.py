@@ -1,7 +1,7 @@
 """Abliteration: remove a refusal direction from what a decoder layer *writes* into the residual stream.
 
 For decoder layer ``i`` with unit direction ``d`` (its residual stream's harmful − benign mean,
-:mod:`mlx_fun.residual`), every matrix whose output is added to the residual stream is projected in its
+:mod:`mlx_fun.observe.residual`), every matrix whose output is added to the residual stream is projected in its
 **output** space: ``W ← W − w · d dᵀ W`` for MLX's (out, in) layout, and its bias ``b ← b − w · d dᵀ b``
 (``w``: ``--weight``, 0..1). Projecting the input side instead (a peer's mistake) would change what the matrix
 reads, not what it writes.

@@ -38,7 +38,7 @@ class Estimate:
     refusal_filter: bool = True
 
     def check(self) -> "Estimate":
-        from ..residual import POSITIONS
+        from ..observe.residual import POSITIONS
 
         if self.extraction_position not in POSITIONS:
             raise UserError(f"{param('extraction_position')} must be one of {', '.join(POSITIONS)}, "
@@ -67,7 +67,7 @@ class Projection:
 
     def check(self) -> "Projection":
         from ..errors import require_path
-        from ..residual import parse_layers
+        from ..observe.residual import parse_layers
         from .abliterate import TARGETS
 
         if self.target not in TARGETS:

@@ -2,13 +2,13 @@
 rounds, refusal-phrasing grouping, measuring and the settings search, beside the projection
 (:mod:`mlx_fun.rewrite.abliterate`).
 
-Capture (:mod:`mlx_fun.residual`) over the harmful prompts the model refuses and the benign ones it answers
-(Arditi et al.'s filter, :func:`mlx_fun.refusal.is_refusal`) → per-layer directions; a round takes one direction per
-refusal **phrasing** (:func:`mlx_fun.refusal.phrasing`; up to ``phrasings``, orthonormal), each further round
+Capture (:mod:`mlx_fun.observe.residual`) over the harmful prompts the model refuses and the benign ones it answers
+(Arditi et al.'s filter, :func:`mlx_fun.observe.refusal.is_refusal`) → per-layer directions; a round takes one direction per
+refusal **phrasing** (:func:`mlx_fun.observe.refusal.phrasing`; up to ``phrasings``, orthonormal), each further round
 measures them again on the model abliterated so far and removes them too; a round that takes the capture benign
 prompts' first-token KL over ``max_kl`` is undone (a first round of several phrasings' directions that does falls
 back to one direction from all refused prompts). Every round starts from the original weights, so a quantized
-model is rounded once. Every forward (captures, first-token log-probs) runs through :mod:`mlx_fun.engine` within
+model is rounded once. Every forward (captures, first-token log-probs) runs through :mod:`mlx_fun.model.engine` within
 the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
 log-probs, so measuring a model's refusals and its KL is one generation.
 """
@@ -122,7 +122,7 @@ class Abliteration:
 
     def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, estimate, evaluation, target,
                  safety, batch_size, warnings, budget=None, redispatch=None, progress=False, log=quiet):
-        from ..data import pad_id
+        from ..datasets.samples import pad_id
 
         self.model, self.tok, self.adapter = model, tok, adapter
         self.budget, self.redispatch = budget, redispatch
@@ -144,8 +144,8 @@ class Abliteration:
         few refusals left."""
         from collections import defaultdict
 
-        from ..refusal import greedy_replies, is_refusal, phrasing
-        from ..residual import directions
+        from ..observe.refusal import greedy_replies, is_refusal, phrasing
+        from ..observe.residual import directions
 
         self.log(f"Round {r}: the model's replies to {len(self.harmful)} harmful and {len(self.benign)} benign "
                  f"capture prompts ({self.reply_tokens} tokens each) ...")
@@ -176,7 +176,7 @@ class Abliteration:
     def _replies(self, samples, desc: str, logprobs: bool = False):
         """Greedy replies; with ``logprobs`` also the first-token log-probabilities, ``(replies, (N, vocab))``:
         the generation's own where it computes in float32, else one engine pass."""
-        from ..refusal import greedy_replies
+        from ..observe.refusal import greedy_replies
 
         out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
                              first_logprobs=logprobs, budget=self.budget, until_decided=True)
@@ -186,13 +186,13 @@ class Abliteration:
         return replies, lp if lp is not None else self._logprobs(samples, desc.replace("replies", "log-probs"))
 
     def _logprobs(self, samples, desc: str):
-        from ..refusal import first_token_logprobs
+        from ..observe.refusal import first_token_logprobs
 
         return first_token_logprobs(self.model, samples, batch_size=max(self.batch_size, 16), pad_id=self.pad,
                                     budget=self.budget, progress=self.progress, desc=desc)
 
     def _capture(self, samples, desc):
-        from ..residual import capture
+        from ..observe.residual import capture
 
         return capture(self.model, self.adapter, samples, position=self.position, batch_size=self.batch_size,
                        pad_id=self.pad, budget=self.budget, progress=self.progress, desc=desc)
@@ -232,7 +232,7 @@ class Abliteration:
         direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
         ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
         so far)`` after each."""
-        from ..rewrite.abliterate import restore
+        from .abliterate import restore
 
         done, touched, undo = [], {}, []
         self.over_kl = self.fallback = None
@@ -267,7 +267,7 @@ class Abliteration:
         can remove more than refusing). Returns ``(touched, undo)`` where it replaced, else ``None``."""
         from dataclasses import replace
 
-        from ..rewrite.abliterate import restore
+        from .abliterate import restore
 
         kl = self._capture_kl(1)
         if kl <= self.max_kl:
@@ -283,7 +283,7 @@ class Abliteration:
 
     def _capture_kl(self, r: int) -> float:
         """The capture benign prompts' first-token KL of the model as it is now from the original (round 1's)."""
-        from ..refusal import mean_kl
+        from ..observe.refusal import mean_kl
 
         return mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
 
@@ -291,7 +291,7 @@ class Abliteration:
         """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
         import numpy as np
 
-        from ..rewrite.abliterate import apply
+        from .abliterate import apply
 
         stack = np.concatenate([r.dirs for r in done])
         out = apply(self.adapter, stack, layers, target=self.target, weight=weight, safety=self.safety,
@@ -301,7 +301,7 @@ class Abliteration:
         return out
 
     def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
-        from ..refusal import mean_kl, refusal_rate
+        from ..observe.refusal import mean_kl, refusal_rate
 
         which = "the original model" if original else "the abliterated model"
         self.log(f"Measuring {which} on {len(self.eval_h)} harmful and {len(self.eval_b)} benign evaluation "
@@ -316,7 +316,7 @@ class Abliteration:
     def search(self, first: Stats, candidates, rounds: int, progress: bool):
         """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
         and one progress step each), the model restored in between. Returns ``(trials, the rounds behind each)``."""
-        from ..rewrite.abliterate import restore
+        from .abliterate import restore
 
         bar = None
         if progress:

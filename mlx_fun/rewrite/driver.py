@@ -10,7 +10,7 @@ so far, then restores the original weights and removes every round's directions 
 
 1. it batches the calibration samples like the forward engine (length-bucketed, split by rows to the token
    budget) and records, per batch, the first decoder layer's input and the arguments the model's own forward
-   hands every layer (:func:`mlx_fun.layerwise.record_layer_calls`: masks, caches — exact for every family);
+   hands every layer (:func:`mlx_fun.model.layerwise.record_layer_calls`: masks, caches — exact for every family);
 2. :meth:`LayerDriver.run` visits the layers in order and calls ``on_layer(i)``; the callback may
    :meth:`~LayerDriver.replay` layer ``i`` on every batch (lazily, through whatever hooks are installed, so taps
    capture the MoE block's input, routing and outputs) and rewrite the layer; the driver then pushes every
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import engine, layerwise
+from ..model import engine, layerwise
 from ..adapters.base import MoEAdapter
 
 

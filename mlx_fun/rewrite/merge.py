@@ -3,7 +3,7 @@
 Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
 
 1. **Centroids** — the experts that stay: the ``E − n_prune`` most salient (:func:`select_centroids`, the
-   ``bottom`` strategy of :mod:`mlx_fun.selection`, so model-wide selection, ``--ignore-experts`` and group
+   ``bottom`` strategy of :mod:`mlx_fun.experts.selection`, so model-wide selection, ``--ignore-experts`` and group
    balance work as in prune) or the kept experts of an expert list.
 2. **Capture** — calibration tokens reach the layer through the already merged layers before it (see
    *Sequential* below). A :class:`ReamCaptureTap` on the hooked MoE call (``moe_hook``; routing is never
@@ -47,7 +47,7 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
 
 **Sequential, linear in depth.** Hidden states of all calibration samples are pushed through the model one
 decoder layer at a time by the rewrite driver (:class:`mlx_fun.rewrite.driver.LayerDriver`, on
-:mod:`mlx_fun.layerwise`, which replays the arguments the model's own forward gives each layer, so masks of
+:mod:`mlx_fun.model.layerwise`, which replays the arguments the model's own forward gives each layer, so masks of
 every family are right). For a MoE layer the layer is run once with its original experts
 — only the tap's arrays are evaluated, i.e. attention and router — then merged, then run again to produce the
 next layer's input from the merged layer. Cost: about one forward pass over the calibration set (plus the
@@ -68,7 +68,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import engine, moe_hook
+from ..model import engine, moe_hook
 from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError, param
 from .driver import LayerDriver
@@ -94,10 +94,10 @@ def select_centroids(
 ) -> dict[int, list[int]]:
     """The ``E − n_prune`` most salient experts of every MoE layer: ``{position: sorted centroids}``.
 
-    The ``bottom`` strategy of :func:`mlx_fun.selection.select_experts` with all its checks (≥ top_k kept,
+    The ``bottom`` strategy of :func:`mlx_fun.experts.selection.select_experts` with all its checks (≥ top_k kept,
     model-wide column sums, ignored / protected experts, group balance of group-limited routers).
     """
-    from ..selection import select_experts
+    from ..experts.selection import select_experts
 
     return select_experts(
         scores,

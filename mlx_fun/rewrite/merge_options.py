@@ -5,7 +5,7 @@ Kept apart from :mod:`mlx_fun.rewrite.merge` (which re-exports it) because every
 
     from mlx_fun import jobs
     from mlx_fun.rewrite.merge_options import Ream
-    from mlx_fun.selection import Selection
+    from mlx_fun.experts.selection import Selection
     jobs.merge.run(model="data/tiny-moe", saliency="s.npz", selection=Selection(n_prune=8), output="merged",
                    dataset="data/calibration_sample.jsonl", ream=Ream(alignment="greedy"))
 """

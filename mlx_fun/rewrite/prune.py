@@ -76,7 +76,7 @@ def prune_block(adapter: MoEAdapter, block, kept: list[int]) -> None:
 
 def expert_rows(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict[str, list[int]]:
     """Full parameter name → kept rows (axis 0) of every tensor :func:`prune_model` will slice: what the
-    streaming writer copies row by row from the source files (:mod:`mlx_fun.streaming`). Call before pruning."""
+    streaming writer copies row by row from the source files (:mod:`mlx_fun.output.streaming`). Call before pruning."""
     prefix = {id(m): name for name, m in adapter.model.named_modules()}
     out: dict[str, list[int]] = {}
     for pos, block in enumerate(adapter.blocks()):
@@ -119,7 +119,7 @@ def prune_model(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict:
 def pruned_nbytes(adapter: MoEAdapter, n_kept: int) -> int:
     """Bytes the model's parameters will take with ``n_kept`` experts per MoE layer (nothing is evaluated):
     the estimate a writer checks free space against before pruning or merging."""
-    from ..io import params_nbytes
+    from ..model.io import params_nbytes
 
     total = params_nbytes(adapter.model)
     E = adapter.num_experts

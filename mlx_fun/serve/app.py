@@ -72,7 +72,7 @@ class ServeApp:
     @functools.cached_property
     def vocab_size(self) -> int:
         """The model's output size (what a logit_bias key must be below), read once."""
-        from ..io import read_config
+        from ..model.io import read_config
 
         config = read_config(self.model_path)
         size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
@@ -275,9 +275,9 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
           log=lambda line: None) -> Server:
     """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``settings``: the dispatch to install
     (:class:`mlx_fun.settings.RunSettings`, checked; None: its defaults); ``steering(counter) -> Steering | None``;
-    ``options``: mlx-lm's generation options (:class:`mlx_fun.genopts.GenOptions`, checked), ``draft_model`` its
+    ``options``: mlx-lm's generation options (:class:`mlx_fun.model.genopts.GenOptions`, checked), ``draft_model`` its
     speculative decoding; ``name``: the repo id the model is served under (None: its directory's name)."""
-    from ..genopts import GenOptions
+    from ..model.genopts import GenOptions
 
     options = options or GenOptions()
     httpd = _bind(host, port, max_connections)

@@ -6,12 +6,12 @@ fed back to compute the next one. Padding that mlx-lm's ``BatchGenerator`` appen
 length is not counted. Each processed token adds exactly ``top_k`` to every MoE layer's ``freq`` row, so per layer
 ``freq.sum() == top_k × token_count`` always holds.
 
-**How.** :func:`attach` hooks the served model twice: the MoE blocks through :mod:`mlx_fun.moe_hook` (the one
-hooked call; collect's :class:`~mlx_fun.collect.SaliencyTap` records each layer's lazy ``inds``/weights/norms) and
+**How.** :func:`attach` hooks the served model twice: the MoE blocks through :mod:`mlx_fun.model.moe_hook` (the one
+hooked call; collect's :class:`~mlx_fun.observe.collect.SaliencyTap` records each layer's lazy ``inds``/weights/norms) and
 the model's own ``__call__`` (class swap, tag ``serve``), which brackets each forward: it takes the forward's
 valid-position mask and the tap's stacked record of the forward (:meth:`SaliencyTap.take
-<mlx_fun.collect.SaliencyTap.take>`), and queues it. Records are turned into numbers later, on the generation
-thread, by :meth:`TrafficCounter.flush` through collect's own :func:`~mlx_fun.collect.accumulate` — one
+<mlx_fun.observe.collect.SaliencyTap.take>`), and queues it. Records are turned into numbers later, on the generation
+thread, by :meth:`TrafficCounter.flush` through collect's own :func:`~mlx_fun.observe.collect.accumulate` — one
 ``mx.eval`` for many forwards and one ``np.bincount`` per array and forward — never by
 waiting for a forward still running (records older than the newest are flushed during generation and between
 the generation loop's iterations; all of them only when a reader waits), so counting does not stall mlx-lm's
@@ -44,10 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import classswap, moe_hook
+from ..core import classswap
+from ..model import moe_hook
 from ..adapters.base import MoEAdapter
-from ..collect import Forward, SaliencyTap, accumulate
-from ..saliency import SaliencyAccumulator
+from ..observe.collect import Forward, SaliencyTap, accumulate
+from ..observe.saliency import SaliencyAccumulator
 
 _TAG = "serve"
 _STATE = "_mlxfun_serve"

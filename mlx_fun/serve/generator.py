@@ -9,9 +9,9 @@
   steering change atomically (one bias swap for all layers) and empties the prompt cache when the routing
   changed, so no KV state computed under other steering is reused.
 
-mlx-lm's generation options (:mod:`mlx_fun.genopts`, checked by the job before anything binds or loads) go where
+mlx-lm's generation options (:mod:`mlx_fun.model.genopts`, checked by the job before anything binds or loads) go where
 mlx-lm's server takes them: ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` / ``num_draft_tokens`` in its
-``cli_args``; the draft model is loaded by :func:`mlx_fun.genopts.load_draft` (one line for another vocabulary,
+``cli_args``; the draft model is loaded by :func:`mlx_fun.model.genopts.load_draft` (one line for another vocabulary,
 where mlx-lm only warns) and never hooked, so its forwards are not counted. ``max_kv_size``, which mlx-lm's server
 lacks, is :class:`ServedPromptCache`: a prompt the prompt cache has nothing for starts from the rotating cache
 ``make_prompt_cache(model, max_kv_size)`` that ``mlx_lm.generate`` makes. A draft model, ``kv_bits`` or
@@ -29,8 +29,8 @@ from pathlib import Path
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import ModelProvider, ResponseGenerator
 
-from .. import moe_hook
-from ..genopts import GenOptions, load_draft
+from ..model import moe_hook
+from ..model.genopts import GenOptions, load_draft
 from ..settings import RunSettings
 from .counting import TrafficCounter, attach
 from .errors import HTTPError
@@ -92,7 +92,7 @@ class ServedModelProvider(ModelProvider):
 
     def _hook(self) -> None:
         from ..adapters import get_adapter
-        from ..io import read_config
+        from ..model.io import read_config
 
         config = read_config(self.cli_args.model)
         adapter = get_adapter(self.model, config)

@@ -26,7 +26,7 @@ import time
 
 from mlx_lm.server import APIHandler
 
-from .. import json_input
+from ..core import json_input
 from . import routes
 from .errors import HTTPError
 

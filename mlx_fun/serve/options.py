@@ -57,7 +57,7 @@ class StartupSteering:
     """The steering the server starts with (REST changes it later): ``safety_map`` (a ``safety-scan`` report) with
     ``steering_mode`` (``safe``: boost its HRCG experts; ``unsafe``: mask its safety-critical experts), and/or
     ``domain_map`` (a ``domain-scan`` report) with ``domain_steering_mode`` (``boost`` / ``suppress``);
-    ``steering_scheme``: ``additive`` or ``rank`` (see :mod:`mlx_fun.steering`)."""
+    ``steering_scheme``: ``additive`` or ``rank`` (see :mod:`mlx_fun.experts.steering`)."""
 
     safety_map: str | Path | None = None
     steering_mode: str | None = None
@@ -86,7 +86,7 @@ class StartupSteering:
             return None
 
         def build(counter):
-            from ..steering import for_adapter
+            from ..experts.steering import for_adapter
 
             return for_adapter(counter.adapter, safety_map=self.safety_map, safety_mode=self.steering_mode,
                                domain_map=self.domain_map, domain_mode=self.domain_steering_mode,

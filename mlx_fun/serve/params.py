@@ -10,7 +10,7 @@ at or above the vocabulary size, which keeps every token as the CLI's ``--top-k`
 The sampling numbers the CLI also takes are checked by the CLI's own option types (``--temp``, ``--top-p``,
 ``--top-k``, ``--seed``, ``--num-draft-tokens``, declared once in :mod:`mlx_fun.cli.common`; mlx-lm
 takes a ``num_draft_tokens`` of 0, which drafts nothing, as mlx-fun's own option does not); the rest by the same
-:class:`~mlx_fun.ranges.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
+:class:`~mlx_fun.core.ranges.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
 ``max_completion_tokens``) may be at most the server's ``--max-tokens-limit``, a ``*_context_size`` at most the
 model's context length.
 """
@@ -22,7 +22,7 @@ import json
 
 import click
 
-from ..ranges import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat
+from ..core.ranges import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat
 from .errors import HTTPError
 
 #: fields that may be null (mlx-lm reads null as "not given")
@@ -34,7 +34,7 @@ FLAGS = ("stream", "logprobs")
 @functools.cache
 def _rules() -> dict[str, tuple[type, click.ParamType]]:
     """``{field: (int or float, the click type that checks its range)}`` for the fields every server shares."""
-    # the CLI's ranges (declared once in mlx_fun.ranges), not a second copy of them
+    # the CLI's ranges (declared once in mlx_fun.core.ranges), not a second copy of them
     return {
         "temperature": (float, TEMPERATURE), "top_p": (float, TOP_P), "top_k": (int, TOP_K),
         "seed": (int, SEED), "num_draft_tokens": (int, DRAFT_TOKENS),

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from ..saliency import ARRAY_KEYS, METRICS
+from ..observe.saliency import ARRAY_KEYS, METRICS
 from .errors import HTTPError
 from .params import check_numbers
 
@@ -196,7 +196,7 @@ PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, err
 
 
 def save(app, body: dict) -> dict:
-    from .. import writer
+    from ..core import writer
 
     unknown = sorted(set(body) - {"path", "force"})
     if unknown:
@@ -227,7 +227,7 @@ def save(app, body: dict) -> dict:
 
 
 def post_steer(app, body: dict) -> dict:
-    from ..steering import SteeringError, for_adapter
+    from ..experts.steering import SteeringError, for_adapter
 
     counter = app.counter_or_503()
     unknown = sorted(set(body) - set(STEER_KEYS))

@@ -1,11 +1,11 @@
 """What the Merge Mode Comparison and Diff Analysis tabs compute, from the functions the CLI uses.
 
-- :func:`compare` — 2–4 saliency files rank-merged (:func:`mlx_fun.stats.rank_merge`, as ``stats-merge``), the
+- :func:`compare` — 2–4 saliency files rank-merged (:func:`mlx_fun.observe.stats.rank_merge`, as ``stats-merge``), the
   rank-sum filters turned into protected / targeted experts, and the experts to remove chosen by
-  :func:`mlx_fun.selection.select_experts` (as ``prune``: per layer or model-wide), checked by
-  :func:`~mlx_fun.selection.check_keep_counts`; :func:`export` writes the result with
-  :func:`mlx_fun.expert_files.save_expert_list`, the format ``prune`` / ``merge --expert-list`` read.
-- :func:`diff` — the ``stats-diff`` report (:func:`mlx_fun.stats.diff_files`, which the job calls too).
+  :func:`mlx_fun.experts.selection.select_experts` (as ``prune``: per layer or model-wide), checked by
+  :func:`~mlx_fun.experts.selection.check_keep_counts`; :func:`export` writes the result with
+  :func:`mlx_fun.experts.expert_files.save_expert_list`, the format ``prune`` / ``merge --expert-list`` read.
+- :func:`diff` — the ``stats-diff`` report (:func:`mlx_fun.observe.stats.diff_files`, which the job calls too).
 
 File names are taken relative to the UI's data directory and must resolve inside it (:func:`inside`).
 """
@@ -61,7 +61,7 @@ class Comparison:
 
     @property
     def removed(self) -> dict[int, list[int]]:
-        from ..selection import removed_from_kept
+        from ..experts.selection import removed_from_kept
 
         return removed_from_kept(self.kept, self.num_experts)
 
@@ -93,8 +93,8 @@ def compare(*, root: Path, files: Sequence[str], metric: str = "reap", n_prune: 
     """Rank-merge ``files`` and choose ``n_prune`` experts to remove per layer (or model-wide): experts whose
     rank sum is at most ``protect_max_rank_sum`` are protected (important in every file), those at least
     ``target_min_rank_sum`` are removed first."""
-    from ..selection import check_keep_counts, select_experts
-    from ..stats import layer_ranks, merge_warnings, rank_merge
+    from ..experts.selection import check_keep_counts, select_experts
+    from ..observe.stats import layer_ranks, merge_warnings, rank_merge
 
     files = [str(f).strip() for f in files if f and str(f).strip()]
     if not 2 <= len(files) <= 4:
@@ -103,7 +103,7 @@ def compare(*, root: Path, files: Sequence[str], metric: str = "reap", n_prune: 
         raise UserError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}.")
     if n_prune is None or int(n_prune) != n_prune or n_prune < 0:
         raise UserError(f"N to prune must be a whole number, 0 or more, got {n_prune!r}.")
-    from ..saliency import SaliencyAccumulator
+    from ..observe.saliency import SaliencyAccumulator
 
     accs = [SaliencyAccumulator.load(p) for p in _existing(root, files, "saliency file")]
     merged = rank_merge(accs, metric, labels=files)
@@ -125,7 +125,7 @@ def compare(*, root: Path, files: Sequence[str], metric: str = "reap", n_prune: 
 
 def export(comparison: Comparison, *, root: Path, name: str) -> Path:
     """Write the comparison's removals as ``name`` (``.json`` or ``.csv``) inside ``root``, atomically."""
-    from ..expert_files import save_expert_list
+    from ..experts.expert_files import save_expert_list
 
     path = inside(root, name, "export file")
     if path.suffix.lower() not in (".json", ".csv"):
@@ -141,10 +141,10 @@ def export(comparison: Comparison, *, root: Path, name: str) -> Path:
 
 def diff(*, root: Path, file1: str, file2: str, metric: str = "reap", output: str | None = None) -> dict:
     """The ``stats-diff`` job's report of ``file1`` − ``file2`` (both inside ``root``), also written as JSON to
-    ``output`` (inside ``root``) as ``stats-diff --output`` writes it (:func:`mlx_fun.stats.diff_files`, the job's
+    ``output`` (inside ``root``) as ``stats-diff --output`` writes it (:func:`mlx_fun.observe.stats.diff_files`, the job's
     own report, through the one writer)."""
-    from .. import writer
-    from ..stats import diff_files
+    from ..core import writer
+    from ..observe.stats import diff_files
 
     p1, p2 = _existing(root, [file1, file2], "saliency file")
     inputs = {"saliency file 1": p1, "saliency file 2": p2}

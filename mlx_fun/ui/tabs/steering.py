@@ -1,7 +1,7 @@
 """Steering: apply a safety / domain report or a custom JSON config to the server, see what is active, remove it.
 
 Report paths are the *server's* (inside its ``--data-dir``): the server reads the report with the same
-functions ``mlx-fun steer`` uses (:func:`mlx_fun.steering.for_adapter`) and checks the request as it checks any
+functions ``mlx-fun steer`` uses (:func:`mlx_fun.experts.steering.for_adapter`) and checks the request as it checks any
 REST client's.
 """
 
@@ -32,7 +32,7 @@ def report_body(kind: str, path: str, mode: str, scheme: str) -> dict:
 def custom_body(text: str) -> dict:
     """A custom steering config typed as JSON (the REST body), checked to be an object; the server checks the
     rest (layers, experts, fields) and answers one line."""
-    from ...json_input import parse
+    from ...core.json_input import parse
 
     return parse(text or "", "the custom steering", fix=f"e.g. {EXAMPLE}", expect=dict)
 

@@ -1,0 +1,1 @@
+"""Calibration samples and the corpora they are built from."""

@@ -1,0 +1,1 @@
+"""How the experts' grouped matmul runs, chosen per call from measured cut-offs."""

@@ -1,0 +1,1 @@
+"""Expert selections, expert lists on disk, steering reports."""

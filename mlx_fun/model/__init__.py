@@ -1,0 +1,1 @@
+"""Loading a model, its hooked MoE call, the forward engine, generation options."""

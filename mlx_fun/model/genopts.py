@@ -1,0 +1,105 @@
+"""mlx-lm's own generation options where mlx-fun generates (smoke-test, steer): its quantized and rotating KV caches
+and speculative decoding with a draft model, checked once, in one line naming the option, before anything loads.
+
+They are passed straight to ``mlx_lm.generate.stream_generate`` (``kv_bits`` / ``kv_group_size`` /
+``quantized_kv_start``: mlx-lm's ``QuantizedKVCache`` from that many tokens on; ``max_kv_size``: its
+``RotatingKVCache``; ``draft_model`` / ``num_draft_tokens``: ``speculative_generate_step``), so mlx-fun's generation is
+never less than ``mlx_lm.generate``'s. Combinations mlx-lm does not run are refused instead of ignored: a rotating
+cache cannot be quantized (mlx-lm: "RotatingKVCache Quantization NYI"), and speculative decoding drops
+``max_kv_size`` silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import UserError, param, require_whole
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class GenOptions:
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    max_kv_size: int | None = None
+    num_draft_tokens: int = 2
+
+    def check(self, *, draft: str | Path | None) -> "GenOptions":
+        """A one-line ``UserError`` naming the option for a value or a combination mlx-lm does not run, or a
+        ``draft`` model path that does not exist (a repo id is resolved before the job runs: mlx_fun.model.hub)."""
+        from ..errors import require_path
+
+        require_path("draft_model", draft, "pass a local mlx-lm model directory or a Hugging Face repo id")
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
+            raise UserError(f"{param('kv_bits')} must be one of {', '.join(map(str, KV_BITS))} (bits per cached "
+                            f"key/value), got {self.kv_bits!r}.")
+        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in KV_GROUP_SIZES:
+            raise UserError(f"{param('kv_group_size')} must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got "
+                            f"{self.kv_group_size!r}.")
+        require_whole("quantized_kv_start", self.quantized_kv_start, 0)
+        require_whole("max_kv_size", self.max_kv_size, 1, none_ok=True)
+        require_whole("num_draft_tokens", self.num_draft_tokens, 1)
+        if self.kv_bits is not None and self.max_kv_size is not None:
+            raise UserError(f"{param('kv_bits')} and {param('max_kv_size')} do not go together: mlx-lm cannot "
+                            f"quantize its rotating KV cache; pass one of them.")
+        if self.kv_bits is not None and (problem := kv_quantization_problem(self.kv_bits, self.kv_group_size)):
+            raise UserError(f"{param('kv_bits')} {self.kv_bits} cannot run on this backend: mlx-lm's quantized KV "
+                            f"attention fails here ({problem}); drop {param('kv_bits')} (or use {param('max_kv_size')} "
+                            f"to bound the cache).")
+        if draft and self.max_kv_size is not None:
+            raise UserError(f"{param('max_kv_size')} does not work with {param('draft_model')}: mlx-lm's speculative "
+                            f"decoding keeps the whole KV cache; drop one of them.")
+        return self
+
+    def stream_kwargs(self, draft_model=None) -> dict:
+        """Keyword arguments for ``mlx_lm.generate.stream_generate``."""
+        kw = asdict(self)
+        if draft_model is None:
+            kw.pop("num_draft_tokens")
+        else:
+            kw.pop("max_kv_size")
+            kw["draft_model"] = draft_model
+        if kw.get("max_kv_size") is None:
+            kw.pop("max_kv_size", None)
+        return kw
+
+
+def kv_quantization_problem(bits: int, group_size: int) -> str | None:
+    """Why mlx-lm's quantized KV attention cannot run on the default device (None when it can): its
+    ``quantized_scaled_dot_product_attention`` on a few grouped-query tokens. MLX 0.32's CUDA backend has no
+    quantized matmul for that layout (``[quantized_matmul] No implementation for problem shape``), so a generation
+    with ``kv_bits`` would die at its first token past ``quantized_kv_start``."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    # the layouts MLX 0.32.4's CUDA backend was seen to refuse (head dims 64 / 128, float32 / bfloat16, a few and
+    # many cached tokens); each is a few kilobytes
+    for dim, dtype, cached in ((64, mx.float32, 9), (128, mx.bfloat16, 1025), (128, mx.float16, 33)):
+        try:
+            q = mx.quantize(mx.ones((1, 2, cached, dim), dtype=dtype), group_size=group_size, bits=bits)
+            mx.eval(quantized_scaled_dot_product_attention(mx.ones((1, 4, 1, dim), dtype=dtype), q, q,
+                                                           scale=dim ** -0.5, mask=None, group_size=group_size,
+                                                           bits=bits))
+        except (RuntimeError, ValueError) as e:
+            if "divisible by the quantization group size" in str(e):
+                continue  # a head dim this group size cannot take: not a backend limit
+            return " ".join(str(e).split())[:160]
+    return None
+
+
+def load_draft(path: str | Path | None, tokenizer):
+    """The draft model for speculative decoding (None without one); its vocabulary must be the main model's."""
+    if path is None:
+        return None
+    from .io import load_model
+
+    draft, draft_tokenizer, _config = load_model(path, flag=param("draft_model"))
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise UserError(f"{param('draft_model')} {path} has a vocabulary of {draft_tokenizer.vocab_size:,} tokens and "
+                        f"the model {tokenizer.vocab_size:,}: speculative decoding needs the same tokenizer; pass a "
+                        f"smaller model of the same family.")
+    return draft

@@ -1,0 +1,269 @@
+"""Loading models, and writing them as mlx-lm directories through the one atomic writer (:mod:`.writer`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import UserError, param
+
+
+def read_config(model_path: str | os.PathLike) -> dict:
+    """``config.json`` of a local model directory, with friendly errors, checked by :func:`check_config` (so
+    every command that takes a model refuses a malformed config in one line, before anything loads)."""
+    path = Path(model_path)
+    if not path.exists():
+        raise UserError(f"model path {path} does not exist; pass a local mlx-lm model directory or a Hugging Face repo "
+                        f"id (org/name) to {param('model')}.")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{path} has no config.json; {param('model')} must be an mlx-lm model directory.")
+    from ..core import json_input
+
+    # NaN / Infinity pass here (Python's json writes them into configs): check_config refuses them where they matter
+    config = json_input.read(cfg, fix="fix or re-download the model.", allow_nan=True)
+    check_config(config, where=cfg)
+    return config
+
+
+def check_config(config, *, where: str | os.PathLike) -> None:
+    """The one check of a model's config (``where``: the file, for messages): a JSON object whose ``model_type``
+    and ``text_config`` have the right types, whose sizes (:data:`COUNT_KEYS`: layers, hidden size, heads,
+    vocabulary, ...) are whole numbers from 1 to :data:`mlx_fun.datasets.samples.MAX_COUNT`, whose expert facts make sense for
+    the family's adapter (routed experts, top-k at most their count: :meth:`~mlx_fun.adapters.base.MoEAdapter.check_config`),
+    and from which mlx-lm can build its model arguments (no required key missing). A type without an mlx-fun
+    adapter is left to the caller, which names what it supports (:func:`load_model` turns mlx-lm's complaint into
+    one line)."""
+    from ..adapters import REGISTRY
+    from ..datasets.samples import json_type_name
+
+    fix = "fix it or re-download the model."
+    if not isinstance(config, dict):
+        raise UserError(f"{where} holds {json_type_name(config)}, not a JSON object of model settings; {fix}")
+    for key, kind, want in (("model_type", str, "a string"), ("text_config", dict, "an object")):
+        if key in config and not isinstance(config[key], kind):
+            raise UserError(f"{where}: {key!r} must be {want}, got {json_type_name(config[key])}; {fix}")
+    _check_counts(config, where, fix)
+    model_type = config.get("model_type")
+    if model_type in REGISTRY:  # other types: mlx-fun's commands name what they support, load_model mlx-lm's error
+        REGISTRY[model_type].check_config(config, where=where)
+        _check_model_args(config, where, fix)
+
+
+#: sizes every model's config.json gives as whole numbers >= 1 where it has them (0 layers or heads builds nothing or
+#: divides by zero in mlx-lm; 1e30 or "48" is no count); top-level or under ``text_config``
+COUNT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "moe_intermediate_size")
+
+
+def _check_counts(config: dict, where, fix: str) -> None:
+    from ..datasets.samples import MAX_COUNT, json_type_name, json_whole
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for cfg, prefix in ((config, ""), (text, "text_config.")):
+        for key in COUNT_KEYS:
+            value = cfg.get(key)
+            if value is not None and not (json_whole(value, 1) and value <= MAX_COUNT):
+                raise UserError(f"{where}: {prefix}{key} must be a whole number from 1 to {MAX_COUNT:,}, got "
+                                f"{json_type_name(value)} {json.dumps(value)[:40]}; {fix}")
+
+
+def _check_model_args(config: dict, where, fix: str) -> None:
+    """mlx-lm's ``ModelArgs.from_dict(config)``, the step of its loader that a missing key fails, before any
+    weight is read; an unknown ``model_type`` is left to the caller."""
+    from .. import mlx_lm_compat
+
+    _get_classes = mlx_lm_compat.lookup("mlx_lm.utils", "_get_classes")  # where it is gone, mlx-lm's loader
+    if _get_classes is None:  # says the same later
+        return
+    try:
+        _model, args_class = _get_classes(config)
+    except ValueError:
+        return
+    try:
+        args_class.from_dict(config)
+    except Exception as e:  # noqa: BLE001 -- a missing argument (TypeError), a value __post_init__ refuses, ...
+        detail = " ".join(str(e).split())[:200]
+        raise UserError(f"{where} does not describe a {config['model_type']} model mlx-lm can build "
+                        f"({type(e).__name__}: {detail}); {fix}") from None
+
+
+#: files that hold a tokenizer's vocabulary (a fast tokenizer, sentencepiece, BPE / WordPiece vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+#: and such files named after their format (``spiece.model``, ``qwen.tiktoken``, ...)
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+
+
+def check_tokenizer(model_path: str | os.PathLike) -> None:
+    """A one-line ``UserError`` when the model directory holds no tokenizer vocabulary (mlx-lm would load an
+    empty tokenizer from it, which encodes every prompt to nothing)."""
+    path = Path(model_path)
+    names = [f.name for f in path.iterdir() if f.is_file()]
+    if any(n in TOKENIZER_FILES or n.endswith(TOKENIZER_SUFFIXES) for n in names):
+        return
+    raise UserError(f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (nor another "
+                    f"*{' / *'.join(TOKENIZER_SUFFIXES)} vocabulary) is in it; copy the original model's tokenizer "
+                    f"files into the directory.")
+
+
+def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str | None = None,
+               config: dict | None = None, tokenizer: bool = True):
+    """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
+    cannot load (a missing or truncated shard, an unknown model type, no tokenizer) is a one-line ``UserError``
+    naming ``flag`` (default: the ``model`` parameter). ``config``: the directory's config, already read and
+    checked (with its tokenizer files) by the caller; None reads and checks it here. ``tokenizer=False``: the
+    tokenizer is not loaded (None in its place), so a job that only rewrites weights never imports transformers
+    (:mod:`mlx_fun.runtime.lean_imports`)."""
+    flag = flag or param("model")
+    if config is None:
+        config = read_config(model_path)
+        check_tokenizer(model_path)
+    try:
+        if tokenizer:
+            from mlx_lm import load
+
+            model, tok = load(str(model_path), lazy=lazy)
+        else:
+            from mlx_lm.utils import load_model as load_weights
+
+            model, _ = load_weights(Path(model_path), lazy=lazy)
+            tok = None
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...
+        detail = " ".join(str(e).split())[:240]
+        if "not in model" in detail or "Expected shape" in detail:  # weights the config does not describe
+            zero = [f"{k} = 0" for cfg in (config, config.get("text_config") or {}) if isinstance(cfg, dict)
+                    for k, v in cfg.items() if "expert" in k and v == 0 and not isinstance(v, bool)]
+            said = f" (it sets {', '.join(zero)}: a dense model)" if zero else ""
+            raise UserError(f"{flag} {model_path}: config.json does not describe the weights beside it{said}; fix "
+                            f"config.json or re-download the model (mlx-lm: {detail[:160]}).") from None
+        raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
+                        f"a complete mlx-lm model directory (an interrupted download or copy?).") from None
+    return model, tok, config
+
+
+_WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
+_NOT_COPIED = _WEIGHT_FILES + ("README.md",)  # the source's card describes the source: the output gets its own
+
+
+def dir_size(path: str | os.PathLike) -> int:
+    """Bytes of all files below ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def context_length(config: dict) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``, also under ``text_config``)."""
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def params_nbytes(model) -> int:
+    """Bytes of every parameter of ``model`` as they would be saved (lazy arrays are not evaluated)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def write_model_dir(res, model, config: dict, *, source, metadata: dict | None = None, snapshot=None,
+                    rows: dict | None = None, max_shard_bytes: int | None = None, donate: bool = False,
+                    progress: bool = False):
+    """Write ``model`` as an mlx-lm directory into a :func:`mlx_fun.core.writer.output` reservation (``res.tmp``);
+    returns the :class:`mlx_fun.output.streaming.WriteStats`.
+
+    Weights are written tensor by tensor (:func:`mlx_fun.output.streaming.write_weights`: what ``snapshot`` proves
+    untouched is copied from the source files, ``rows`` are kept rows of them, the rest is evaluated one tensor
+    at a time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
+    the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied but its
+    ``README.md``; ``metadata`` maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written
+    beside them (a ``str`` is written as it is; a JSON object gets ``base_model``, the repo id, revision and commit
+    of :func:`mlx_fun.model.hub.source`, when ``source`` came from a Hugging Face repo).
+    The model card ``README.md`` is written by
+    :func:`mlx_fun.output.model_card.card` from that metadata (base model, method, settings, measured numbers, the
+    source card's license), unless ``metadata`` holds a ``README.md`` of its own. A failing write (a full disk:
+    MLX raises ``RuntimeError: [write] Unable to write``) becomes a one-line ``UserError``.
+    """
+    import copy as _copy
+
+    from mlx_lm.utils import save_config
+
+    from .hub import source as hub_source
+    from ..output.streaming import DEFAULT_SHARD_BYTES, write_weights
+
+    dest, src = Path(res.tmp), Path(source)
+    try:
+        stats = write_weights(dest, model, snapshot=snapshot, rows=rows, donate=donate, progress=progress,
+                              max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        save_config(_copy.deepcopy(config), config_path=dest / "config.json")
+        for f in src.iterdir():
+            if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
+                shutil.copyfile(f, dest / f.name)  # new files get the user's umask, not the source's mode
+        files = {"README.md": _model_card(res, source, metadata), **(metadata or {})}
+        origin = hub_source(src)  # a model resolved from a Hugging Face repo id: its repo id, revision, commit
+        for name, obj in files.items():
+            if origin is not None and isinstance(obj, dict):
+                obj = {**obj, "base_model": origin}
+            text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
+            (dest / name).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise res.write_failed(e) from None
+    except RuntimeError as e:
+        if "write" not in str(e).lower():
+            raise
+        raise res.write_failed(e) from None
+    return stats
+
+
+def _model_card(res, source, metadata: dict | None) -> str:
+    """The output's ``README.md`` (:mod:`mlx_fun.output.model_card`): the base model is ``source``'s Hugging Face repo id
+    when known, else ``source`` as given; sizes are the safetensors bytes of the source and of the weights just
+    written into ``res.tmp``."""
+    from ..output.model_card import base_model, card, source_front_matter
+
+    if metadata and isinstance(metadata.get("README.md"), str):
+        return metadata["README.md"]
+
+    def weights(path) -> int:
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors") if f.is_file())
+
+    base, provenance = base_model(source)
+    return card(metadata, base=base, provenance=provenance, output=res.shown, source_card=source_front_matter(source),
+                size_before=weights(source) or None, size_after=weights(res.tmp))
+
+
+def save_model_dir(model, config: dict, output, *, source, metadata: dict | None = None, force: bool = False,
+                   inputs: dict | None = None) -> Path:
+    """Save ``model`` as an mlx-lm directory at ``output`` atomically, refusing to touch ``source`` (and
+    ``inputs``, flag → path): the library form of what ``prune`` and ``merge`` write."""
+    from ..core.writer import output as reserve
+
+    with reserve(output, kind="dir", inputs={param("model"): source, **(inputs or {})}, force=force) as res:
+        res.require_space(params_nbytes(model))
+        write_model_dir(res, model, config, source=source, metadata=metadata)
+    return Path(output)
+
+
+BUNDLED_MODEL_NAME = "tiny-moe"
+
+
+def bundled_model_dir() -> Path:
+    """The trained tiny MoE that ships in the repository's ``data/`` (``$MLX_FUN_DATA`` overrides the folder).
+
+    Looked up beside the package (a source checkout or editable install), then under ``./data``.
+    """
+    candidates = []
+    if os.environ.get("MLX_FUN_DATA"):
+        candidates.append(Path(os.environ["MLX_FUN_DATA"]) / BUNDLED_MODEL_NAME)
+    candidates += [Path(__file__).resolve().parents[2] / "data" / BUNDLED_MODEL_NAME,
+                   Path.cwd() / "data" / BUNDLED_MODEL_NAME]
+    for cand in candidates:
+        if (cand / "config.json").exists():
+            return cand
+    raise UserError(
+        f"the bundled model data/{BUNDLED_MODEL_NAME} was not found (looked in "
+        f"{', '.join(str(c) for c in candidates)}); run from a clone of mlx-fun, set MLX_FUN_DATA to its data/ "
+        f"folder, or pass {param('model')}."
+    )

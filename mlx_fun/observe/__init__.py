@@ -1,0 +1,1 @@
+"""Routing observed: saliency, collection, statistics, evaluation, refusal and residual directions."""

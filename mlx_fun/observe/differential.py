@@ -1,0 +1,131 @@
+"""Differential routing analysis (SAFEx / SteerMoE style): how each expert's routing differs between two datasets.
+
+One :class:`RoutingTap` per dataset, on the hooked MoE call and the forward engine (padding excluded, float64,
+fed once per batch; the counts are ``collect``'s own), accumulates per layer × expert: how many tokens select the expert (``count``), the sum of its
+mixing weight (``weight_sum``, 0 where not selected) and the sum of its raw router logit (``logit_sum``, every
+token). Divided by the token count: **activation rate**, **mean router weight**, **mean gate logit**.
+
+:func:`differential` compares dataset A (harmful / domain) with B (benign / general): each difference
+(A − B) is scaled by its standard deviation over all layers × experts and the three are averaged into the
+**composite** score; the activation-rate difference is also SteerMoE's **risk difference**. :func:`classify`
+puts experts whose composite is at or above the ``p``-th percentile *and* that are more active on A in the "A"
+group (HCDG / domain experts), and those at or below the ``(100 − p)``-th percentile and more active on B in the
+"B" group (HRCG / general experts). :func:`report` writes both scans' JSON, the format
+:mod:`mlx_fun.experts.expert_files` reads (``prune --safety-map / --domain-map``, steering).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..model import engine, moe_hook
+from ..adapters.base import MoEAdapter
+from .collect import SaliencyTap
+from .saliency import SaliencyAccumulator
+
+REPORT_VERSION = 1
+
+
+class RoutingTap(SaliencyTap):
+    """Per-dataset routing sums of every MoE layer (see the module docstring): ``collect``'s frequency counting
+    (:class:`mlx_fun.observe.collect.SaliencyTap` into a :class:`SaliencyAccumulator`) plus the gate-logit sums."""
+
+    def __init__(self, adapter: MoEAdapter):
+        super().__init__(norms=False)
+        self.acc = SaliencyAccumulator.for_adapter(adapter)
+        self.logit_sum = np.zeros_like(self.acc.freq)
+        self.logits: list[tuple[int, mx.array]] = []
+
+    count = property(lambda self: self.acc.freq)  # tokens selecting the expert
+    weight_sum = property(lambda self: self.acc.weighted_freq_sum)  # Σ mixing weight where selected
+    tokens = property(lambda self: self.acc.total_tokens)
+
+    def __call__(self, layer, inds, weights, logits, y):
+        super().__call__(layer, inds, weights, logits, y)
+        self.logits.append((layer, logits.astype(mx.float32).reshape(-1, logits.shape[-1])))
+
+    def flush(self, valid: np.ndarray | None = None, evaluate=mx.eval) -> int:
+        logits, self.logits = self.logits, []
+        n = super().flush(self.acc, valid, evaluate=lambda *a: evaluate(*a, *[lg for _, lg in logits]))
+        self.acc.total_tokens += n
+        for layer, lg in logits:
+            lg = np.array(lg, dtype=np.float64)
+            self.logit_sum[layer] += (lg if valid is None else lg[valid.reshape(-1)]).sum(axis=0)
+        return n
+
+    def means(self) -> dict[str, np.ndarray]:
+        t = max(self.tokens, 1)
+        return {"activation_rate": self.count / t, "mean_router_weight": self.weight_sum / t,
+                "mean_gate_logit": self.logit_sum / t}
+
+
+def scan(model, adapter: MoEAdapter, samples, *, batch_size: int = 1, pad_id: int = 0, token_budget=None,
+         progress: bool = False, desc: str = "scan") -> RoutingTap:
+    """Run ``samples`` through the hooked model on the forward engine and return the dataset's tap."""
+    tap = RoutingTap(adapter)
+
+    def on_chunk(chunk, _output):
+        tap.flush(None if chunk.valid.all() else chunk.valid, evaluate=chunk.eval)
+
+    with moe_hook.hooked(adapter, [tap]):
+        engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=token_budget,
+                   progress=progress, desc=desc)
+    return tap
+
+
+def _scaled(x: np.ndarray) -> np.ndarray:
+    sd = x.std()
+    return x / sd if sd > 0 else np.zeros_like(x)
+
+
+def differential(a: RoutingTap, b: RoutingTap) -> dict[str, np.ndarray]:
+    ma, mb = a.means(), b.means()
+    deltas = {k: ma[k] - mb[k] for k in ma}
+    composite = np.mean([_scaled(d) for d in deltas.values()], axis=0)
+    return {"composite": composite, "risk_difference": deltas["activation_rate"],
+            "delta_router_weight": deltas["mean_router_weight"], "delta_gate_logit": deltas["mean_gate_logit"]}
+
+
+@dataclass
+class Groups:
+    a: dict[str, list[int]]  # more active on A (HCDG / domain experts), keyed by decoder-layer index
+    b: dict[str, list[int]]  # more active on B (HRCG / general experts)
+    threshold_a: float
+    threshold_b: float
+
+
+def classify(diff: dict[str, np.ndarray], moe_layer_indices: list[int], percentile: float) -> Groups:
+    comp, risk = diff["composite"], diff["risk_difference"]
+    hi, lo = float(np.percentile(comp, percentile)), float(np.percentile(comp, 100.0 - percentile))
+
+    def groups(mask):
+        return {str(layer): [int(e) for e in np.flatnonzero(mask[pos])]
+                for pos, layer in enumerate(moe_layer_indices) if mask[pos].any()}
+
+    return Groups(groups((comp >= hi) & (risk > 0)), groups((comp <= lo) & (risk < 0)), hi, lo)
+
+
+def report(kind: str, a: RoutingTap, b: RoutingTap, adapter: MoEAdapter, *, percentile: float,
+           datasets: dict, extra: dict | None = None) -> dict:
+    """The ``safety_report.json`` (kind ``safety``) or ``domain_report.json`` (``domain``) document."""
+    layers = adapter.moe_layers()
+    diff = differential(a, b)
+    g = classify(diff, layers, percentile)
+    names = ("harmful", "benign") if kind == "safety" else ("domain", "general")
+    out = {"format": f"mlx-fun {kind} report", "version": REPORT_VERSION, "model_type": adapter.model_type,
+           "num_experts": adapter.num_experts, "top_k": adapter.top_k, "moe_layer_indices": layers,
+           "threshold_percentile": percentile, **(extra or {}), "datasets": datasets}
+    if kind == "safety":
+        critical = {k: sorted(set(g.a.get(k, [])) | set(g.b.get(k, []))) for k in sorted(set(g.a) | set(g.b), key=int)}
+        out.update(hcdg=g.a, hrcg=g.b, safety_critical=critical,
+                   thresholds={"hcdg_composite_at_least": g.threshold_a, "hrcg_composite_at_most": g.threshold_b})
+    else:
+        out.update(domain_experts=g.a, general_experts=g.b,
+                   thresholds={"domain_composite_at_least": g.threshold_a, "general_composite_at_most": g.threshold_b})
+    out["scores"] = {k: np.round(v, 6).tolist() for k, v in diff.items()}
+    out["per_dataset"] = {name: {k: np.round(v, 6).tolist() for k, v in tap.means().items()} | {"tokens": tap.tokens}
+                          for name, tap in zip(names, (a, b))}
+    return out

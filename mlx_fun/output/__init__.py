@@ -1,0 +1,1 @@
+"""Writing a model directory: streamed weights and the model card."""
