@@ -159,7 +159,8 @@ def main() -> int:
     from mlx_lm import convert
 
     from mlx_fun import jobs
-    from mlx_fun.model.io import dir_size, read_config
+    from mlx_fun.model.io import read_config
+    from mlx_fun.output.model_dir import dir_size
     from mlx_fun.observe.refusal import refusal_rate
     from mlx_fun.settings import grouped
     from mlx_fun.core.writer import write_text

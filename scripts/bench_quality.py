@@ -179,7 +179,7 @@ def quantize_rows(args, model_dir, saliency, score, ready):
     from mlx_lm import convert
 
     from mlx_fun import jobs
-    from mlx_fun.model.io import dir_size
+    from mlx_fun.output.model_dir import dir_size
     from mlx_fun.rewrite.quantize import QuantRecipe
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_quality_q."))

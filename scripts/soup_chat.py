@@ -30,7 +30,8 @@ maybe_reexec()
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_fun.model.io import read_config, save_model_dir  # noqa: E402
+from mlx_fun.model.io import read_config  # noqa: E402
+from mlx_fun.output.model_dir import save_model_dir  # noqa: E402
 from train_chat_moe import all_rates, read  # noqa: E402
 from train_chat_moe import score as difference  # noqa: E402
 

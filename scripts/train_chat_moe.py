@@ -108,7 +108,8 @@ def main(argv=None):
     args = parse_args(argv)
     from mlx_lm import load
 
-    from mlx_fun.model.io import read_config, save_model_dir
+    from mlx_fun.model.io import read_config
+    from mlx_fun.output.model_dir import save_model_dir
     from mlx_fun.core.writer import check_output_path
 
     check_output_path(args.output, kind="dir", inputs={"--init": args.init, "--data": args.data}, force=args.force)

@@ -133,7 +133,7 @@ def main(argv=None):
     from tokenizers import Tokenizer
     from mlx_lm.utils import _get_classes
 
-    from mlx_fun.model.io import save_model_dir
+    from mlx_fun.output.model_dir import save_model_dir
     from mlx_fun.core.writer import check_output_path
 
     check_output_path(args.output, kind="dir", inputs={"--data": args.data}, force=args.force)

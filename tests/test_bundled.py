@@ -11,7 +11,8 @@ import numpy as np
 from click.testing import CliRunner
 
 from mlx_fun.cli import main
-from mlx_fun.model.io import bundled_model_dir, dir_size
+from mlx_fun.model.io import bundled_model_dir
+from mlx_fun.output.model_dir import dir_size
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "data" / "tiny-moe"

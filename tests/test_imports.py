@@ -1,4 +1,6 @@
-"""No import cycles among mlx_fun's modules: the module-level imports (those that run when a module is imported,
+"""The package's layers, bottom-up (:data:`LAYERS`): a module imports only its own layer and those below it, lazy
+imports inside functions counted (laziness keeps start-up fast; it may only point down). And no import cycles among
+mlx_fun's modules: the module-level imports (those that run when a module is imported,
 including inside a top-level ``if`` / ``try``, but not under ``if TYPE_CHECKING:``) form a graph without cycles,
 and so do all imports, those inside functions counted (lazy imports keep start-up fast but may not hide a circle)."""
 
@@ -10,6 +12,27 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_fun"
+
+#: mlx_fun's layers, bottom-up: a folder (or one of the few top-level modules) may import its own layer and the
+#: layers before it, never one after it. ``mlx_fun`` itself (``__version__``) is below all of them.
+LAYERS = (
+    "errors", "mlx_lm_compat",  # one-line UserErrors; the private mlx-lm names in use
+    "core",  # the writer, paths, sizes, JSON input, value ranges, class swaps
+    "runtime",  # lean imports, BLAS, threads
+    "datasets",  # calibration samples, corpora
+    "adapters",  # per-family routing, written once
+    "dispatch",  # the experts' grouped matmul, per call
+    "experts",  # selections, expert lists, steering reports
+    "model",  # load, hub, the hooked MoE call, the forward engine, generation options
+    "output",  # an mlx-lm model directory: streamed weights, model card
+    "observe",  # saliency, collection, statistics, evaluation, directions
+    "rewrite",  # prune, merge, abliterate, amplify, quantize
+    "settings",  # how a job runs its model (RunSettings)
+    "serve", "ui",  # the server and its dashboard
+    "testing",  # tiny models, the load test (tests, benchmarks and the demo build on them)
+    "jobs", "cli", "launcher", "__main__",
+)
+TOP_LEVEL_LIMIT = 8
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -164,3 +187,30 @@ def test_the_check_finds_cycles(tmp_path, source, cycle):
     for name, text in source.items():
         (pkg / name).write_text(text)
     assert (find_cycle(import_graph(pkg)) is not None) == cycle
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else None  # the package itself: below every layer
+
+
+def test_every_module_is_in_a_layer_and_the_top_level_stays_small():
+    """Issue 42: the flat modules live in folders named after their layer; at most eight files sit directly in
+    mlx_fun/ (errors, mlx_lm_compat, settings and the entry points)."""
+    mods = _modules()
+    assert {m for m in mods if m != "mlx_fun" and m.split(".")[1] not in LAYERS} == set()
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_LIMIT, top
+    assert set(LAYERS) >= {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """Issue 42: counting every import, those inside functions too: a lower layer never reaches up (for a helper,
+    a range, a default), so each folder can be read knowing only the folders before it."""
+    graph = import_graph(lazy=True)
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    if _layer(b) is not None and _layer(a) is not None and _layer(b) > _layer(a))
+    assert upward == []
+    # the check is real: cli imports jobs, jobs import rewrite, and the order says which way is down
+    assert "mlx_fun.jobs" in graph["mlx_fun.cli.collect"] | {m.rsplit(".", 1)[0] for m in graph["mlx_fun.cli.collect"]}
+    assert _layer("mlx_fun.core.writer") < _layer("mlx_fun.model.engine") < _layer("mlx_fun.jobs.collect")

@@ -14,7 +14,8 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_fun.model import layerwise
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.model.io import load_model, save_model_dir
+from mlx_fun.model.io import load_model
+from mlx_fun.output.model_dir import save_model_dir
 from mlx_fun.rewrite.merge import (
     align_permutation,
     alignment_cost,

@@ -13,7 +13,8 @@ import pytest
 
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
-from mlx_fun.model.io import load_model, save_model_dir
+from mlx_fun.model.io import load_model
+from mlx_fun.output.model_dir import save_model_dir
 from mlx_fun.output.model_card import card, source_front_matter
 from mlx_fun.rewrite.merge_options import Ream
 from mlx_fun.rewrite.quantize import QuantRecipe

@@ -12,7 +12,8 @@ import pytest
 from mlx_fun.model import moe_hook
 from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
-from mlx_fun.model.io import load_model, save_model_dir
+from mlx_fun.model.io import load_model
+from mlx_fun.output.model_dir import save_model_dir
 from mlx_fun.rewrite.prune import prune_model
 
 from .conftest import FAMILIES

@@ -67,7 +67,7 @@ def show(result) -> None:
 
 def echo_size_summary(model, output, n_before: int, n_after: int, elapsed: float) -> None:
     """The closing lines of prune and merge: size on disk before → after, experts per layer, time."""
-    from ..model.io import dir_size
+    from ..output.model_dir import dir_size
     from ..core.writer import fmt_bytes
 
     before, after = dir_size(model), dir_size(output)

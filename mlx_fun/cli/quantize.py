@@ -64,7 +64,7 @@ def command(expert_bits, dense_bits, router_bits, cold_bits, **kwargs):
 
 def show(result) -> None:
     """The recipe, modules per class and setting, bits per weight and the size on disk."""
-    from ..model.io import dir_size
+    from ..output.model_dir import dir_size
     from ..core.writer import fmt_bytes
 
     for kind in ("router", "experts", "dense"):

@@ -97,7 +97,7 @@ def run(
     (:mod:`mlx_fun.rewrite.abliterate_options`); ``settings``: how the model runs
     (:class:`mlx_fun.settings.RunSettings`: dispatch, token budget, progress bars)."""
     from ..core import writer
-    from ..model.io import params_nbytes, write_model_dir
+    from ..output.model_dir import params_nbytes, write_model_dir
 
     for group in (estimate, projection, evaluation, settings):
         group.check()  # one line naming the option at fault, before anything loads

@@ -35,7 +35,7 @@ def run(
     (:mod:`mlx_fun.rewrite.amplify`); families without such a parameter are refused."""
     from ..core import json_input, writer
     from ..experts.expert_files import load_report_experts
-    from ..model.io import params_nbytes, write_model_dir
+    from ..output.model_dir import params_nbytes, write_model_dir
     from ..rewrite.amplify import apply, target
     from ..output.streaming import Snapshot
 

@@ -78,7 +78,8 @@ def run(
     from ..datasets import corpus
     from ..core import writer
     from ..adapters import adapter_class
-    from ..model.io import bundled_model_dir, dir_size, read_config
+    from ..model.io import bundled_model_dir, read_config
+    from ..output.model_dir import dir_size
     from . import collect, eval as eval_job, prune, smoke_test
 
     out = Path(output)

@@ -61,7 +61,7 @@ def run(
     from ..model import engine
     from ..core import writer
     from ..datasets.samples import load_samples, pad_id
-    from ..model.io import write_model_dir
+    from ..output.model_dir import write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
 

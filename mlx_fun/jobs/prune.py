@@ -77,7 +77,7 @@ def run(
     ``metric``, ``model_wide``, ``min_experts_per_layer``, ``ignore_experts``); ``strategy`` picks them from it.
     """
     from ..core import writer
-    from ..model.io import params_nbytes, write_model_dir
+    from ..output.model_dir import params_nbytes, write_model_dir
     from ..rewrite.prune import expert_rows, prune_model
     from ..observe.saliency import SaliencyAccumulator
     from ..output.streaming import Snapshot, shard_bytes

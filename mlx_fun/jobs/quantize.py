@@ -45,7 +45,7 @@ def run(
     (:mod:`mlx_fun.output.streaming`).
     """
     from ..core import writer
-    from ..model.io import params_nbytes, write_model_dir
+    from ..output.model_dir import params_nbytes, write_model_dir
     from ..rewrite import quantize as q
     from ..output.streaming import Snapshot, shard_bytes
 

@@ -119,7 +119,7 @@ def prune_model(adapter: MoEAdapter, keep_map: dict[int, list[int]]) -> dict:
 def pruned_nbytes(adapter: MoEAdapter, n_kept: int) -> int:
     """Bytes the model's parameters will take with ``n_kept`` experts per MoE layer (nothing is evaluated):
     the estimate a writer checks free space against before pruning or merging."""
-    from ..model.io import params_nbytes
+    from ..output.model_dir import params_nbytes
 
     total = params_nbytes(adapter.model)
     E = adapter.num_experts
