@@ -15,33 +15,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError, param, require_whole
+import click
+
+from .core.options import Group, option
+from .errors import UserError, param
+
+#: the expert dispatch modes (:data:`mlx_fun.dispatch.experts.MODES`, named here so the CLI's choices need no MLX)
+DISPATCH_MODES = ("auto", "mlx-lm")
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class RunSettings(Group):
     """``dispatch``: ``auto`` (mlx-fun's runtime expert dispatch from measured cut-offs) or ``mlx-lm`` (its fixed
     rule); ``dispatch_table``: an extra cut-off table (JSON from ``tune-dispatch``); ``dequant_cache``: bytes (or
     ``"4GiB"``) of dequantized experts kept where the table says it pays; ``token_budget``: most tokens (rows ×
     columns) per forward (default :data:`mlx_fun.model.engine.DEFAULT_TOKEN_BUDGET`); ``progress``: show progress bars."""
 
-    dispatch: str = "auto"
-    dispatch_table: str | Path | None = None
-    dequant_cache: int | str = 0
-    token_budget: int | None = None
+    dispatch: str = option(
+        "auto", "MoE expert dispatch: auto picks sorted/unsorted/blocked/dequantized per token count from measured "
+        "per-backend cut-offs (and splits calls a backend cannot launch); mlx-lm keeps mlx-lm's fixed rule.",
+        type=click.Choice(DISPATCH_MODES))
+    dispatch_table: str | Path | None = option(
+        None, "Extra cut-off table (JSON from `mlx-fun tune-dispatch`) over the shipped and user tables.",
+        type=click.Path(dir_okay=False), missing="pass a JSON table written by `mlx-fun tune-dispatch`")
+    dequant_cache: int | str = option(
+        "0", "With --dispatch auto: memory allowed for keeping dequantized experts of quantized layers (e.g. 4GiB; "
+        "K/M/G are powers of 1024), used where the table says it is faster. 0 = off.", type=click.STRING,
+        metavar="SIZE")
+    token_budget: int | None = option(
+        None, "Most tokens (rows × columns) per forward pass: larger batches are split and longer samples fed in "
+        "chunks with the KV cache, so no batch size or length can exhaust memory.", type=click.IntRange(min=1),
+        metavar="N", default_text="8192")
     progress: bool = False
 
-    def check(self) -> "RunSettings":
-        """A one-line ``UserError`` naming the field at fault (before anything loads); returns ``self``."""
-        from .dispatch.experts import MODES
-
-        if self.dispatch not in MODES:
-            raise UserError(f"{param('dispatch')} must be one of {', '.join(MODES)}, got {self.dispatch!r}.")
-        from .errors import require_path
-
-        require_path("dispatch_table", self.dispatch_table, "pass a JSON table written by `mlx-fun tune-dispatch`")
+    def validate(self) -> None:
         self.dequant_bytes()
-        require_whole("token_budget", self.token_budget, 1, none_ok=True)
+
+    def check(self) -> "RunSettings":
+        """The checks that read the disk (the table exists), before anything loads; returns ``self``. The rest
+        was checked when the settings were built (:class:`mlx_fun.core.options.Group`)."""
+        self.check_paths()
         return self
 
     def dequant_bytes(self) -> int:

@@ -40,8 +40,8 @@ def _no_user_table(tmp_path, monkeypatch):
 def test_every_command_is_one_cli_module_and_one_keyword_only_job():
     modules = {module_name(c) for c in COMMANDS}
     assert set(main.commands) == set(COMMANDS)
-    assert {p.stem for p in (PKG / "cli").glob("*.py")} - {"__init__", "common"} == modules
-    assert {p.stem for p in (PKG / "jobs").glob("*.py")} - {"__init__", "common"} == modules
+    assert {p.stem for p in (PKG / "cli").glob("*.py")} - {"__init__", "common", "options"} == modules
+    assert {p.stem for p in (PKG / "jobs").glob("*.py")} - {"__init__", "common", "options"} == modules
     for name in COMMANDS:
         cli = importlib.import_module(f"mlx_fun.cli.{module_name(name)}")
         job = getattr(jobs, module_name(name))

@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
-from .common import (
-    dataset_options,
-    dispatch_option,
-    echo_err,
-    force_option,
-    friendly_errors,
-    model_option,
-    run_settings,
-    token_budget_option,
-)
+from ..jobs import collect
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("collect", short_help="Run calibration data through the model and save expert saliency (.npz).")
-@model_option
-@dataset_options
-@click.option("--output", required=True, type=click.Path(),
-              help="Where to write the saliency statistics (.npz); checked for room and writability before the run.")
-@force_option()
-@click.option(
-    "--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
-    help="Samples per forward pass (length-bucketed, padding excluded from the statistics).",
-)
-@dispatch_option
-@token_budget_option
-@click.option("--pipeline", is_flag=True,
-              help="Under mlx.launch: split the model's layers across the ranks (each loads only its own), for a "
-                   "model no single machine holds; without it the ranks split the samples.")
+@job_options(collect.run)
 @friendly_errors
 def command(**kwargs):
     """Run calibration samples through every MoE layer of MODEL and record, per expert, how often it is
@@ -51,10 +33,9 @@ def command(**kwargs):
       mlx.launch --backend ring -n 2 -- mlx-fun collect --model data/tiny-moe \
           --dataset data/calibration_sample.jsonl --output code-2ranks.npz
     """
-    from ..jobs import collect
-
-    settings = run_settings(kwargs)
-    show(collect.run(**kwargs, settings=settings, log=echo_err))
+    kwargs = job_kwargs(collect.run, kwargs)
+    kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)
+    show(collect.run(**kwargs, log=echo_err))
 
 
 def show(result) -> None:

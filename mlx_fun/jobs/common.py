@@ -3,14 +3,19 @@ checking inputs before loading, loading a supported MoE model, status lines."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from typing import Callable, Sequence
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Sequence
 
-from ..errors import UserError, param, require_path
-from ..settings import option_groups
+from ..core.options import Opt, check_path, job_opts
 from ..core.writer import reading
+from ..datasets.samples import MAX_SAMPLE_BYTES
+from ..errors import UserError, param, require_path
+from ..settings import RunSettings, checking_groups, grouped, option_groups
 
 Log = Callable[[str], None]
 
@@ -117,18 +122,25 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
 OUTPUT_PARAMS = frozenset({"output", "auto_save", "data_dir", "merge_into"})
 
 
+def _names_a_path(annotation) -> bool:
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return "Path" in str(annotation)
+
+
 def path_params(func: Callable) -> list[str]:
     """The parameters of ``func`` that name files or directories it reads: every one annotated with ``Path``
     (``str | Path``, ``str | Path | None``, ``Sequence[str | Path]``) except :data:`OUTPUT_PARAMS`, and every such
     field of an option group (:func:`mlx_fun.settings.option_groups`), as ``group.field``
     (``settings.dispatch_table``)."""
     groups = option_groups(func)
+    hints = typing.get_type_hints(inspect.unwrap(func), include_extras=True)
     names = []
     for name, p in inspect.signature(func).parameters.items():
         if name in groups:
             names += [f"{name}.{f.name}" for f in dataclasses.fields(groups[name])
                       if "Path" in str(f.type) and f.name not in OUTPUT_PARAMS]
-        elif "Path" in str(p.annotation) and name not in OUTPUT_PARAMS:
+        elif _names_a_path(hints.get(name, p.annotation)) and name not in OUTPUT_PARAMS:
             names.append(name)
     return names
 
@@ -156,3 +168,110 @@ def job_inputs(run: Callable) -> Callable:
 
     wrapped.reads = tuple(names)
     return wrapped
+
+
+# ------------------------------------------------------------------------------ the job skeleton
+#: the options every model job shares (``Annotated[..., MODEL]``): declared once, generated into each command
+MODEL = Opt("An mlx-lm model: a local directory (config.json + safetensors + tokenizer), or a Hugging Face repo id "
+            "(org/name) fetched into the Hugging Face cache as mlx-lm does (only the files mlx-lm needs; "
+            "HF_HUB_OFFLINE=1: from the cache alone). A local directory of that name wins over the repo.")
+DATASET = Opt("JSONL file (messages / prompt+completion / text lines, detected per line) or a directory of files; "
+              f"UTF-8, each line (or file) at most {MAX_SAMPLE_BYTES >> 20} MiB, no devices or FIFOs.",
+              missing="pass a JSONL file or a directory of text files")
+
+
+def force(what: str = "an existing --output file") -> Opt:
+    """``--force``: the one way to let a command replace what exists (the writer refuses it otherwise)."""
+    return Opt(f"Replace {what}; refused otherwise (inputs, links and devices never are).")
+
+
+FORCE = force()
+FORCE_DIR = force("a non-empty --output directory")
+
+
+def folding(run: Callable) -> Callable:
+    """Wrap ``run`` so a Python caller may also give an option group's fields by name (``max_samples=32`` for
+    ``calibration=Calibration(max_samples=32)``): they are folded into the group (:func:`mlx_fun.settings.grouped`)."""
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        return run(*args, **grouped(run, kwargs))
+
+    return wrapped
+
+
+def checking_paths(run: Callable) -> Callable:
+    """Wrap ``run`` so every path it reads that must exist (an option declared with ``missing``:
+    :class:`mlx_fun.core.options.Opt`, on a parameter or a group field) does, before the body runs: one line naming
+    the option and the fix."""
+    opts = {name: opt for name, (opt, _default) in job_opts(run).items() if opt.missing}
+    groups = option_groups(run)
+
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        for name, opt in opts.items():
+            check_path(name, kwargs.get(name), opt)
+        for name, cls in groups.items():
+            value = kwargs.get(name, inspect.signature(run).parameters[name].default)
+            if isinstance(value, cls) and hasattr(value, "check_paths"):
+                value.check_paths()
+        return run(*args, **kwargs)
+
+    return wrapped
+
+
+def job(run: Callable | None = None, *, any_model: bool = False):
+    """The wrappers of every job's ``run``, applied where the job is defined (``@job`` above ``def run``):
+    a Hugging Face repo id in ``model`` (``reference``, ``draft_model``) resolved first, with ``revision=``
+    (:func:`mlx_fun.model.hub.resolving`; ``any_model``: a dense model too); group fields given by name folded into
+    their group (:func:`folding`); each group an instance of its dataclass (:func:`mlx_fun.settings.checking_groups`);
+    every path it reads that must exist does (:func:`checking_paths`); every output the job reserves refused if it
+    is, holds or lies in a path the job reads (:func:`job_inputs`, the one input guard, from the signature)."""
+    from ..model.hub import resolving
+
+    def wrap(run: Callable) -> Callable:
+        return resolving(folding(job_inputs(checking_groups(checking_paths(run)))), needs_moe=not any_model)
+
+    return wrap if run is None else wrap(run)
+
+
+@dataclass
+class Loaded:
+    """What :func:`model_job` yields: the output's reservation (``res``; None without an output), the model, its
+    tokenizer, config and adapter, the dispatch report, and the engine's token budget per forward."""
+
+    res: Any
+    model: Any
+    tokenizer: Any
+    config: dict
+    adapter: Any
+    dispatch: Any = None
+    budget: int | None = None
+
+
+@contextlib.contextmanager
+def model_job(model, *, output=None, kind: str = "file", suffix: str | None = None, force: bool = False,
+              settings: RunSettings | None = None, log: Log = quiet, checked: tuple[dict, type] | None = None,
+              before_load: Callable[[], None] | None = None, lazy: bool = False, tokenizer: bool = True,
+              load: Callable[[], tuple] | None = None):
+    """The steps every model job takes, in order: check the model (:func:`check_moe`: config, family, tokenizer
+    files; without weights), ``before_load`` (the job's own checks),
+    reserve ``output`` (:func:`mlx_fun.core.writer.output`; refused if it is an input, locked or unwritable, an
+    existing one replaced only with ``force``), load the model, install the dispatch (``settings.apply``) and work
+    out the token budget. Yields :class:`Loaded`; the output is committed when the block ends without error.
+    ``load``: the job's own loader (``(model, tokenizer, config, adapter)``: one rank's layers under ``--pipeline``).
+    """
+    from ..core import writer
+
+    checked = checked or check_moe(model)
+    if before_load is not None:
+        before_load()
+    reserve = (writer.output(output, kind=kind, suffix=suffix, force=force) if output is not None
+               else contextlib.nullcontext())
+    with reserve as res:
+        mdl, tok, config, adapter = (load() if load is not None else
+                                     load_moe(model, log=log, checked=checked, lazy=lazy, tokenizer=tokenizer))
+        loaded = Loaded(res, mdl, tok, config, adapter)
+        if settings is not None:
+            loaded.dispatch = settings.apply(mdl, log=log)
+            loaded.budget = settings.budget(config, dispatch_mode=loaded.dispatch.mode, top_k=adapter.top_k)
+        yield loaded

@@ -34,10 +34,13 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from ..core.options import Opt
 from ..errors import UserError, param
 
 #: job parameters that name a model: each may be a local directory or a repo id
 MODEL_PARAMS = ("model", "reference", "draft_model")
+#: ``revision=``, which :func:`resolving` adds to a job with a model (``--revision`` on the command line)
+REVISION = Opt("With a repo id in --model: its branch, tag or commit hash  [default: main].", metavar="REV")
 #: a snapshot directory of the Hugging Face cache: ``…/models--org--name/snapshots/<commit>``
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
 #: what no branch or tag name holds (git check-ref-format): control characters, space, ``~^:?*[\``, ``..``, ``@{``
