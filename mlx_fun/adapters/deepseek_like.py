@@ -1,5 +1,5 @@
 """DeepSeek-like routers that the MoEGate adapter of ``deepseek.py`` does not cover: deepseek (v1), deepseek_v2,
-exaone_moe, mimo_v2_flash, mistral4 and kimi_linear; and hunyuan (not registered, see its class).
+exaone_moe, mimo_v2_flash, mistral4 and kimi_linear; and hunyuan.
 
 Where the model file has a module-level (compiled) selection function, ``route`` calls that very function with
 the biased logits, looked up in the module that defines the block's class, so it runs what the block runs.

@@ -1,4 +1,5 @@
-"""Loading models, and writing them as mlx-lm directories through the one atomic writer (:mod:`.writer`)."""
+"""Reading a model: its config checked without weights, its tokenizer files, mlx-lm's loader, its context length,
+the bundled model. Writing one is :mod:`mlx_fun.output.model_dir`."""
 
 from __future__ import annotations
 

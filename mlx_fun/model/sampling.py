@@ -342,7 +342,7 @@ def run_generation(
     each decoded segment as it is produced. Stops after ``max_tokens`` tokens or on an EOS token (which is then the
     last of ``tokens``). ``options`` (:class:`mlx_fun.model.genopts.GenOptions`) and ``draft_model``: mlx-lm's KV cache
     and speculative decoding options. ``prefill_step_size``: most prompt tokens per forward while prefilling
-    (:func:`prefill_step`; None: mlx-lm's own step).
+    (:meth:`mlx_fun.settings.RunSettings.prefill_step`; None: mlx-lm's own step).
     """
     from mlx_lm.generate import stream_generate
 
@@ -408,7 +408,6 @@ __all__ = [
     "keys_for_seeds",
     "make_sampler",
     "mask_logits",
-    "prefill_step",
     "run_generation",
     "sample",
     "seed_key",

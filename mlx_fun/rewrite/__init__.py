@@ -1,1 +1,2 @@
-"""Weight surgery: prune (REAP); merge, abliterate, amplify and quantize come later."""
+"""Weight surgery: prune (REAP), merge (REAM), abliterate, amplify and quantize, each rewriting a loaded model's
+weights in place for :mod:`mlx_fun.output.model_dir` to write."""

@@ -14,7 +14,7 @@ command uses PyTorch (mlx-lm's tokenizers are the fast, Rust ``tokenizers`` ones
   ``isinstance``), and mlx-lm's package ``__init__`` runs when a name of the package itself is first used. A
   command that loads no tokenizer never imports transformers.
 
-Both are process-wide and only the ``mlx-fun`` CLI calls them (:mod:`mlx_fun.cli`), before anything imports
+Both are process-wide and only the ``mlx-fun`` console entry calls them (:mod:`mlx_fun.launcher`), before anything imports
 mlx-lm; importing ``mlx_fun`` as a library changes nothing. ``MLX_FUN_EAGER_IMPORTS=1`` turns both off (imports as
 mlx-lm makes them: for a tokenizer with remote code that needs PyTorch, and the before/after of
 ``scripts/bench_startup.py``).

@@ -8,7 +8,7 @@ past 2**64 - 1. Here every such value is a 400 naming the field (:func:`check_nu
 at or above the vocabulary size, which keeps every token as the CLI's ``--top-k`` does (sent on as 0).
 
 The sampling numbers the CLI also takes are checked by the CLI's own option types (``--temp``, ``--top-p``,
-``--top-k``, ``--seed``, ``--num-draft-tokens``, declared once in :mod:`mlx_fun.cli.common`; mlx-lm
+``--top-k``, ``--seed``, ``--num-draft-tokens``, declared once in :mod:`mlx_fun.core.ranges`; mlx-lm
 takes a ``num_draft_tokens`` of 0, which drafts nothing, as mlx-fun's own option does not); the rest by the same
 :class:`~mlx_fun.core.ranges.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
 ``max_completion_tokens``) may be at most the server's ``--max-tokens-limit``, a ``*_context_size`` at most the
