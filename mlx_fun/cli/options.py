@@ -14,7 +14,7 @@ import click
 
 from ..core.options import Opt, job_opts, opt_of
 from ..core.ranges import FiniteFloat
-from ..settings import option_groups
+from ..settings import grouped, option_groups
 
 
 def declared(run) -> list[tuple[str, str | None, Opt, object, object]]:
@@ -85,16 +85,9 @@ def job_options(run, *, skip: tuple[str, ...] = ()):
 
 
 def job_kwargs(run, kwargs: dict) -> dict:
-    """The parsed options as ``run``'s keyword arguments: each group's fields built into the group (over its
-    default instance, so a job's own defaults stay), the rest as they are; ``multiple`` options as lists."""
-    func = inspect.unwrap(run)
-    out = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
-    for name, group in option_groups(func).items():
-        names = {f.name for f in dataclasses.fields(group)}
-        if names & set(out):
-            base = inspect.signature(func).parameters[name].default
-            out[name] = dataclasses.replace(base, **{k: out.pop(k) for k in list(out) if k in names})
-    return out
+    """The parsed options as ``run``'s keyword arguments: each group's fields built into the group (over the job's
+    default instance, :func:`mlx_fun.settings.grouped`), the rest as they are; ``multiple`` options as lists."""
+    return grouped(inspect.unwrap(run), {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
 
 
 __all__ = ["click_option", "declared", "job_kwargs", "job_options"]
