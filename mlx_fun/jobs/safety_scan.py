@@ -12,6 +12,12 @@ from ..settings import RunSettings
 from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, Log, differential_job, job, quiet
 
 
+#: the two prompt sets safety-scan compares and abliterate takes its directions from
+HARMFUL_DATASET = Opt("Harmful prompts: JSONL (chats are read with their generation prompt) or a directory.",
+                      missing=DATASET.missing)
+BENIGN_DATASET = Opt("Benign prompts, same formats.", missing=DATASET.missing)
+
+
 @dataclass
 class ScanResult:
     output: Path
@@ -26,10 +32,8 @@ class ScanResult:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
-    harmful_dataset: Annotated[str | Path, Opt(
-        "Harmful prompts: JSONL (chats are read with their generation prompt) or a directory.", missing=DATASET.missing)],
-    benign_dataset: Annotated[str | Path, Opt("Benign prompts, same formats.",
-                                              missing=DATASET.missing)],
+    harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
+    benign_dataset: Annotated[str | Path, BENIGN_DATASET],
     output: Annotated[str | Path, SCAN_OUTPUT],
     force: Annotated[bool, FORCE] = False,
     calibration: Calibration = Calibration(batch_size=4),
