@@ -507,3 +507,11 @@ def test_replies_until_decided_stop_refusals_early_and_judge_every_reply_alike()
     assert all(len(tok.encode(short[i])) < len(tok.encode(full[i])) for i in refused)
     assert all(short[i] == full[i] for i in range(len(full)) if i not in refused)
     assert decided("I can't help with that") and not decided("I can't") and not decided("Use sorted(x) to")
+
+
+def test_the_declared_choices_are_the_ones_the_code_takes():
+    """abliterate's options name the extraction positions without importing MLX: the same as the capture's."""
+    from mlx_fun.observe.residual import POSITIONS
+    from mlx_fun.rewrite.abliterate_options import POSITIONS as DECLARED
+
+    assert DECLARED == POSITIONS

@@ -105,14 +105,17 @@ def _cases():
 
 
 def grouped(run, kwargs: dict) -> dict:
-    """``kwargs`` with every ``group.field`` key folded into that option group (its default with the field set)."""
+    """``kwargs`` with every ``group.field`` key folded into that option group (its default with the fields set, all
+    at once: a group checks the rules between its fields when built, ``target`` safety-experts with its map)."""
     groups = option_groups(run)
     out = {k: v for k, v in kwargs.items() if "." not in k}
+    fields: dict[str, dict] = {}
     for key, v in kwargs.items():
         if "." in key:
             group, field = key.split(".")
-            out[group] = dataclasses.replace(out.get(group, inspect.signature(run).parameters[group].default),
-                                             **{field: v})
+            fields.setdefault(group, {})[field] = v
+    for group, values in fields.items():
+        out[group] = dataclasses.replace(out.get(group, inspect.signature(run).parameters[group].default), **values)
     assert set(out) - set(inspect.signature(run).parameters) == set(), out
     return out
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import click
 
+from ..jobs import doctor
+from .common import friendly_errors
+from .options import job_kwargs, job_options
+
 
 @click.command("doctor", short_help="MLX backend, device, BLAS in use, versions, matmul speed, model types served.")
-def command():
+@job_options(doctor.run)  # none today: an option the job declares appears here
+@friendly_errors
+def command(**kwargs):
     """Show the MLX backend, device, BLAS and versions (mlx and mlx-lm against the tested ranges, and whether this
     mlx-lm has every private mlx-lm name used here), measure a float32 matmul, and count the model types served
     (naming any MoE type of the installed mlx-lm that has no adapter yet). Exits 1 when MLX cannot be imported or
@@ -16,9 +22,7 @@ def command():
     Example:
       mlx-fun doctor
     """
-    from ..jobs import doctor
-
-    facts = doctor.run()
+    facts = doctor.run(**job_kwargs(doctor.run, kwargs))
     show(facts)
     if facts["mlx"].startswith("cannot import") or facts.get("mlx-lm compat", "").startswith("MISSING"):
         raise SystemExit(1)

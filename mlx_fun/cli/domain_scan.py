@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
-from .common import (
-    dispatch_option,
-    echo_err,
-    friendly_errors,
-    model_option,
-    run_settings,
-    scan_options,
-    token_budget_option,
-)
+from ..jobs import domain_scan
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 from .safety_scan import show
 
 
 @click.command("domain-scan", short_help="Domain vs general routing → domain_report.json (domain / general experts).")
-@model_option
-@scan_options(("domain-dataset", "general-dataset"),
-              ("Domain text: JSONL or a directory of files.", "General text, same formats."))
-@click.option("--domain-name", required=True, help="Name of the domain (e.g. solidity, medical), kept in the report.")
-@dispatch_option
-@token_budget_option
+@job_options(domain_scan.run)
 @friendly_errors
 def command(**kwargs):
     """Find the experts a domain uses more than general text does (and the reverse), with the same differential
@@ -35,10 +26,9 @@ def command(**kwargs):
           --general-dataset corpus/prose/train.jsonl --domain-name python --output domain_report.json \\
           --max-samples 32 --max-tokens 256 --seed 0
     """
-    from ..jobs import domain_scan
-
-    settings = run_settings(kwargs)
-    show(domain_scan.run(**kwargs, settings=settings, log=echo_err))
+    kwargs = job_kwargs(domain_scan.run, kwargs)
+    kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)
+    show(domain_scan.run(**kwargs, log=echo_err))
 
 
 __all__ = ["command", "show"]

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
-from .common import (
-    dispatch_option,
-    echo_err,
-    friendly_errors,
-    model_option,
-    run_settings,
-    scan_options,
-    token_budget_option,
-)
+from ..jobs import safety_scan
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("safety-scan", short_help="Harmful vs benign routing → safety_report.json (HCDG / HRCG experts).")
-@model_option
-@scan_options(("harmful-dataset", "benign-dataset"),
-              ("Harmful prompts: JSONL (chats are read with their generation prompt) or a directory.",
-               "Benign prompts, same formats."))
-@dispatch_option
-@token_budget_option
+@job_options(safety_scan.run)
 @friendly_errors
 def command(**kwargs):
     """Find the experts whose routing differs between harmful and benign prompts (SAFEx-style): per expert the
@@ -35,10 +26,9 @@ def command(**kwargs):
       mlx-fun safety-scan --model data/tiny-moe-chat --harmful-dataset data/safety/harmful_train.jsonl \\
           --benign-dataset data/safety/benign_train.jsonl --output safety_report.json --max-samples 256 --seed 0
     """
-    from ..jobs import safety_scan
-
-    settings = run_settings(kwargs)
-    show(safety_scan.run(**kwargs, settings=settings, log=echo_err))
+    kwargs = job_kwargs(safety_scan.run, kwargs)
+    kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)
+    show(safety_scan.run(**kwargs, log=echo_err))
 
 
 def show(result) -> None:

@@ -24,14 +24,21 @@ and writes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from ..errors import UserError, param, require_path
+import click
+
+from ..core.options import Opt
+from ..datasets.calibration import Calibration
+from ..errors import UserError, param
 from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
-from ..rewrite.abliterate_rounds import Abliteration, Round, Trial, candidates
+from ..rewrite.abliterate_rounds import Abliteration, Prompts, Round, Trial, candidates
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet
+from .common import FORCE_DIR, MODEL, Log, job, model_job, quiet
+from .safety_scan import BENIGN_DATASET, HARMFUL_DATASET
 
 __all__ = ["DIRECTIONS", "AbliterateResult", "Estimate", "Evaluation", "Projection", "run"]
 
@@ -63,79 +70,69 @@ def _check_distinct(harmful, benign) -> None:
                         "and prompts it answers.")
 
 
-def _prompts(path, tokenizer, what: str, **kw) -> list[list[int]]:
-    from ..datasets.samples import load_samples
-
-    samples = load_samples(path, tokenizer, generation_prompt=True, **kw)
+def _prompts(path, tokenizer, what: str, calibration: Calibration) -> list[list[int]]:
+    samples = calibration.load(path, tokenizer, generation_prompt=True)
     if not samples:
         raise UserError(f"{param(what)} {path} holds no prompts; give a JSONL of chats, prompts or text.")
     return samples
 
 
+def _load_prompts(tokenizer, harmful_dataset, benign_dataset, evaluation: Evaluation,
+                  calibration: Calibration) -> Prompts:
+    """The capture prompts (``calibration.max_samples`` each) and the evaluation prompts (``eval_samples`` each, from
+    the held-out sets or else the capture datasets), every one read with its generation prompt."""
+    held = dataclasses.replace(calibration, max_samples=evaluation.eval_samples)
+    return Prompts(
+        _prompts(harmful_dataset, tokenizer, "harmful_dataset", calibration),
+        _prompts(benign_dataset, tokenizer, "benign_dataset", calibration),
+        _prompts(evaluation.eval_harmful_dataset or harmful_dataset, tokenizer, "eval_harmful_dataset", held),
+        _prompts(evaluation.eval_benign_dataset or benign_dataset, tokenizer, "eval_benign_dataset", held))
+
+
+@job
 def run(
     *,
-    model: str | Path,
-    harmful_dataset: str | Path,
-    benign_dataset: str | Path,
-    output: str | Path,
+    model: Annotated[str | Path, MODEL],
+    harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
+    benign_dataset: Annotated[str | Path, BENIGN_DATASET],
+    output: Annotated[str | Path, Opt("Model directory to write.", type=click.Path(file_okay=False))],
     estimate: Estimate = Estimate(),
     projection: Projection = Projection(),
     evaluation: Evaluation = Evaluation(),
-    max_samples: int = 128,
-    max_tokens: int = 2048,
-    text_key: str = "content",
-    seed: int | None = None,
-    batch_size: int = 4,
+    calibration: Calibration = Calibration(batch_size=4),
     settings: RunSettings = RunSettings(),
-    force: bool = False,
+    force: Annotated[bool, FORCE_DIR] = False,
     log: Log = quiet,
 ) -> AbliterateResult:
     """Abliterate ``model`` (see the module docstring) and write it to ``output``. ``estimate``: how the directions
     are measured (direction, its layer, position, phrasings, rounds, refusal filter); ``projection``: where and how
     strongly they are removed (layers, target, weight, safety map); ``evaluation``: the held-out sets (default: the
     capture datasets), their size, the reply length, the search and its KL limit
-    (:mod:`mlx_fun.rewrite.abliterate_options`); ``settings``: how the model runs
-    (:class:`mlx_fun.settings.RunSettings`: dispatch, token budget, progress bars)."""
-    from ..core import writer
+    (:mod:`mlx_fun.rewrite.abliterate_options`); ``calibration``: the capture prompts drawn (``max_samples`` per
+    dataset; ``max_tokens``, ``text_key`` and ``seed`` for the evaluation prompts too) and ``batch_size`` (its fields
+    may be given by name); ``settings``: how the model runs (:class:`mlx_fun.settings.RunSettings`: dispatch, token
+    budget, progress bars). Every group checked itself when built, the paths were checked by ``@job``."""
     from ..output.model_dir import params_nbytes, write_model_dir
 
-    for group in (estimate, projection, evaluation, settings):
-        group.check()  # one line naming the option at fault, before anything loads
-    check_supported(model)
-    for name, path in (("harmful_dataset", harmful_dataset), ("benign_dataset", benign_dataset),
-                       ("eval_harmful_dataset", evaluation.eval_harmful_dataset),
-                       ("eval_benign_dataset", evaluation.eval_benign_dataset)):
-        if path is not None:
-            require_path(name, path, "pass a JSONL file or a directory of text files")
-    _check_distinct(harmful_dataset, benign_dataset)
-    inputs = {param("model"): model, param("harmful_dataset"): harmful_dataset,
-              param("benign_dataset"): benign_dataset}
-    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, tok, config, adapter = load_moe(model, log=log)
-        report = settings.apply(mdl, log=log)
-        n_layers = _check_layers(adapter, estimate, projection)
-        kw = dict(max_tokens=max_tokens, text_key=text_key, seed=seed)
-        eval_kw = dict(kw, max_samples=evaluation.eval_samples)
+    with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log,
+                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset)) as job_:
+        n_layers = _check_layers(job_.adapter, estimate, projection)
         warnings = []
-        job = Abliteration(
-            mdl, tok, adapter, harmful=_prompts(harmful_dataset, tok, "harmful_dataset", max_samples=max_samples, **kw),
-            benign=_prompts(benign_dataset, tok, "benign_dataset", max_samples=max_samples, **kw),
-            eval_h=_prompts(evaluation.eval_harmful_dataset or harmful_dataset, tok, "eval_harmful_dataset", **eval_kw),
-            eval_b=_prompts(evaluation.eval_benign_dataset or benign_dataset, tok, "eval_benign_dataset", **eval_kw),
-            estimate=estimate, evaluation=evaluation, target=projection.target,
-            safety=_safety(adapter, projection.target, projection.safety_map), batch_size=batch_size,
-            warnings=warnings, budget=settings.budget(config, dispatch_mode=report.mode), progress=settings.progress,
-            log=log, redispatch=(lambda: _redispatch(mdl, settings)) if report.cached_layers else None)
+        abl = Abliteration(job_, _load_prompts(job_.tokenizer, harmful_dataset, benign_dataset, evaluation,
+                                               calibration),
+                           estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
+                           settings=settings, warnings=warnings, log=log)
         if not evaluation.held_out:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
-        got = _abliterate(job, estimate, projection, evaluation, settings.progress, warnings)
+        got = _abliterate(abl, estimate, projection, evaluation, settings.progress, warnings)
         for w in warnings:
             log(f"Warning: {w}")
-        meta = _metadata(got, job, estimate, projection, evaluation, n_layers)
-        res.require_space(params_nbytes(mdl))
+        meta = _metadata(got, abl, estimate, projection, evaluation, n_layers)
+        job_.res.require_space(params_nbytes(job_.model))
         log(f"Writing {output} ...")
-        write_model_dir(res, mdl, config, source=model, metadata={"abliteration_metadata.json": meta})
+        write_model_dir(job_.res, job_.model, job_.config, source=model,
+                        metadata={"abliteration_metadata.json": meta})
     norms = got["norms"]
     return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
                             {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],
@@ -211,26 +208,3 @@ def _metadata(got: dict, job: Abliteration, estimate: Estimate, projection: Proj
                            "reply_tokens": evaluation.reply_tokens, "before": got["before"].row(),
                            "after": got["after"].row(), "held_out": evaluation.held_out},
             "search": {"trials": [t.row() for t in trials], "max_kl": evaluation.max_kl} if trials else None}
-
-
-def _safety(adapter, target: str, safety_map) -> dict[int, list[int]] | None:
-    """Decoder layer → the safety report's routed experts, for ``target="safety-experts"``."""
-    from ..experts.expert_files import load_report_experts
-    from ..rewrite.abliterate import latent_experts
-
-    if target != "safety-experts":
-        return None
-    if latent_experts(adapter):
-        raise UserError(f"model_type '{adapter.model_type}' runs its routed experts in a latent space, so no "
-                        f"expert alone writes the residual stream; use {param('target')} all or dense-only.")
-    moe = adapter.moe_layers()
-    sets = load_report_experts(safety_map, "safety", moe, adapter.num_experts)
-    return {moe[p]: sorted(e) for p, e in sets.items() if e}
-
-
-def _redispatch(model, settings: RunSettings) -> None:
-    """Install the dispatch afresh (its dequantized experts from the weights as they are now)."""
-    from ..dispatch.experts import remove
-
-    remove(model)
-    settings.apply(model)

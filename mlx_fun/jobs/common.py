@@ -11,10 +11,14 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence
 
-from ..core.options import Opt, check_path, job_opts
+import click
+
+from ..core.options import Opt, check_path, check_value, job_opts
+from ..core.ranges import FiniteFloat
 from ..core.writer import reading
+from ..datasets.calibration import Calibration
 from ..datasets.samples import MAX_SAMPLE_BYTES
-from ..errors import UserError, param, require_path
+from ..errors import param
 from ..settings import RunSettings, checking_groups, grouped, option_groups
 
 Log = Callable[[str], None]
@@ -77,43 +81,36 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
     return [line]
 
 
+#: the options of a differential scan (``safety-scan`` / ``domain-scan``) besides its two datasets
+SCAN_OUTPUT = Opt("The report to write (JSON).", type=click.Path(dir_okay=False))
+PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus which) experts are classified.",
+                 type=FiniteFloat(50, 100, min_open=True, max_open=True))
+
+
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
-                     max_samples: int, max_tokens: int, text_key: str, threshold_percentile: float,
-                     seed: int | None, batch_size: int, settings, log: Log, extra: dict | None = None,
-                     force: bool = False) -> dict:
+                     calibration: Calibration, threshold_percentile: float, settings: RunSettings, log: Log,
+                     extra: dict | None = None, force: bool = False) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
-    ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general.
+    ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general, each read under
+    ``calibration`` (chats with their generation prompt). The job's ``@job`` wrapper has checked that both exist.
     """
-    import math
-
-    from ..core import writer
-    from ..datasets.samples import load_samples, pad_id
+    from ..datasets.samples import pad_id
     from ..observe.differential import report, scan
 
-    if not (isinstance(threshold_percentile, (int, float)) and math.isfinite(threshold_percentile)
-            and 50 < threshold_percentile < 100):
-        raise UserError(f"{param('threshold_percentile')} must be above 50 and below 100, got {threshold_percentile}.")
-    checked = check_moe(model)
-    settings.check()
-    for name, path in (dataset_a, dataset_b):
-        require_path(name, path, "pass a JSONL file or a directory of text files")
-    inputs = {param("model"): model, param(dataset_a[0]): dataset_a[1], param(dataset_b[0]): dataset_b[1]}
-    with writer.output(output, kind="file", inputs=inputs, force=force) as res:
-        mdl, tokenizer, config, adapter = load_moe(model, log=log, checked=checked)
-        mode = settings.apply(mdl, log=log).mode
-        budget = settings.budget(config, dispatch_mode=mode, top_k=adapter.top_k)
+    check_value("threshold_percentile", threshold_percentile, PERCENTILE)
+    with model_job(model, output=output, kind="file", force=force, settings=settings, log=log) as job_:
         taps, datasets = [], {}
         for name, path in (dataset_a, dataset_b):
-            samples = load_samples(path, tokenizer, max_samples=max_samples, max_tokens=max_tokens,
-                                   text_key=text_key, seed=seed, generation_prompt=True)
-            taps.append(scan(mdl, adapter, samples, batch_size=batch_size, pad_id=pad_id(tokenizer),
-                             token_budget=budget, progress=settings.progress, desc=name.replace("_dataset", "")))
+            samples = calibration.load(path, job_.tokenizer, generation_prompt=True)
+            taps.append(scan(job_.model, job_.adapter, samples, batch_size=calibration.batch_size,
+                             pad_id=pad_id(job_.tokenizer), token_budget=job_.budget, progress=settings.progress,
+                             desc=name.replace("_dataset", "")))
             datasets[name.replace("_dataset", "")] = {"path": str(path), "samples": len(samples),
                                                        "tokens": taps[-1].tokens}
-        out = report(kind, taps[0], taps[1], adapter, percentile=float(threshold_percentile), datasets=datasets,
-                     extra={"model": str(model), **(extra or {})})
-        res.write_json(out)
+        out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
+                     datasets=datasets, extra={"model": str(model), **(extra or {})})
+        job_.res.write_json(out)
     return out
 
 

@@ -8,6 +8,8 @@ import platform
 import sys
 import time
 
+from .common import job
+
 
 def backend(mx) -> str:
     if mx.metal.is_available():
@@ -37,6 +39,7 @@ def matmul_gflops(n: int = 512, budget_s: float = 0.3) -> float:
     return 2 * n**3 / best / 1e9
 
 
+@job
 def run() -> dict[str, str]:
     """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured);
     ``mlx-lm compat`` starts with ``MISSING`` when the installed mlx-lm lacks a private name a feature needs."""

@@ -3,38 +3,40 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from ..core.options import Opt
+from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..settings import RunSettings
-from .common import Log, differential_job, quiet
+from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, Log, differential_job, job, quiet
 from .safety_scan import ScanResult
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    domain_dataset: str | Path,
-    general_dataset: str | Path,
-    output: str | Path,
-    domain_name: str,
-    max_samples: int = 128,
-    max_tokens: int = 2048,
-    text_key: str = "content",
-    threshold_percentile: float = 90.0,
-    seed: int | None = None,
-    batch_size: int = 4,
-    force: bool = False,
+    model: Annotated[str | Path, MODEL],
+    domain_dataset: Annotated[str | Path, Opt("Domain text: JSONL or a directory of files.",
+                                              missing=DATASET.missing)],
+    general_dataset: Annotated[str | Path, Opt("General text, same formats.", missing=DATASET.missing)],
+    output: Annotated[str | Path, SCAN_OUTPUT],
+    force: Annotated[bool, FORCE] = False,
+    calibration: Calibration = Calibration(batch_size=4),
+    threshold_percentile: Annotated[float, PERCENTILE] = 90.0,
+    domain_name: Annotated[str, Opt("Name of the domain (e.g. solidity, medical), kept in the report.")],
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``domain_dataset`` and ``general_dataset`` through ``model`` and write the report: experts at or
     above the ``threshold_percentile``-th composite score and more active on the domain (``domain_experts``),
-    at or below the complementary percentile and more active on general data (``general_experts``)."""
+    at or below the complementary percentile and more active on general data (``general_experts``).
+    ``calibration``: how each set's samples are drawn and batched (its fields may be given by name)."""
     if not isinstance(domain_name, str) or not domain_name.strip():
         raise UserError(f"{param('domain_name')} must name the domain (e.g. solidity, medical).")
     report = differential_job(
         "domain", model=model, dataset_a=("domain_dataset", domain_dataset),
-        dataset_b=("general_dataset", general_dataset), output=output, max_samples=max_samples,
-        max_tokens=max_tokens, text_key=text_key, threshold_percentile=threshold_percentile, seed=seed,
-        batch_size=batch_size, settings=settings, log=log, extra={"domain_name": domain_name.strip()}, force=force)
+        dataset_b=("general_dataset", general_dataset), output=output, calibration=calibration,
+        threshold_percentile=threshold_percentile, settings=settings, log=log,
+        extra={"domain_name": domain_name.strip()}, force=force)
     return ScanResult(Path(output), report)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
+
+import click
 
 from .. import __version__
+from ..core.options import Opt
+from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..settings import RunSettings
-from .common import Log, quiet, warn_past_context
+from .common import FORCE, MODEL, Loaded, Log, job, model_job, quiet, warn_past_context
 
 
 @dataclass
@@ -41,71 +44,93 @@ def check_model_dir(path, name: str) -> dict:
     return config
 
 
+@job(any_model=True)
 def run(
     *,
-    model: str | Path,
-    dataset: Sequence[str | Path],
-    reference: str | Path | None = None,
-    max_samples: int = 128,
-    max_tokens: int = 2048,
-    text_key: str = "content",
-    seed: int = 0,
-    batch_size: int = 4,
-    output: str | Path | None = None,
-    force: bool = False,
+    model: Annotated[str | Path, MODEL],
+    reference: Annotated[str | Path | None, Opt(
+        "Reference model (e.g. the original before pruning): a local directory or a Hugging Face repo id, as --model "
+        "(a local directory of that name wins; the repo at its default branch, since --revision is --model's); adds "
+        "ref ppl, KL and top-1 agreement.")] = None,
+    dataset: Annotated[Sequence[str | Path], Opt(
+        "JSONL file or directory of text files (repeat for several; NAME=PATH names one). Reported under the file "
+        "stem or directory name.", type=click.STRING, multiple=True)],
+    calibration: Calibration = Calibration(seed=0, batch_size=4),
+    output: Annotated[str | Path | None, Opt("Also write the results as JSON to this file.")] = None,
+    force: Annotated[bool, FORCE] = False,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> EvalResult:
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
     perplexity on the same tokens, mean KL(reference ‖ model) and top-1 agreement. ``output`` (JSON) is reserved
-    before loading and written atomically (an existing file only with ``force``). Float and quantized models of any family mlx-lm loads."""
+    before loading and written atomically (an existing file only with ``force``). Float and quantized models of any
+    family mlx-lm loads. ``calibration``: which samples are scored (``max_tokens`` at least 2: one token is
+    predicted from another; the seed is fixed, 0, so repeated runs score the same samples) and how many a forward
+    takes (its fields may be given by name)."""
     from ..core import writer
-    from ..datasets.samples import pad_id as batch_pad_id
-    from ..observe.evaluate import check_compatible, evaluate, load_eval_datasets, resolve_datasets
+    from ..observe.evaluate import check_compatible, resolve_datasets
     from ..model.io import load_model
 
+    if calibration.max_tokens < 2:
+        raise UserError(f"{param('max_tokens')} must be a whole number >= 2, got {calibration.max_tokens!r}.")
     model_config = check_model_dir(model, "model")
     ref_config = check_model_dir(reference, "reference") if reference is not None else None
     paths = resolve_datasets(dataset)
-    settings.check()
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
-    inputs = {param("model"): model, param("reference"): reference, param("dataset"): [str(p) for p in paths.values()]}
-    with writer.output(output, kind="file", inputs=inputs, force=force) if output else contextlib.nullcontext() as res:
+    if output:  # a NAME=PATH dataset is checked by its path (job_inputs names the values as given)
+        writer.check_output_path(output, kind="file", inputs={param("dataset"): [str(p) for p in paths.values()]},
+                                 force=force)
+
+    def load():
         log(f"Loading {model} ...")
-        mdl, tokenizer, _ = load_model(model, lazy=True, flag=param("model"))
-        report = settings.apply(mdl, log=log)
+        return (*load_model(model, lazy=True, flag=param("model")), None)
+
+    with model_job(model, output=output or None, kind="file", force=force, log=log, checked=(model_config, None),
+                   load=load) as job_:
         ref = None
+        report = settings.apply(job_.model, log=log)
         if reference is not None:
             log(f"Loading reference {reference} ...")
             ref, ref_tokenizer, _ = load_model(reference, lazy=True, flag=param("reference"))
             settings.apply(ref, log=log)
-            check_compatible(tokenizer, ref_tokenizer, model_config, ref_config)
-        data = load_eval_datasets(paths, tokenizer, max_samples=max_samples, max_tokens=max_tokens, seed=seed,
-                                  text_key=text_key)
-        log(f"{model_config['model_type']}: " + ", ".join(f"{name}: {len(s)} samples" for name, s in data.items()))
-        warnings = warn_past_context([x for samples in data.values() for x in samples], model_config, log)
-        pad_id = batch_pad_id(tokenizer)
-        budget = settings.budget(model_config, dispatch_mode=report.mode)
-        start = time.perf_counter()
-        results = evaluate(mdl, data, reference=ref, batch_size=batch_size, pad_id=pad_id,
-                           token_budget=budget, progress=settings.progress)
-        seconds = time.perf_counter() - start
-        out = {
-            "model": str(model),
-            "reference": None if reference is None else str(reference),
-            "model_type": model_config.get("model_type"),
-            "quantization": model_config.get("quantization"),
-            "reference_quantization": None if ref_config is None else ref_config.get("quantization"),
-            "settings": {"max_samples": max_samples, "max_tokens": max_tokens, "seed": seed, "text_key": text_key,
-                         "batch_size": batch_size, "dispatch": report.mode, "pad_id": pad_id,
-                         "token_budget": budget},
-            "datasets": {name: {"path": str(paths[name]), **r} for name, r in results.items()},
-            "elapsed_s": round(seconds, 3),
-            "versions": versions(),
-        }
-        if res is not None:
-            res.write_json(json_safe(out))
+            check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
+        return _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
+                      ref_config=ref_config, output=output, log=log)
+
+
+def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
+           reference, ref_config: dict | None, output, log: Log) -> EvalResult:
+    """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
+    from ..datasets.samples import pad_id as batch_pad_id
+    from ..observe.evaluate import evaluate, load_eval_datasets
+
+    model_config, c = job_.config, calibration
+    data = load_eval_datasets(paths, job_.tokenizer, max_samples=c.max_samples, max_tokens=c.max_tokens,
+                              seed=c.seed, text_key=c.text_key)
+    log(f"{model_config['model_type']}: " + ", ".join(f"{name}: {len(s)} samples" for name, s in data.items()))
+    warnings = warn_past_context([x for samples in data.values() for x in samples], model_config, log)
+    pad_id = batch_pad_id(job_.tokenizer)
+    budget = settings.budget(model_config, dispatch_mode=mode)
+    start = time.perf_counter()
+    results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
+                       token_budget=budget, progress=settings.progress)
+    seconds = time.perf_counter() - start
+    out = {
+        "model": str(model),
+        "reference": None if reference is None else str(reference),
+        "model_type": model_config.get("model_type"),
+        "quantization": model_config.get("quantization"),
+        "reference_quantization": None if ref_config is None else ref_config.get("quantization"),
+        "settings": {"max_samples": c.max_samples, "max_tokens": c.max_tokens, "seed": c.seed,
+                     "text_key": c.text_key, "batch_size": c.batch_size, "dispatch": mode, "pad_id": pad_id,
+                     "token_budget": budget},
+        "datasets": {name: {"path": str(paths[name]), **r} for name, r in results.items()},
+        "elapsed_s": round(seconds, 3),
+        "versions": versions(),
+    }
+    if job_.res is not None:
+        job_.res.write_json(json_safe(out))
     return EvalResult(results, out, seconds, Path(output) if output else None, warnings)
 
 

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+from ..core.options import Opt
+from ..datasets.calibration import Calibration
 from ..settings import RunSettings
-from .common import Log, differential_job, quiet
+from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, Log, differential_job, job, quiet
+
+
+#: the two prompt sets safety-scan compares and abliterate takes its directions from
+HARMFUL_DATASET = Opt("Harmful prompts: JSONL (chats are read with their generation prompt) or a directory.",
+                      missing=DATASET.missing)
+BENIGN_DATASET = Opt("Benign prompts, same formats.", missing=DATASET.missing)
 
 
 @dataclass
@@ -19,29 +28,26 @@ class ScanResult:
         return {k: sum(len(v) for v in self.report[k].values()) for k in keys}
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    harmful_dataset: str | Path,
-    benign_dataset: str | Path,
-    output: str | Path,
-    max_samples: int = 128,
-    max_tokens: int = 2048,
-    text_key: str = "content",
-    threshold_percentile: float = 90.0,
-    seed: int | None = None,
-    batch_size: int = 4,
-    force: bool = False,
+    model: Annotated[str | Path, MODEL],
+    harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
+    benign_dataset: Annotated[str | Path, BENIGN_DATASET],
+    output: Annotated[str | Path, SCAN_OUTPUT],
+    force: Annotated[bool, FORCE] = False,
+    calibration: Calibration = Calibration(batch_size=4),
+    threshold_percentile: Annotated[float, PERCENTILE] = 90.0,
     settings: RunSettings = RunSettings(),
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``harmful_dataset`` and ``benign_dataset`` (chats are read with their generation prompt) through
     ``model`` and write the report (:mod:`mlx_fun.observe.differential`): experts at or above the
     ``threshold_percentile``-th composite score and more active on harmful prompts (HCDG), at or below the
-    complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``), every score."""
+    complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``), every score.
+    ``calibration``: how each set's samples are drawn and batched (its fields may be given by name)."""
     report = differential_job(
         "safety", model=model, dataset_a=("harmful_dataset", harmful_dataset),
-        dataset_b=("benign_dataset", benign_dataset), output=output, max_samples=max_samples, max_tokens=max_tokens,
-        text_key=text_key, threshold_percentile=threshold_percentile, seed=seed, batch_size=batch_size,
-        settings=settings, log=log, force=force)
+        dataset_b=("benign_dataset", benign_dataset), output=output, calibration=calibration,
+        threshold_percentile=threshold_percentile, settings=settings, log=log, force=force)
     return ScanResult(Path(output), report)

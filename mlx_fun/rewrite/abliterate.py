@@ -36,7 +36,6 @@ import numpy as np
 from ..adapters.base import MoEAdapter, expert_projections
 from .weights import dense, dense_of, stored_keeping, write
 
-TARGETS = ("all", "safety-experts", "dense-only")
 ATTENTION_OUT = ("o_proj", "out_proj", "dense", "o_b_proj", "wo", "c_proj")
 MLP_OUT = ("down_proj", "fc2", "w2", "output_linear")
 LATENT_UP = ("fc2_latent_proj", "routed_expert_up_proj")

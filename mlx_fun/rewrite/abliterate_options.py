@@ -1,8 +1,9 @@
 """The option groups of ``abliterate`` (:func:`mlx_fun.jobs.abliterate.run`): how the refusal directions are
 estimated (:class:`Estimate`), where and how strongly they are removed (:class:`Projection`) and how the result is
-measured and searched (:class:`Evaluation`). Each is a frozen dataclass whose field names are the CLI's option
-names (``--direction-layer`` is ``Estimate.direction_layer``), with the same defaults, and a ``check()`` that
-raises a one-line ``UserError`` naming the option at fault before anything loads::
+measured and searched (:class:`Evaluation`). Each is an option group (:class:`mlx_fun.core.options.Group`) whose
+fields are the CLI's options (``--direction-layer`` is ``Estimate.direction_layer``), declared once with their
+default, range or choices and help; a group checks itself when it is built (a one-line ``UserError`` naming the
+option at fault, before anything loads)::
 
     from mlx_fun import jobs
     from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
@@ -13,102 +14,110 @@ raises a one-line ``UserError`` naming the option at fault before anything loads
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError, param, require_whole
+import click
+
+from ..core.options import Group, option
+from ..core.ranges import FiniteFloat
+from ..errors import UserError, param
 
 DIRECTIONS = ("single", "per-layer")
+#: where the residual stream is read (:data:`mlx_fun.observe.residual.POSITIONS`, named here so the CLI needs no MLX)
+POSITIONS = ("last", "mean")
+#: what the projection touches (:func:`mlx_fun.rewrite.abliterate.apply`)
+TARGETS = ("all", "safety-experts", "dense-only")
+_DATASET = "pass a JSONL file or a directory of text files"
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Group):
     """How the directions are measured. ``direction``: ``single`` (one, measured after ``direction_layer``;
     default: the largest un-normalised harmful - benign difference) or ``per-layer`` (each layer's own);
     ``extraction_position``: ``last`` token or ``mean`` over the prompt; ``phrasings``: directions per round, one
     per refusal phrasing; ``rounds``: estimation rounds, each on the model abliterated so far; ``refusal_filter``:
     only the harmful prompts the model refuses and the benign ones it answers (Arditi et al.), else every prompt."""
 
-    direction: str = "single"
-    direction_layer: int | None = None
-    extraction_position: str = "last"
-    phrasings: int = 4
-    rounds: int = 2
-    refusal_filter: bool = True
-
-    def check(self) -> "Estimate":
-        from ..observe.residual import POSITIONS
-
-        if self.extraction_position not in POSITIONS:
-            raise UserError(f"{param('extraction_position')} must be one of {', '.join(POSITIONS)}, "
-                            f"got {self.extraction_position!r}.")
-        if self.direction not in DIRECTIONS:
-            raise UserError(f"{param('direction')} must be one of {', '.join(DIRECTIONS)}, got {self.direction!r}.")
-        layer = self.direction_layer
-        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
-            raise UserError(f"{param('direction_layer')} must be a decoder-layer index >= 0, got {layer!r}.")
-        require_whole("rounds", self.rounds, 1)
-        require_whole("phrasings", self.phrasings, 1)
-        return self
+    direction: str = option(
+        "single", "single: one direction (from --direction-layer) removed from every chosen layer and the token "
+        "embedding (Arditi et al.); per-layer: each layer's own direction from its own writers.",
+        type=click.Choice(DIRECTIONS))
+    direction_layer: int | None = option(
+        None, "Decoder layer the single direction is measured after [default: the largest un-normalised harmful - "
+        "benign difference].", type=click.IntRange(min=0))
+    extraction_position: str = option(
+        "last", "Residual stream at each prompt's last token, or mean-pooled over its tokens.",
+        type=click.Choice(POSITIONS))
+    phrasings: int = option(
+        4, "Directions per round, one per refusal phrasing (refused prompts grouped by their reply's first two words, "
+        "4 or more each); 1: one direction from all refused prompts.", type=click.IntRange(min=1))
+    rounds: int = option(
+        2, "Estimation rounds: each re-measures the directions on the model abliterated so far, from the harmful "
+        "prompts it still refuses and the benign ones it answers, and removes them too; stops early when fewer than 2 "
+        "refusals are left, and undoes a round that takes the benign capture prompts' KL over --max-kl.",
+        type=click.IntRange(min=1))
+    refusal_filter: bool = option(
+        True, "Take the directions from the harmful prompts the model refuses and the benign ones it answers (Arditi "
+        "et al.); a model that refuses none of them (or all benign ones) is refused with the measured rates. "
+        "--no-refusal-filter: from every prompt, whatever the model replies.",
+        flag="--refusal-filter/--no-refusal-filter", default_text="refusal-filter")
 
 
 @dataclass(frozen=True)
-class Projection:
+class Projection(Group):
     """Where and how strongly the directions are removed. ``layers``: ``auto`` (single direction: all; per-layer:
     the top half by direction norm), ``all`` or ``start-end``; ``target``: ``all`` writers, ``safety-experts`` (only
     the routed experts of ``safety_map``, a ``safety-scan`` report) or ``dense-only``; ``weight``: the fraction
     removed, in (0, 1]."""
 
-    layers: str = "auto"
-    target: str = "all"
-    weight: float = 1.0
-    safety_map: str | Path | None = None
+    layers: str = option(
+        "auto", "Layers whose writers are orthogonalised: auto (single direction: all; per-layer: the top half by the "
+        "un-normalised direction norm), all, or start-end (e.g. 1-3).", type=click.STRING)
+    target: str = option(
+        "all", "all: attention, dense MLP, shared and every routed expert; safety-experts: only the report's routed "
+        "experts; dense-only: everything but the routed experts.", type=click.Choice(TARGETS))
+    weight: float = option(1.0, "Fraction of the direction removed (W - weight * d d^T W).",
+                           type=FiniteFloat(0.0, 1.0, min_open=True))
+    safety_map: str | Path | None = option(
+        None, "safety_report.json (with --target safety-experts).", type=click.Path(dir_okay=False),
+        missing="pass a safety_report.json written by `mlx-fun safety-scan`")
 
-    def check(self) -> "Projection":
-        from ..errors import require_path
-        from ..observe.residual import parse_layers
-        from .abliterate import TARGETS
+    def validate(self) -> None:
+        if self.target == "safety-experts" and self.safety_map is None:
+            raise UserError(f"{param('target')} safety-experts needs {param('safety_map')}: a safety_report.json "
+                            "from `mlx-fun safety-scan`.")
+        if str(self.layers).strip().lower() not in ("auto", "all"):
+            from ..observe.residual import parse_layers
 
-        if self.target not in TARGETS:
-            raise UserError(f"{param('target')} must be one of {', '.join(TARGETS)}, got {self.target!r}.")
-        if self.target == "safety-experts":
-            if self.safety_map is None:
-                raise UserError(f"{param('target')} safety-experts needs {param('safety_map')}: a safety_report.json "
-                                "from `mlx-fun safety-scan`.")
-            require_path("safety_map", self.safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
-        w = self.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
-            raise UserError(f"{param('weight')} must be in (0, 1], got {w!r}.")
-        parse_layers(self.layers, where=param("layers"))
-        return self
+            parse_layers(self.layers, where=param("layers"))
 
 
 @dataclass(frozen=True)
-class Evaluation:
+class Evaluation(Group):
     """How the result is measured and searched: the refusal rate and benign first-token KL on
     ``eval_harmful_dataset`` / ``eval_benign_dataset`` (held out; default: the capture datasets), ``eval_samples``
     prompts each, greedy replies of ``reply_tokens`` tokens; ``search``: settings of (layers, weight, direction
     layer) tried, the fewest refusals under ``max_kl`` kept (also the KL a later round may reach)."""
 
-    eval_harmful_dataset: str | Path | None = None
-    eval_benign_dataset: str | Path | None = None
-    eval_samples: int = 64
-    reply_tokens: int = 16
-    search: int = 0
-    max_kl: float = 0.5
+    eval_harmful_dataset: str | Path | None = option(
+        None, "Held-out harmful prompts for the refusal rate (default: --harmful-dataset).", missing=_DATASET)
+    eval_benign_dataset: str | Path | None = option(
+        None, "Held-out benign prompts for the refusal rate and first-token KL (default: --benign-dataset).",
+        missing=_DATASET)
+    eval_samples: int = option(64, "Evaluation prompts per set.", type=click.IntRange(min=1))
+    reply_tokens: int = option(16, "Tokens of each greedy reply judged for a refusal.", type=click.IntRange(min=1),
+                               cli=False)
+    search: int = option(
+        0, "Try this many (layers, weight, direction layer) settings, each measured after every round, and keep the "
+        "fewest refusals under --max-kl.", type=click.IntRange(min=0))
+    max_kl: float = option(
+        0.5, "Largest benign first-token KL (nats) --search accepts and a later round may reach; a first round of "
+        "several phrasings' directions over it falls back to one direction.", type=FiniteFloat(0.0, min_open=True))
 
     @property
     def held_out(self) -> bool:
         return self.eval_harmful_dataset is not None and self.eval_benign_dataset is not None
-
-    def check(self) -> "Evaluation":
-        require_whole("search", self.search, 0)
-        require_whole("eval_samples", self.eval_samples, 1)
-        kl = self.max_kl
-        if not (isinstance(kl, (int, float)) and math.isfinite(kl) and kl > 0):
-            raise UserError(f"{param('max_kl')} must be a positive number, got {kl!r}.")
-        return self
 
 
 def switched_off(name: str) -> str:
@@ -119,4 +128,4 @@ def switched_off(name: str) -> str:
     return f"{on}False" if on.endswith("=") else "--no-" + on.removeprefix("--")
 
 
-__all__ = ["DIRECTIONS", "Estimate", "Evaluation", "Projection", "switched_off"]
+__all__ = ["DIRECTIONS", "POSITIONS", "TARGETS", "Estimate", "Evaluation", "Projection", "switched_off"]

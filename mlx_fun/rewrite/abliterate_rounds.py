@@ -115,24 +115,40 @@ class Stats:
     groups: list = field(default_factory=list)  # (phrasing, prompts, (decoder layers, hidden) mean difference)
 
 
+@dataclass
+class Prompts:
+    """The tokenized prompts of one abliteration: the harmful and benign capture prompts (the directions), the
+    harmful and benign evaluation prompts (the refusal rates and the benign KL)."""
+    harmful: list
+    benign: list
+    eval_h: list
+    eval_b: list
+
+
 class Abliteration:
     """The model, its prompts and settings; estimation rounds, measuring and search on it (one job's state).
-    ``estimate`` / ``evaluation``: the job's option groups (:mod:`mlx_fun.rewrite.abliterate_options`); ``target``
-    and ``safety`` (decoder layer → routed experts, ``target="safety-experts"``): what the projection touches."""
+    ``loaded``: the job's loaded model (:class:`mlx_fun.jobs.common.Loaded`: model, tokenizer, adapter, the dispatch
+    report and the token budget of every forward); ``estimate`` / ``projection`` / ``evaluation``: the job's option
+    groups (:mod:`mlx_fun.rewrite.abliterate_options`; ``projection.target`` and its safety map's routed experts are
+    what the projection touches); ``calibration``: its ``batch_size`` (captures); ``settings``: the run settings
+    (progress bars; the dispatch installed afresh after a projection where it keeps dequantized experts)."""
 
-    def __init__(self, model, tok, adapter, *, harmful, benign, eval_h, eval_b, estimate, evaluation, target,
-                 safety, batch_size, warnings, budget=None, redispatch=None, progress=False, log=quiet):
+    def __init__(self, loaded, prompts: Prompts, *, estimate, projection, evaluation, calibration, settings,
+                 warnings: list[str], log=quiet):
         from ..datasets.samples import pad_id
 
-        self.model, self.tok, self.adapter = model, tok, adapter
-        self.budget, self.redispatch = budget, redispatch
-        self.harmful, self.benign, self.eval_h, self.eval_b = harmful, benign, eval_h, eval_b
+        self.model, self.tok, self.adapter = loaded.model, loaded.tokenizer, loaded.adapter
+        self.budget = loaded.budget
+        self.redispatch = ((lambda: redispatch(self.model, settings))
+                           if loaded.dispatch is not None and loaded.dispatch.cached_layers else None)
+        self.harmful, self.benign = prompts.harmful, prompts.benign
+        self.eval_h, self.eval_b = prompts.eval_h, prompts.eval_b
         self.position, self.phrasings = estimate.extraction_position, estimate.phrasings
         self.refusal_filter = estimate.refusal_filter
         self.reply_tokens, self.max_kl = evaluation.reply_tokens, float(evaluation.max_kl)
-        self.batch_size, self.pad = batch_size, pad_id(tok)
-        self.target, self.safety = target, safety
-        self.warnings, self.progress, self.log = warnings, progress, log
+        self.batch_size, self.pad = calibration.batch_size, pad_id(self.tok)
+        self.target, self.safety = projection.target, safety_experts(self.adapter, projection)
+        self.warnings, self.progress, self.log = warnings, settings.progress, log
         self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
         self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
@@ -144,7 +160,7 @@ class Abliteration:
         few refusals left."""
         from collections import defaultdict
 
-        from ..observe.refusal import greedy_replies, is_refusal, phrasing
+        from ..observe.refusal import is_refusal, phrasing
         from ..observe.residual import directions
 
         self.log(f"Round {r}: the model's replies to {len(self.harmful)} harmful and {len(self.benign)} benign "
@@ -341,3 +357,26 @@ class Abliteration:
             if bar is not None:
                 bar.close()
         return trials, kept
+
+
+def safety_experts(adapter, projection) -> dict[int, list[int]] | None:
+    """Decoder layer → the safety report's routed experts, for ``projection.target == "safety-experts"``."""
+    from ..experts.expert_files import load_report_experts
+    from .abliterate import latent_experts
+
+    if projection.target != "safety-experts":
+        return None
+    if latent_experts(adapter):
+        raise UserError(f"model_type '{adapter.model_type}' runs its routed experts in a latent space, so no "
+                        f"expert alone writes the residual stream; use {param('target')} all or dense-only.")
+    moe = adapter.moe_layers()
+    sets = load_report_experts(projection.safety_map, "safety", moe, adapter.num_experts)
+    return {moe[p]: sorted(e) for p, e in sets.items() if e}
+
+
+def redispatch(model, settings) -> None:
+    """Install the dispatch afresh (its dequantized experts from the weights as they are now)."""
+    from ..dispatch.experts import remove
+
+    remove(model)
+    settings.apply(model)
