@@ -46,7 +46,7 @@ else:
     glu.update(__import__("mlx.utils").utils.tree_map(lambda a: (a * 0.02).astype(dtype), glu.parameters()))
     nn.quantize(glu, group_size=64, bits=4)
     if kind == "dispatched":
-        from mlx_fun import dispatch
+        from mlx_fun.dispatch import experts as dispatch
         dispatch.install(glu)
     x = (mx.random.normal((1, tokens, D)) * 0.1).astype(dtype)
     idx = mx.random.randint(0, E, (1, tokens, K)).astype(mx.uint32)

@@ -94,7 +94,7 @@ def test_mlx_fun_blas_naming_a_directory_is_one_warning_and_the_next_blas(tmp_pa
 
 
 # ------------------------------------------------------------------------------------- OPENBLAS_NUM_THREADS
-GOVERNED = f"{REEXEC}; from mlx_fun import blas_threads; print('governed', blas_threads.running() is not None)"
+GOVERNED = f"{REEXEC}; from mlx_fun.runtime import blas_threads; print('governed', blas_threads.running() is not None)"
 
 
 @linux_only

@@ -44,7 +44,6 @@ def test_every_option_of_a_command_is_the_one_its_job_declares(command):
     cmd = main.commands[command]
     got = {p.name: p for p in cmd.params if isinstance(p, click.Option) and p.name != "help"}
     rows = declared(_job(command))
-    assert rows, f"{command}: its job declares no option"
     want = {}
     for name, _group, opt, default, annotation in rows:
         probe = click_option(name, opt, default, annotation)(lambda: None)

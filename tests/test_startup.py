@@ -116,7 +116,7 @@ def test_torch_is_hidden_from_transformers_only(stub_torch):
     look PyTorch up there (scipy's array-API helpers failed on a None entry), and scipy runs."""
     code = """
 import sys
-from mlx_fun import lean_imports
+from mlx_fun.runtime import lean_imports
 assert lean_imports.block_torch()
 from transformers import AutoTokenizer
 from transformers.utils import is_torch_available
@@ -138,7 +138,7 @@ def test_a_deferred_tokenizer_still_loads_whole_when_something_asks_for_it():
     code = f"""
 import sys
 from pathlib import Path
-from mlx_fun import lean_imports
+from mlx_fun.runtime import lean_imports
 assert lean_imports.defer_tokenizers()
 from mlx_lm.utils import load_model
 load_model(Path({str(ROOT / 'data' / 'tiny-moe')!r}), lazy=True)
