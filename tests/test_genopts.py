@@ -90,7 +90,8 @@ def test_bad_options_are_one_line_before_loading(kw, needle):
 
 def test_cli_refusals(tmp_path, make_model):
     expect_error(run("smoke-test", "--model", MODEL, "--kv-bits", 4, "--max-kv-size", 8), "--kv-bits and --max-kv-size")
-    expect_error(run("steer", "--model", MODEL, "--prompt", "x", "--domain-map", tmp_path / "none.json",
+    (tmp_path / "domain.json").write_text("{}")  # a map that exists (a missing one is refused before the options)
+    expect_error(run("steer", "--model", MODEL, "--prompt", "x", "--domain-map", tmp_path / "domain.json",
                      "--domain-mode", "boost", "--draft-model", MODEL, "--max-kv-size", 8),
                  "--max-kv-size does not work with --draft-model")
     expect_error(run("smoke-test", "--model", MODEL, "--draft-model", tmp_path / "missing"), "--draft-model",

@@ -6,24 +6,13 @@ import importlib
 
 import click
 
-from .common import FiniteFloat, echo_err, friendly_errors
+from ..jobs import demo
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("demo", short_help="Run the whole job (collect → prune → smoke-test → eval) on the bundled model.")
-@click.option("--model", type=click.Path(), default=None,
-              help="Model to compress [default: the bundled trained model data/tiny-moe].")
-@click.option("--output", type=click.Path(), default="mlx-fun-demo", show_default=True,
-              help="Working directory for the data, saliency, pruned model and reports (reused on re-runs).")
-@click.option("--prune-fraction", type=FiniteFloat(min=0.0, max=1.0, min_open=True, max_open=True),
-              default=0.25, show_default=True, help="Fraction of each layer's routed experts to remove.")
-@click.option("--metric", type=click.Choice(["reap", "ean", "freq", "weighted_freq"]), default="reap",
-              show_default=True, help="Saliency metric for pruning.")
-@click.option("--calibration", type=click.Choice(["code", "prose"]), default="code", show_default=True,
-              help="Domain of the calibration text (both domains are evaluated).")
-@click.option("--max-samples", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Calibration samples (evaluation uses half as many per domain).")
-@click.option("--max-tokens", type=click.IntRange(min=16), default=512, show_default=True,
-              help="Tokens per sample.")
+@job_options(demo.run)
 @friendly_errors
 def command(**kwargs):
     """Compress the bundled trained MoE with REAP and measure what it cost — no arguments, no network.
@@ -41,8 +30,7 @@ def command(**kwargs):
     Example:
       mlx-fun demo
     """
-    from ..jobs import demo
-
+    kwargs = job_kwargs(demo.run, kwargs)
     _echo_blas()
     show(demo.run(**kwargs, announce=_announce, report=_report, progress=True, log=echo_err))
 

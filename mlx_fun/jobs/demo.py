@@ -12,11 +12,16 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
+import click
+
+from ..core.options import Opt
+from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
+from ..observe.saliency import METRICS
 from ..settings import grouped
-from .common import Log, quiet
+from .common import Log, job, quiet
 
 MARKER = ".mlx-fun-demo"
 STEPS = ("collect", "prune", "smoke-test", "eval")
@@ -57,15 +62,21 @@ def check_workdir(out: Path) -> None:
                         f"choose another {param('output')} so nothing of yours is overwritten.")
 
 
+@job
 def run(
     *,
-    model: str | Path | None = None,
-    output: str | Path = "mlx-fun-demo",
-    prune_fraction: float = 0.25,
-    metric: str = "reap",
-    calibration: str = "code",
-    max_samples: int = 64,
-    max_tokens: int = 512,
+    model: Annotated[str | Path | None, Opt("Model to compress [default: the bundled trained model "
+                                            "data/tiny-moe].")] = None,
+    output: Annotated[str | Path, Opt("Working directory for the data, saliency, pruned model and reports (reused "
+                                      "on re-runs).")] = "mlx-fun-demo",
+    prune_fraction: Annotated[float, Opt("Fraction of each layer's routed experts to remove.",
+                                         type=FiniteFloat(min=0.0, max=1.0, min_open=True, max_open=True))] = 0.25,
+    metric: Annotated[str, Opt("Saliency metric for pruning.", type=click.Choice(METRICS))] = "reap",
+    calibration: Annotated[str, Opt("Domain of the calibration text (both domains are evaluated).",
+                                    type=click.Choice(["code", "prose"]))] = "code",
+    max_samples: Annotated[int, Opt("Calibration samples (evaluation uses half as many per domain).",
+                                    type=click.IntRange(min=1))] = 64,
+    max_tokens: Annotated[int, Opt("Tokens per sample.", type=click.IntRange(min=16))] = 512,
     announce: Callable[[str, str], None] | None = None,
     report: Callable[[str, object], None] | None = None,
     progress: bool = False,
@@ -118,11 +129,11 @@ def run(
             max_samples=max(1, max_samples // 2), max_tokens=max_tokens, output=str(eval_json), force=True)),
     ]
     extra = {"collect": {"progress": progress}, "eval": {"progress": progress}}
-    for title, name, job, kwargs in steps:
+    for title, name, step, kwargs in steps:
         if announce is not None:
             announce(title, command_line(name, kwargs))
         t0 = time.perf_counter()
-        result = job(**grouped(job, {**kwargs, **extra.get(name, {})}), log=log)
+        result = step(**grouped(step, {**kwargs, **extra.get(name, {})}), log=log)
         times[name] = time.perf_counter() - t0
         if report is not None:
             report(name, result)

@@ -20,15 +20,18 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
 
+import click
+
+from ..core.options import Opt, check_path
 from ..errors import UserError, param
-from ..model.genopts import GenOptions
-from ..serve.options import ServerOptions, StartupSteering
+from ..model.genopts import DRAFT_MODEL, GenOptions
+from ..serve.options import API_KEY_ENV, ServerOptions, StartupSteering
 from ..settings import RunSettings
-from .common import Log, check_supported, quiet
+from .common import MODEL, Log, check_supported, force, job, quiet
 
 MODES = ("lightweight", "full")
-API_KEY_ENV = "MLX_FUN_API_KEY"
 
 
 @dataclass
@@ -88,21 +91,6 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def _connection_limits(server: ServerOptions, context: int) -> int:
-    """Check ``max_connections`` / ``request_timeout`` / ``max_prompt_tokens``; returns the prompt limit
-    (default: the model's context length)."""
-    n = server.max_connections
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError(f"{param('max_connections')} must be a positive integer, got {n!r}.")
-    t = server.request_timeout
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 86400:
-        raise UserError(f"{param('request_timeout')} must be seconds, more than 0 and less than a day, got {t!r}.")
-    limit = context if server.max_prompt_tokens is None else server.max_prompt_tokens
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise UserError(f"{param('max_prompt_tokens')} must be a positive integer, got {limit!r}.")
-    return limit
-
-
 def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | None) -> tuple[int, int, int]:
     """(max_tokens, max_tokens_limit, context): a request's default, its most, the model's context length."""
     from ..model.io import context_length
@@ -110,9 +98,6 @@ def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | 
     context = context_length(config) or FALLBACK_CONTEXT
     limit = context if max_tokens_limit is None else max_tokens_limit
     default = min(512, limit) if max_tokens is None else max_tokens
-    for name, value in (("max_tokens", default), ("max_tokens_limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{param(name)} must be a positive integer, got {value!r}.")
     if default > limit:
         raise UserError(f"{param('max_tokens')} {default} is above {param('max_tokens_limit')} {limit}; lower it "
                         f"or raise the limit.")
@@ -121,12 +106,15 @@ def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | 
 
 def _checked(*, model, mode, auto_save, server: ServerOptions, steering: StartupSteering, settings: RunSettings,
              generation: GenOptions, draft_model) -> dict:
-    """Check everything that can be checked before binding or loading; returns the normalised values: ``server``
-    (its ``data_dir`` resolved, ``chat_template`` read from its file, ``api_key`` from ``MLX_FUN_API_KEY``,
-    ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens`` decided), ``context``, ``auto_save``."""
+    """Check what the groups could not check when built (each checked its own fields and rules), before binding
+    or loading; returns the normalised values: ``server`` (its ``data_dir`` resolved, ``chat_template`` read from
+    its file, ``api_key`` from ``MLX_FUN_API_KEY``, ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens``
+    decided), ``context``, ``auto_save``. The paths are checked here as ``@job`` checks :func:`run`'s, for
+    :func:`start` (which is no job)."""
     from .. import mlx_lm_compat
 
     mlx_lm_compat.require("serve")
+    check_path("draft_model", draft_model, DRAFT_MODEL)
     generation.check(draft=draft_model)
     config = check_supported(model)
     if mode not in MODES:
@@ -135,18 +123,12 @@ def _checked(*, model, mode, auto_save, server: ServerOptions, steering: Startup
     if not data.is_dir():
         raise UserError(f"{param('data_dir')} {server.data_dir} is not a directory; create it or pass another one.")
     max_tokens, max_tokens_limit, context = _token_limits(config, server.max_tokens, server.max_tokens_limit)
-    max_body_bytes, port = server.max_body_bytes, server.port
-    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise UserError(f"{param('max_body_bytes')} must be a positive integer, got {max_body_bytes!r}.")
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise UserError(f"{param('port')} must be 0..65535 (0 picks a free port), got {port!r}.")
-    steering.check()
+    steering.check_paths()
     template = _chat_template(server.chat_template)
-    max_prompt_tokens = _connection_limits(server, context)
     _check_settings(settings)
     server = replace(server, data_dir=data.resolve(), chat_template=template, api_key=_api_key(server.api_key),
-                     max_tokens=max_tokens, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
-                     allowed_origins=tuple(server.allowed_origins))
+                     max_tokens=max_tokens, max_tokens_limit=max_tokens_limit,
+                     max_prompt_tokens=server.max_prompt_tokens or context)
     return {"server": server, "context": context, "auto_save": None if auto_save is None else Path(auto_save)}
 
 
@@ -172,7 +154,7 @@ def _never_fails(log: Log) -> Log:
     return safe
 
 
-def _reserve(auto_save, *, model, force: bool):
+def _reserve(auto_save, *, force: bool):
     """The auto-save reservation (refused now, before the model loads, if the file exists and not ``force``), or
     a context that yields None."""
     import contextlib
@@ -181,8 +163,8 @@ def _reserve(auto_save, *, model, force: bool):
 
     if auto_save is None:
         return contextlib.nullcontext()
-    return writer.output(auto_save, kind="file", suffix=".npz", inputs={param("model"): model},
-                         flag=param("auto_save"), force=force, force_flag=param("force"))
+    return writer.output(auto_save, kind="file", suffix=".npz", flag=param("auto_save"), force=force,
+                         force_flag=param("force"))
 
 
 def start(
@@ -207,26 +189,9 @@ def start(
     if server.api_key is None and server.host not in ("127.0.0.1", "localhost", "::1"):
         log(f"Warning: serving on {server.host} without an API key: anyone who can reach this address can use the "
             f"model and the REST routes; set {param('api_key')} or {API_KEY_ENV}.")
-    return start_server(
-        model=str(model), host=server.host, port=server.port, mode=mode, data_dir=server.data_dir,
-        api_key=server.api_key, max_tokens=server.max_tokens, max_tokens_limit=server.max_tokens_limit,
-        context=ok["context"], chat_template=server.chat_template, decode_concurrency=server.decode_concurrency,
-        prompt_concurrency=server.prompt_concurrency, prefill_step_size=server.prefill_step_size,
-        prompt_cache_size=server.prompt_cache_size, prompt_cache_bytes=server.prompt_cache_bytes,
-        allowed_origins=list(server.allowed_origins), max_body_bytes=server.max_body_bytes,
-        max_connections=server.max_connections, request_timeout=float(server.request_timeout),
-        max_prompt_tokens=server.max_prompt_tokens, settings=settings,
-        auto_save=ok["auto_save"], steering=steering.builder(), options=generation,
-        draft_model=None if draft_model is None else str(draft_model), name=_repo_id(model), log=log)
-
-
-def _repo_id(model) -> str | None:
-    """The Hugging Face repo id ``model`` was resolved from by this job (served under it, as mlx_lm.server serves
-    an id); None for a local directory."""
-    from ..model.hub import source
-
-    origin = source(model)
-    return origin["repo_id"] if origin is not None and "revision" in origin else None
+    return start_server(model=str(model), mode=mode, server=server, context=ok["context"], steering=steering,
+                        settings=settings, generation=generation, draft_model=draft_model, auto_save=ok["auto_save"],
+                        log=log)
 
 
 def _wait(served, stop: threading.Event, log: Log) -> None:
@@ -237,17 +202,21 @@ def _wait(served, stop: threading.Event, log: Log) -> None:
         log("Warning: mlx-lm's generation thread stopped; shutting down.")
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    mode: str = "lightweight",
-    auto_save: str | Path | None = None,
-    force: bool = False,
+    model: Annotated[str | Path, MODEL],
     server: ServerOptions = ServerOptions(),
+    mode: Annotated[str, Opt("lightweight: freq + weighted_freq; full: also expert output norms (reap, ean), a "
+                             "little slower.", type=click.Choice(MODES))] = "lightweight",
+    auto_save: Annotated[str | Path | None, Opt(
+        "Write the statistics (.npz) here when the server stops (Ctrl+C, SIGTERM, SIGHUP), atomically. An existing "
+        "file is refused at start-up unless --force.", type=click.Path(dir_okay=False))] = None,
+    force: Annotated[bool, force("an existing --auto-save file")] = False,
     steering: StartupSteering = StartupSteering(),
     settings: RunSettings = RunSettings(),
     generation: GenOptions = GenOptions(),
-    draft_model: str | Path | None = None,
+    draft_model: Annotated[str | Path | None, DRAFT_MODEL] = None,
     log: Log = quiet,
     on_ready=None,
 ) -> ServeResult:
@@ -299,7 +268,7 @@ def run(
         threading.main_thread() else {}
     begin = time.perf_counter()
     try:
-        with _reserve(auto_save, model=model, force=force) as res:
+        with _reserve(auto_save, force=force) as res:
             served = start(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering,
                            settings=settings, generation=generation, draft_model=draft_model, log=log)
             try:

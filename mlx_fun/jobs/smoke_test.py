@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
+import click
+
+from ..core.options import Opt
+from ..core.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
-from ..model.genopts import GenOptions
+from ..model.genopts import DRAFT_MODEL, GenOptions
 from ..settings import RunSettings
-from .common import Log, quiet
+from .common import MODEL, Log, job, quiet
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -42,19 +46,26 @@ def check_generatable(model_path) -> dict:
     return config
 
 
+@job(any_model=True)
 def run(
     *,
-    model: str | Path,
-    prompt: str = DEFAULT_PROMPT,
-    max_tokens: int = 100,
-    temp: float = 0.0,
-    seed: int | None = None,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    chat: bool = False,
+    model: Annotated[str | Path, MODEL],
+    prompt: Annotated[str, Opt("Prompt text, fed raw (no chat template) unless --chat.")] = DEFAULT_PROMPT,
+    max_tokens: Annotated[int, Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
+                                   type=click.IntRange(min=1))] = 100,
+    temp: Annotated[float, Opt("Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
+                               "default).", type=TEMPERATURE)] = 0.0,
+    seed: Annotated[int | None, Opt("Seed: step n of the generation draws its noise from mx.random.key(seed + n), so "
+                                    "the same seed reproduces the output. Without it the noise comes from MLX's "
+                                    "global RNG.", type=SEED)] = None,
+    top_k: Annotated[int, Opt("Sample only among the k most likely tokens (0 disables).", type=TOP_K)] = 0,
+    top_p: Annotated[float, Opt("Sample only from the nucleus of the model's (untempered) distribution holding this "
+                                "much probability (1 disables).", type=TOP_P)] = 1.0,
+    chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation "
+                              "prompt).")] = False,
     settings: RunSettings = RunSettings(),
     generation: GenOptions = GenOptions(),
-    draft_model: str | Path | None = None,
+    draft_model: Annotated[str | Path | None, DRAFT_MODEL] = None,
     on_text: Callable[[str], None] | None = None,
     log: Log = quiet,
 ) -> SmokeTestResult:
@@ -70,7 +81,6 @@ def run(
     from ..model.sampling import encode_prompt, make_sampler, run_generation
 
     generation.check(draft=draft_model)
-    settings.check()
     config = check_generatable(model)
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")

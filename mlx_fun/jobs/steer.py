@@ -4,29 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
-from ..errors import UserError, param, require_path
-from ..model.genopts import GenOptions
+import click
+
+from ..core.options import Group, Opt, option
+from ..core.ranges import SEED, TEMPERATURE, FiniteFloat
+from ..errors import UserError, param
+from ..model.genopts import DRAFT_MODEL, GenOptions
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet
+from .common import MODEL, Log, check_supported, job, load_moe, quiet
 
 
 @dataclass(frozen=True)
-class SteerOptions:
+class SteerOptions(Group):
     """What is steered and how: a safety report (``safety_map``, from ``safety-scan``) with ``mode`` ``safe`` (boost
     its HRCG experts, at most top_k per layer) or ``unsafe`` (mask its safety-critical experts), and/or a domain
     report (``domain_map``, from ``domain-scan``) with ``domain_mode`` ``boost`` / ``suppress``; ``scheme``
     ``additive`` (add ``mask_value`` / ``boost_value`` to the router logits) or ``rank`` (SteerMoE: to the token's
     max + 0.01 / min - 0.01). Field names are ``mlx-fun steer``'s options."""
 
-    safety_map: str | Path | None = None
-    mode: str | None = None
-    domain_map: str | Path | None = None
-    domain_mode: str | None = None
-    mask_value: float = -1e9
-    boost_value: float = 1e4
-    scheme: str = "additive"
+    safety_map: str | Path | None = option(
+        None, "safety_report.json from `mlx-fun safety-scan` (with --mode).", type=click.Path(dir_okay=False),
+        missing="pass a safety_report.json written by `mlx-fun safety-scan`")
+    mode: str | None = option(
+        None, "safe: boost the HRCG experts (at most top_k per layer); unsafe: mask all safety-critical experts.",
+        type=click.Choice(["safe", "unsafe"]))
+    domain_map: str | Path | None = option(
+        None, "domain_report.json from `mlx-fun domain-scan` (with --domain-mode); combinable with --safety-map.",
+        type=click.Path(dir_okay=False), missing="pass a domain_report.json written by `mlx-fun domain-scan`")
+    domain_mode: str | None = option(
+        None, "boost: activate the domain experts; suppress: deactivate the general experts.",
+        type=click.Choice(["boost", "suppress"]))
+    mask_value: float = option(-1e9, "Router-logit bias of a deactivated expert (additive scheme).",
+                               type=FiniteFloat(max=0, max_open=True))
+    boost_value: float = option(1e4, "Router-logit bias of an activated expert (additive scheme).",
+                                type=FiniteFloat(min=0, min_open=True))
+    scheme: str = option(
+        "additive", "additive: add --mask-value / --boost-value to the router logits; rank (SteerMoE): per token, "
+        "boosted experts' logits go to the max + 0.01, masked ones to the min - 0.01, so a boosted expert weighs "
+        "about as much as the token's favourite instead of all of it (at most top_k boosted per layer).",
+        type=click.Choice(["additive", "rank"]))
 
 
 @dataclass
@@ -37,19 +55,21 @@ class SteerResult:
     warnings: list[str] = field(default_factory=list)
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    prompt: str,
+    model: Annotated[str | Path, MODEL],
+    prompt: Annotated[str, Opt("Prompt text (raw unless --chat).", required=True)],
     steering: SteerOptions = SteerOptions(),
-    max_tokens: int = 100,
-    temp: float = 0.0,
-    seed: int | None = None,
-    chat: bool = False,
-    compare: bool = False,
+    max_tokens: Annotated[int, Opt("", type=click.IntRange(min=1))] = 100,
+    temp: Annotated[float, Opt("0 is greedy.", type=TEMPERATURE)] = 0.0,
+    seed: Annotated[int | None, Opt("Seed of the Gumbel-max sampler.", type=SEED)] = None,
+    chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template.")] = False,
+    compare: Annotated[bool, Opt("First print the unsteered reply (same sampler), then stream the steered "
+                                 "one.")] = False,
     settings: RunSettings = RunSettings(),
     generation: GenOptions = GenOptions(),
-    draft_model: str | Path | None = None,
+    draft_model: Annotated[str | Path | None, DRAFT_MODEL] = None,
     on_text: Callable[[str], None] | None = None,
     on_baseline: Callable[[object], None] | None = None,
     log: Log = quiet,
@@ -67,14 +87,11 @@ def run(
     from ..experts.steering import for_adapter
 
     generation.check(draft=draft_model)
-    settings.check()
     check_supported(model)
     s = steering
     if s.safety_map is None and s.domain_map is None:
         raise UserError(f"nothing to steer: pass {param('safety_map')} with {param('mode')} and/or "
                         f"{param('domain_map')} with {param('domain_mode')}.")
-    require_path("safety_map", s.safety_map, "pass a safety_report.json written by `mlx-fun safety-scan`")
-    require_path("domain_map", s.domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass the text to answer.")
     try:

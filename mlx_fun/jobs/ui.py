@@ -11,9 +11,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import click
+
+from ..core.options import Opt
+from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
-from .common import Log, quiet
+from ..serve.options import API_KEY_ENV
+from .common import Log, job, quiet
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 INSTALL = "pip install 'mlx-fun[ui]' (in a clone: pip install -e '.[ui]')"
@@ -84,7 +90,7 @@ def start(*, server_url: str = "http://127.0.0.1:8080", host: str = "127.0.0.1",
     from ..ui.common import Context
 
     url, data = _checked(server_url=server_url, port=port, data_dir=data_dir, timeout=timeout)
-    key = api_key if api_key is not None else os.environ.get("MLX_FUN_API_KEY") or None
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     for line in exposure_warnings(host, share):
         log(line)
     client = ServerClient(url, api_key=key, timeout=timeout)
@@ -104,9 +110,25 @@ def start(*, server_url: str = "http://127.0.0.1:8080", host: str = "127.0.0.1",
     return page
 
 
-def run(*, server_url: str = "http://127.0.0.1:8080", host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-        api_key: str | None = None, data_dir: str | Path = ".", timeout: float = 10.0, log: Log = quiet,
-        on_ready=None) -> UIResult:
+@job
+def run(
+    *,
+    server_url: Annotated[str, Opt("The running `mlx-fun serve` (reached only over HTTP).")] = "http://127.0.0.1:8080",
+    host: Annotated[str, Opt("Address the dashboard listens on. Anything but loopback exposes the server through "
+                             "it.")] = "127.0.0.1",
+    port: Annotated[int, Opt("Port (0: a free one).", type=click.IntRange(0, 65535))] = 7860,
+    share: Annotated[bool, Opt("Also publish a public gradio.live link: exposes the server to anyone with it (a "
+                               "warning is printed).")] = False,
+    # the job reads MLX_FUN_API_KEY when none is given
+    api_key: Annotated[str | None, Opt(f"The server's API key (its --api-key), sent as a Bearer token.  [env var: "
+                                       f"{API_KEY_ENV}]")] = None,
+    data_dir: Annotated[str | Path, Opt("Where the Merge and Diff tabs read .npz files and write their exports "
+                                        "(nothing outside it).", type=click.Path(file_okay=False))] = ".",
+    timeout: Annotated[float, Opt("Seconds each call to the server may take (a chat stream may pause up to 120 s).",
+                                  type=FiniteFloat(0.0, min_open=True))] = 10.0,
+    log: Log = quiet,
+    on_ready=None,
+) -> UIResult:
     """Serve the dashboard for the ``mlx-fun serve`` at ``server_url`` until Ctrl+C / SIGTERM.
 
     ``host`` / ``port``: where the dashboard listens (127.0.0.1 by default; 0 picks a free port). ``api_key`` (or

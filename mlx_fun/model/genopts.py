@@ -14,38 +14,59 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import UserError, param, require_whole
+import click
+
+from ..core.options import Group, Opt, option
+from ..core.ranges import DRAFT_TOKENS
+from ..errors import UserError, param
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
+#: ``draft_model`` of the generating jobs (smoke-test, steer, serve): a path or repo id, resolved by ``@job``
+DRAFT_MODEL = Opt("A smaller model with the same tokenizer for speculative decoding (mlx-lm's; a directory or a repo "
+                  "id). Greedy output is unchanged; --temp > 0 samples as mlx-lm does then.",
+                  missing="pass a local mlx-lm model directory or a Hugging Face repo id")
 
 
 @dataclass(frozen=True)
-class GenOptions:
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = 5000
-    max_kv_size: int | None = None
-    num_draft_tokens: int = 2
+class GenOptions(Group):
+    """mlx-lm's KV-cache and speculative-decoding options, as ``mlx_lm.generate`` names them (``draft_model`` itself
+    is the job's parameter: a model it resolves and loads). Built, each field is checked against its option and
+    :meth:`validate`; :meth:`check` adds what needs the backend or the draft model."""
 
-    def check(self, *, draft: str | Path | None) -> "GenOptions":
-        """A one-line ``UserError`` naming the option for a value or a combination mlx-lm does not run, or a
-        ``draft`` model path that does not exist (a repo id is resolved before the job runs: mlx_fun.model.hub)."""
-        from ..errors import require_path
+    kv_bits: int | None = option(
+        None, "Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache).", type=click.Choice(KV_BITS),
+        default_text="float")
+    kv_group_size: int = option(64, "Group size of the quantized KV cache.", type=click.Choice(KV_GROUP_SIZES))
+    quantized_kv_start: int = option(
+        5000, "With --kv-bits: quantize the cache once it holds this many tokens (0: from the start).",
+        type=click.IntRange(min=0))
+    max_kv_size: int | None = option(
+        None, "Keep at most this many tokens in the KV cache (mlx-lm's rotating cache; not with --kv-bits or "
+        "--draft-model).", type=click.IntRange(min=1))
+    num_draft_tokens: int = option(2, "Tokens the draft model proposes per step.", type=DRAFT_TOKENS)
 
-        require_path("draft_model", draft, "pass a local mlx-lm model directory or a Hugging Face repo id")
-        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
-            raise UserError(f"{param('kv_bits')} must be one of {', '.join(map(str, KV_BITS))} (bits per cached "
-                            f"key/value), got {self.kv_bits!r}.")
-        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in KV_GROUP_SIZES:
-            raise UserError(f"{param('kv_group_size')} must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got "
-                            f"{self.kv_group_size!r}.")
-        require_whole("quantized_kv_start", self.quantized_kv_start, 0)
-        require_whole("max_kv_size", self.max_kv_size, 1, none_ok=True)
-        require_whole("num_draft_tokens", self.num_draft_tokens, 1)
+    def __post_init__(self) -> None:
+        # the two choices first, in the words Python callers have been given (``kv_bits= must be one of ...``);
+        # the command line says click's own (``'7' is not one of ...``) before a GenOptions is built
+        for name, choices, what in (("kv_bits", KV_BITS, " (bits per cached key/value)"),
+                                    ("kv_group_size", KV_GROUP_SIZES, "")):
+            value = getattr(self, name)
+            if value is None and name == "kv_bits":
+                continue  # a float cache
+            if isinstance(value, bool) or value not in choices:
+                raise UserError(f"{param(name)} must be one of {', '.join(map(str, choices))}{what}, got {value!r}.")
+        super().__post_init__()
+
+    def validate(self) -> None:
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise UserError(f"{param('kv_bits')} and {param('max_kv_size')} do not go together: mlx-lm cannot "
                             f"quantize its rotating KV cache; pass one of them.")
+
+    def check(self, *, draft: str | Path | None) -> "GenOptions":
+        """What a built GenOptions cannot know alone: whether the backend runs mlx-lm's quantized KV attention, and
+        that a ``draft`` model (whose path ``@job`` checked) does not go with ``max_kv_size``; one line naming the
+        option."""
         if self.kv_bits is not None and (problem := kv_quantization_problem(self.kv_bits, self.kv_group_size)):
             raise UserError(f"{param('kv_bits')} {self.kv_bits} cannot run on this backend: mlx-lm's quantized KV "
                             f"attention fails here ({problem}); drop {param('kv_bits')} (or use {param('max_kv_size')} "

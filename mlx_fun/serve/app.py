@@ -22,9 +22,11 @@ from pathlib import Path
 from mlx_lm.server import get_system_fingerprint
 
 from ..errors import UserError, param
+from ..model.genopts import GenOptions
 from .counting import DRAFT_PROBE, PADDING_PROBE, padding_probe_supported
 from .generator import CountingResponseGenerator, ServedModelProvider, ServedPromptCache, model_aliases, server_args
 from .handler import HTTPError, ReapHandler
+from .options import ServerOptions, StartupSteering
 
 MAX_BODY_BYTES = 8 << 20
 ROUTES = [("GET", "/v1/reap/stats"), ("GET", "/v1/reap/info"), ("POST", "/v1/reap/save"),
@@ -261,26 +263,34 @@ def _bind(host: str, port: int, max_connections: int) -> _HTTPServer:
                         "free one) or stop what is using it.") from None
 
 
+def _repo_id(model) -> str | None:
+    """The Hugging Face repo id ``model`` was resolved from by the running job (served under it, as mlx_lm.server
+    serves an id); None for a local directory."""
+    from ..model.hub import source
+
+    origin = source(model)
+    return origin["repo_id"] if origin is not None and "revision" in origin else None
+
+
 def _app_generator(args) -> CountingResponseGenerator:
     return args[2].app.generator  # (request, client_address, server): the server knows its app
 
 
-def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_key: str | None,
-          max_tokens: int, max_tokens_limit: int, context: int, chat_template: str | None,
-          decode_concurrency: int, prompt_concurrency: int,
-          prefill_step_size: int, prompt_cache_size: int, prompt_cache_bytes: int | None,
-          allowed_origins: list[str], max_body_bytes: int, max_connections: int = 64,
-          request_timeout: float = 30.0, max_prompt_tokens: int | None = None, settings=None, auto_save: Path | None,
-          steering=None, options=None, draft_model: str | None = None, name: str | None = None,
-          log=lambda line: None) -> Server:
-    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``settings``: the dispatch to install
-    (:class:`mlx_fun.settings.RunSettings`, checked; None: its defaults); ``steering(counter) -> Steering | None``;
-    ``options``: mlx-lm's generation options (:class:`mlx_fun.model.genopts.GenOptions`, checked), ``draft_model`` its
-    speculative decoding; ``name``: the repo id the model is served under (None: its directory's name)."""
-    from ..model.genopts import GenOptions
-
-    options = options or GenOptions()
-    httpd = _bind(host, port, max_connections)
+def start(*, model: str, mode: str, server: ServerOptions, context: int, steering: StartupSteering | None = None,
+          settings=None, generation: GenOptions | None = None, draft_model: str | Path | None = None,
+          auto_save: Path | None = None, log=lambda line: None) -> Server:
+    """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``server``: how it listens and serves, as
+    :func:`mlx_fun.jobs.serve.start` normalised it (``data_dir`` resolved, ``api_key`` / ``chat_template`` /
+    ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens`` decided); ``context``: the model's context length;
+    ``steering``: the startup steering (None: none); ``settings``: the dispatch to install
+    (:class:`mlx_fun.settings.RunSettings`, checked; None: its defaults); ``generation``: mlx-lm's generation options
+    (:class:`mlx_fun.model.genopts.GenOptions`, checked), ``draft_model`` its speculative decoding. A model the job
+    resolved from a repo id is served under that id (else under its directory's name)."""
+    options = generation or GenOptions()
+    draft_model = None if draft_model is None else str(draft_model)
+    name = _repo_id(model)
+    host, prompt_concurrency = server.host, server.prompt_concurrency
+    httpd = _bind(host, server.port, server.max_connections)
     probes = [PADDING_PROBE] if padding_probe_supported() else []
     if not probes and prompt_concurrency > 1:
         log("Warning: this mlx-lm pads batched prompts in a way mlx-fun cannot see; prompts are processed one at "
@@ -290,22 +300,24 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
         probes.append(DRAFT_PROBE)
     for probe in probes:
         probe.install()
-    args = server_args(model=model, max_tokens=max_tokens, chat_template=chat_template,
-                       decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
-                       prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
-                       prompt_cache_bytes=prompt_cache_bytes, allowed_origins=allowed_origins, options=options,
-                       draft_model=draft_model)
+    args = server_args(model=model, max_tokens=server.max_tokens, chat_template=server.chat_template,
+                       decode_concurrency=server.decode_concurrency, prompt_concurrency=prompt_concurrency,
+                       prefill_step_size=server.prefill_step_size, prompt_cache_size=server.prompt_cache_size,
+                       prompt_cache_bytes=server.prompt_cache_bytes, allowed_origins=list(server.allowed_origins),
+                       options=options, draft_model=draft_model)
     aliases = model_aliases(model, name)
     provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", settings=settings,
                                    max_kv_size=options.max_kv_size)
     fresh = provider.fresh_cache if options.max_kv_size is not None else None
-    generator = CountingResponseGenerator(provider, ServedPromptCache(prompt_cache_size, fresh),
-                                          max_prompt_tokens=max_prompt_tokens or context)
+    max_prompt_tokens = server.max_prompt_tokens or context
+    generator = CountingResponseGenerator(provider, ServedPromptCache(server.prompt_cache_size, fresh),
+                                          max_prompt_tokens=max_prompt_tokens)
     port = httpd.server_address[1]
     generation = {**dataclasses.asdict(options), "draft_model": draft_model}
-    app = ServeApp(Path(model), mode, data_dir, api_key, max_body_bytes, _allowed_hosts(host, port), provider,
-                   generator, max_tokens_limit, context, max_prompt_tokens or context, request_timeout,
-                   max_connections, auto_save, aliases, name=name, generation=generation)
+    app = ServeApp(Path(model), mode, Path(server.data_dir), server.api_key, server.max_body_bytes,
+                   _allowed_hosts(host, port), provider, generator, server.max_tokens_limit, context, max_prompt_tokens,
+                   float(server.request_timeout), server.max_connections, auto_save, aliases, name=name,
+                   generation=generation)
     httpd.app = app
     server = Server(httpd, app, probes)
     try:
@@ -318,8 +330,9 @@ def start(*, model: str, host: str, port: int, mode: str, data_dir: Path, api_ke
             err = provider.load_error
             raise UserError(f"could not load {param('model')} {model}: "
                             f"{err if err is not None else 'generation thread died'}")
-        if steering is not None:
-            s = steering(provider.counter)
+        build = None if steering is None else steering.builder()
+        if build is not None:
+            s = build(provider.counter)
             if s is not None:
                 generator.post_steering(s)
                 provider.counter.sync(generator.generation_available)
