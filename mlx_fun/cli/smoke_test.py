@@ -10,7 +10,7 @@ from .options import job_kwargs, job_options
 
 
 @click.command("smoke-test", short_help="Generate text from a model (greedy or seeded Gumbel sampling), with tok/s.")
-@job_options(smoke_test.run, skip=("token_budget",))  # not an option of smoke-test's command line (yet): see the job
+@job_options(smoke_test.run)
 @friendly_errors
 def command(**kwargs):
     """Load MODEL and generate up to --max-tokens tokens after --prompt, using mlx-lm's KV cache

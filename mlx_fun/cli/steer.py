@@ -10,7 +10,7 @@ from .options import job_kwargs, job_options
 
 
 @click.command("steer", short_help="Generate with safety / domain experts forced on or off (SteerMoE).")
-@job_options(steer.run, skip=("token_budget",))  # not an option of steer's command line (yet): see the job
+@job_options(steer.run)
 @friendly_errors
 def command(**kwargs):
     """Generate after --prompt with chosen experts steered before every MoE layer's own selection

@@ -196,19 +196,23 @@ def folding(run: Callable) -> Callable:
     return wrapped
 
 
-def checking_paths(run: Callable) -> Callable:
-    """Wrap ``run`` so every path it reads that must exist (an option declared with ``missing``:
-    :class:`mlx_fun.core.options.Opt`, on a parameter or a group field) does, before the body runs: one line naming
-    the option and the fix."""
-    opts = {name: opt for name, (opt, _default) in job_opts(run).items() if opt.missing}
+def checking_options(run: Callable) -> Callable:
+    """Wrap ``run`` so each option given to it is checked against its declaration before the body runs: a value
+    against its range or choices (:func:`mlx_fun.core.options.check_value`; a group checked itself when built), and
+    every path it reads that must exist (``Opt(missing=...)``, on a parameter or a group field) does. One line
+    naming the option and the fix."""
+    opts = {name: opt for name, (opt, _default) in job_opts(run).items()}
     groups = option_groups(run)
+    defaults = {name: p.default for name, p in inspect.signature(run).parameters.items()}
 
     @functools.wraps(run)
     def wrapped(*args, **kwargs):
         for name, opt in opts.items():
-            check_path(name, kwargs.get(name), opt)
+            if name in kwargs:
+                check_value(name, kwargs[name], opt)
+                check_path(name, kwargs[name], opt)
         for name, cls in groups.items():
-            value = kwargs.get(name, inspect.signature(run).parameters[name].default)
+            value = kwargs.get(name, defaults[name])
             if isinstance(value, cls) and hasattr(value, "check_paths"):
                 value.check_paths()
         return run(*args, **kwargs)
@@ -221,12 +225,12 @@ def job(run: Callable | None = None, *, any_model: bool = False):
     a Hugging Face repo id in ``model`` (``reference``, ``draft_model``) resolved first, with ``revision=``
     (:func:`mlx_fun.model.hub.resolving`; ``any_model``: a dense model too); group fields given by name folded into
     their group (:func:`folding`); each group an instance of its dataclass (:func:`mlx_fun.settings.checking_groups`);
-    every path it reads that must exist does (:func:`checking_paths`); every output the job reserves refused if it
+    each option within its declared range and every path it reads that must exist there (:func:`checking_options`); every output the job reserves refused if it
     is, holds or lies in a path the job reads (:func:`job_inputs`, the one input guard, from the signature)."""
     from ..model.hub import resolving
 
     def wrap(run: Callable) -> Callable:
-        return resolving(folding(job_inputs(checking_groups(checking_paths(run)))), needs_moe=not any_model)
+        return resolving(folding(job_inputs(checking_groups(checking_options(run)))), needs_moe=not any_model)
 
     return wrap if run is None else wrap(run)
 
