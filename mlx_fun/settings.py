@@ -125,14 +125,18 @@ def option_groups(func) -> dict[str, type]:
 
 def grouped(run, kwargs: dict) -> dict:
     """``kwargs`` given by option name (as on the command line) with the fields of ``run``'s option groups
-    (:func:`option_groups`: ``selection``, ``settings``, ...) folded into those groups; the rest as they are."""
+    (:func:`option_groups`: ``selection``, ``settings``, ...) folded into those groups — over the group given, else
+    the job's default instance, so a job's own defaults stay (merge's ``batch_size=8``); the rest as they are."""
     import dataclasses
+    import inspect
 
     out = dict(kwargs)
     for name, group in option_groups(run).items():
         names = {f.name for f in dataclasses.fields(group)}
         if names & set(out):
-            out[name] = group(**{k: out.pop(k) for k in list(out) if k in names})
+            base = out.get(name)
+            base = base if isinstance(base, group) else inspect.signature(run).parameters[name].default
+            out[name] = dataclasses.replace(base, **{k: out.pop(k) for k in list(out) if k in names})
     return out
 
 
