@@ -10,7 +10,7 @@ from .options import job_kwargs, job_options
 
 
 @click.command("prune", short_help="Remove the least salient experts (REAP) and save an mlx-lm model.")
-@job_options(prune.run, skip=("progress",))
+@job_options(prune.run)
 @friendly_errors
 def command(**kwargs):
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.

@@ -9,7 +9,7 @@ from .common import echo_err, friendly_errors
 from .options import job_kwargs, job_options
 
 @click.command("quantize", short_help="MoE-aware mixed precision: router, dense parts and experts apart.")
-@job_options(quantize.run, skip=("progress",))
+@job_options(quantize.run)
 @friendly_errors
 def command(**kwargs):
     """Quantize a float MoE MODEL with one setting for its routed experts and another for the parts every
