@@ -108,11 +108,13 @@ def grouped(run, kwargs: dict) -> dict:
     """``kwargs`` with every ``group.field`` key folded into that option group (its default with the field set)."""
     groups = option_groups(run)
     out = {k: v for k, v in kwargs.items() if "." not in k}
+    fields: dict[str, dict] = {}
     for key, v in kwargs.items():
         if "." in key:
             group, field = key.split(".")
-            out[group] = dataclasses.replace(out.get(group, inspect.signature(run).parameters[group].default),
-                                             **{field: v})
+            fields.setdefault(group, {})[field] = v
+    for group, values in fields.items():  # all at once: a group checks the rules between its fields when built
+        out[group] = dataclasses.replace(out.get(group, inspect.signature(run).parameters[group].default), **values)
     assert set(out) - set(inspect.signature(run).parameters) == set(), out
     return out
 
