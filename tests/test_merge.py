@@ -34,7 +34,17 @@ from .cli_helpers import expect_error as _error, run  # noqa: E402
 RNG = np.random.default_rng(7)
 SAMPLES = [RNG.integers(3, 500, n).tolist() for n in (20, 11)]
 BATCH = [SAMPLES[0][:11], SAMPLES[1]]  # logits of both samples, cut to one length
-SMALL = dict(max_similarity_tokens=24, max_alignment_tokens=16, seed=0)
+def small(*, n_prune=None, batch_size=8, seed=0, **ream):
+    """merge_model's groups for a small run (few similarity / alignment tokens, seed 0) with ``ream``'s fields."""
+    from mlx_fun.datasets.calibration import Calibration
+    from mlx_fun.experts.selection import Selection
+    from mlx_fun.rewrite.merge_options import Ream
+
+    ream = {"max_similarity_tokens": 24, "max_alignment_tokens": 16, **ream}
+    return dict(selection=Selection(n_prune=n_prune), ream=Ream(**ream),
+                calibration=Calibration(seed=seed, batch_size=batch_size))
+
+
 NO_GROUPS = ("deepseek_v3", "deepseek_v32")  # 8 experts in 4 router groups cannot lose any: use n_group=1
 
 
@@ -148,8 +158,8 @@ def test_merging_a_shuffled_copy_gives_back_the_original(model_type, alignment):
     L, E = len(adapter.moe_layers()), adapter.num_experts
     keep = {p: [e for e in range(E) if e != 1] for p in range(L)}
     sal = np.tile(np.array([10.0, 5.0] + [1.0] * (E - 2)), (L, 1))
-    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, alignment=alignment,
-                       max_group_size=2, **SMALL)  # fmt: skip
+    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal,
+                       **small(alignment=alignment, max_group_size=2))  # fmt: skip
     assert all(g["0"] == [0, 1] and all(len(m) == 1 for c, m in g.items() if c != "0")
                for g in meta["group_map"].values())  # fmt: skip
     prune_model(ref_adapter, keep)
@@ -171,9 +181,9 @@ def test_groups_of_one_equal_prune_bitwise(make_model, model_type, bits):
     L, E = len(adapter.moe_layers()), adapter.num_experts
     original = _logits(model, BATCH)
 
-    # nothing to merge: n_prune 0 with groups of one changes nothing
-    meta = merge_model(model, adapter, SAMPLES, saliency=np.ones((L, E)), n_prune=0, max_group_size=1,
-                       alignment="none", **SMALL)  # fmt: skip
+    # nothing to merge: every expert a centroid, groups of one, changes nothing
+    meta = merge_model(model, adapter, SAMPLES, keep_map={p: list(range(E)) for p in range(L)},
+                       saliency=np.ones((L, E)), **small(max_group_size=1, alignment="none"))  # fmt: skip
     assert all(len(m) == 1 for g in meta["group_map"].values() for m in g.values())
     assert np.array_equal(_logits(model, BATCH), original)
 
@@ -181,7 +191,7 @@ def test_groups_of_one_equal_prune_bitwise(make_model, model_type, bits):
     keep = {p: [0, 2, 3, 5, 6, 7] for p in range(L)}
     sal = np.zeros((L, E))
     sal[:, keep[0]] = np.arange(1, 7)
-    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, alignment="none", **SMALL)
+    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, **small(alignment="none"))
     assert sum(len(m) for m in meta["group_map"]["0"].values()) == E  # 1 and 4 did join a group
     pruned, _, pconfig = load_model(src)
     padapter = get_adapter(pruned, pconfig)
@@ -210,10 +220,10 @@ def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make
     sal = np.random.default_rng(3).random((L, E))
     if adapter.layerwise_reason:  # layers that cannot be replayed one at a time: one line, nothing merged
         with pytest.raises(UserError, match=f"which {model_type} does not allow: .*; use prune"):
-            merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, max_group_size=3, **SMALL)
+            merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2, max_group_size=3))
         assert adapter.num_experts == E
         return
-    meta = merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, max_group_size=3, **SMALL)
+    meta = merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2, max_group_size=3))
     _check_groups(meta, E, E - 2, 3)
     assert meta["method"] == "ream" and meta["merged_num_experts"] == E - 2 == adapter.num_experts
     merged_logits = _logits(model)
@@ -302,8 +312,8 @@ def test_merge_runs_each_layer_once_per_batch_plus_once_per_moe_layer():
             return _cls.__call__(self, *a, **k)
 
         layer.__class__ = type(f"Counted{i}", (cls,), {"__call__": counted})
-    merge_model(model, adapter, SAMPLES, saliency=np.ones((3, 8)), n_prune=2, batch_size=1,
-                max_similarity_tokens=100, max_alignment_tokens=8, seed=0)  # fmt: skip
+    merge_model(model, adapter, SAMPLES, saliency=np.ones((3, 8)),
+                **small(n_prune=2, batch_size=1, max_similarity_tokens=100, max_alignment_tokens=8))  # fmt: skip
     n = len(SAMPLES)  # every token is captured, so every batch runs the capture pass
     assert adapter.moe_layers() == [1, 2, 3]
     assert calls == [n, 2 * n, 2 * n, n]  # dense 0: propagate; MoE 1, 2: capture + propagate; last: capture only
@@ -423,5 +433,5 @@ def test_merge_refuses_checkpoints_whose_layers_read_earlier_layers(model_type, 
     adapter = get_adapter(model, cfg)
     sal = np.ones((len(adapter.moe_layers()), adapter.num_experts))
     with pytest.raises(UserError, match=f"{match}.*use prune"):
-        merge_model(model, adapter, SAMPLES, saliency=sal, n_prune=2, **SMALL)
+        merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2))
     assert adapter.num_experts == 8

@@ -96,12 +96,12 @@ def test_a_prune_or_merge_that_removes_nothing_is_refused(tmp_path, make_model):
            "--n-prune", "0 is not in the range x>=1")
     _error(run("merge", "--model", model, "--saliency", sal, "--n-prune", 0, "--dataset", SAMPLE, "--output", out),
            "--n-prune", "0 is not in the range x>=1")
-    with pytest.raises(UserError, match=r"^n_prune= 0 removes no expert: the output would be an unchanged copy "
-                                        r"labelled pruned; pass n_prune= 1 or more\.$"):
-        jobs.prune.run(model=model, saliency=sal, selection=Selection(n_prune=0), output=out)
-    with pytest.raises(UserError, match=r"^n_prune= 0 merges no expert away: .* labelled merged"):
-        jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=0), dataset=SAMPLE, output=out)
-    with pytest.raises(UserError, match=r"^seed= must be a whole number >= 0, got -1\.$"):  # numpy's ValueError
+    for bad in (0, -3):  # one rule for prune and merge, where the selection is built (Selection is a Group)
+        with pytest.raises(UserError, match=rf"^n_prune= must be a whole number >= 1, got {bad}\.$"):
+            Selection(n_prune=bad)
+        with pytest.raises(UserError, match=rf"^n_prune= must be a whole number >= 1, got {bad}\.$"):
+            jobs.prune.run(model=model, saliency=sal, n_prune=bad, output=out)  # a field given by name: the same
+    with pytest.raises(UserError, match=r"^seed= must be a whole number between 0 and \d+, got -1\.$"):  # Calibration
         jobs.merge.run(model=model, saliency=sal, selection=Selection(n_prune=1), dataset=SAMPLE, output=out, seed=-1)
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     nothing = tmp_path / "nothing.json"

@@ -85,6 +85,7 @@ def test_errors_name_the_keyword_in_python_and_the_flag_on_the_command_line(tmp_
     assert param("n_prune") == "n_prune="
     with cli_names():
         assert param("n_prune") == "--n-prune"
+    (tmp_path / "s.npz").touch()  # an input that must exist is checked first (Opt(missing=...))
     with pytest.raises(UserError, match=r"^saliency= needs n_prune= "):
         jobs.prune.run(model=qwen_model, saliency=tmp_path / "s.npz", output=tmp_path / "out")
     result = CliRunner().invoke(main, ["prune", "--model", str(qwen_model), "--saliency", str(tmp_path / "s.npz"),

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, echo_err, force_option, friendly_errors, model_option
+from ..jobs import amplify
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("amplify", short_help="Permanently favour a domain's experts (router bias), loadable by mlx_lm.load.")
-@model_option
-@click.option("--domain-map", required=True, type=click.Path(dir_okay=False),
-              help="domain_report.json from `mlx-fun domain-scan` (its domain experts and composite scores).")
-@click.option("--output", required=True, type=click.Path(file_okay=False), help="Model directory to write.")
-@click.option("--scale", type=FiniteFloat(min=0.0, min_open=True), default=1.0, show_default=True,
-              help="Boost = scale × max(0, composite − threshold) per domain expert.")
-@click.option("--threshold", type=FiniteFloat(), default=0.0, show_default=True,
-              help="Composite score a domain expert must exceed to be boosted.")
-@force_option("a non-empty --output directory")
+@job_options(amplify.run)
 @friendly_errors
 def command(**kwargs):
     """Add a boost to each domain expert's router bias — the family's own selection-only bias (DeepSeek-V3,
@@ -28,9 +22,7 @@ def command(**kwargs):
     Example (a tiny random deepseek_v3 from scripts/make_tiny_moe.py, scanned with domain-scan):
       mlx-fun amplify --model tiny-dsv3 --domain-map dsv3_domain.json --output amplified --scale 1.0
     """
-    from ..jobs import amplify
-
-    show(amplify.run(**kwargs, log=echo_err))
+    show(amplify.run(**job_kwargs(amplify.run, kwargs), log=echo_err))
 
 
 def show(result) -> None:

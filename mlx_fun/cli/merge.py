@@ -2,67 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
-from .common import (
-    SEED,
-    echo_err,
-    force_option,
-    friendly_errors,
-    metric_option,
-    model_option,
-    run_settings,
-    take,
-    token_budget_option,
-)
+from ..jobs import merge
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 from .prune import echo_size_summary
 
 
 @click.command("merge", short_help="Merge experts into fewer centroids (REAM) and save an mlx-lm model.")
-@model_option
-@click.option("--saliency", type=click.Path(), default=None,
-              help="Saliency .npz from `mlx-fun collect`: picks the centroids (with --n-prune) and weights the "
-                   "averages (with --expert-list: only weights them).")
-@click.option("--expert-list", type=click.Path(), default=None,
-              help="JSON/CSV list of experts per layer; its kept experts are the centroids (replaces --n-prune).")
-@click.option("--dataset", required=True, type=click.Path(),
-              help="Calibration data for similarity and alignment (JSONL or a directory, as for collect).")
-@click.option("--output", required=True, type=click.Path(),
-              help="Directory for the merged model (must not be --model).")
-@click.option("--n-prune", type=click.IntRange(min=1), default=None,
-              help="Experts merged away per layer (or expert indices, with --model-wide); E - n centroids stay.")
-@metric_option()
-@click.option("--model-wide", is_flag=True, help="Keep the same centroid indices in every layer (column sums).")
-@click.option("--min-experts-per-layer", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --model-wide: never keep fewer centroids than this in a layer.")
-@click.option("--ignore-experts", default=None,
-              help='With --model-wide: indices always kept as centroids, e.g. "0,1,250..255".')
-@click.option("--similarity-mode", type=click.Choice(["gated", "average"]), default="gated", show_default=True,
-              help="gated: cosine of router-probability-weighted mean outputs; average: of plain mean outputs. "
-                   "Both are averaged with the router-logit correlation.")
-@click.option("--alignment", type=click.Choice(["hungarian", "greedy", "none"]), default="hungarian", show_default=True,
-              help="Neuron alignment before averaging: hungarian (optimal), greedy (fast), none.")
-@click.option("--max-group-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Most experts per merge group, centroid included (REAM's C). Never exceeded: a size too "
-                   "small for the centroids to hold every expert is refused, naming the smallest that works.")
-@click.option("--max-samples", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Calibration samples (a random subset when the dataset has more).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Truncate every sample to this many tokens.")
-@click.option("--max-similarity-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Tokens (random subset) on which every expert is run to measure similarity.")
-@click.option("--max-alignment-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Tokens (subset of the similarity tokens) whose activations align neurons.")
-@click.option("--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Samples per forward pass while hidden states are pushed through the layers.")
-@click.option("--seed", type=SEED, default=None, help="Seed for the sample subset and the token subsets.")
-@force_option("a non-empty --output directory")
-@click.option("--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
-              help="MoE expert dispatch for the calibration forwards (see `mlx-fun eval --help`).")
-@click.option("--dispatch-table", type=click.Path(dir_okay=False), default=None,
-              help="Extra cut-off table (JSON from `mlx-fun tune-dispatch`).")
-@token_budget_option
+@job_options(merge.run, skip=("dequant_cache",))  # merge refuses any dequantized-experts cache: no such option
 @friendly_errors
 def command(**kwargs):
     """Merge MODEL's routed experts around the most salient ones (REAM) and write an mlx-lm directory to OUTPUT.
@@ -82,12 +33,9 @@ def command(**kwargs):
     mode); the result is the size of a pruned model with the same expert count and loads with plain
     mlx_lm.load(). ream_metadata.json records centroids and groups.
     """
-    from ..jobs import merge
-    from ..rewrite.merge_options import Ream
-    from ..experts.selection import Selection
-
-    selection, ream, settings = take(kwargs, Selection), take(kwargs, Ream), run_settings(kwargs)
-    show(merge.run(**kwargs, selection=selection, ream=ream, settings=settings, log=echo_err))
+    kwargs = job_kwargs(merge.run, kwargs)
+    kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)
+    show(merge.run(**kwargs, log=echo_err))
 
 
 def show(result) -> None:

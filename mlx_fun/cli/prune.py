@@ -4,32 +4,13 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_err, force_option, friendly_errors, metric_option, model_option, take
+from ..jobs import prune
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("prune", short_help="Remove the least salient experts (REAP) and save an mlx-lm model.")
-@model_option
-@click.option("--saliency", type=click.Path(), default=None, help="Saliency .npz from `mlx-fun collect`.")
-@click.option("--expert-list", type=click.Path(), default=None,
-              help="JSON/CSV list of experts to keep or remove per layer (see README); replaces --saliency/--n-prune.")
-@click.option("--output", required=True, type=click.Path(), help="Directory for the pruned model (must not be --model).")
-@click.option("--n-prune", type=click.IntRange(min=1), default=None,
-              help="Experts to remove: per layer, or expert indices removed from every layer with --model-wide.")
-@metric_option()
-@click.option("--strategy", type=click.Choice(["bottom", "strided"]), default="bottom", show_default=True,
-              help="bottom: remove the lowest scores; strided: spread removals over the saliency range.")
-@click.option("--model-wide", is_flag=True, help="Remove the same expert indices from every layer (column sums).")
-@click.option("--min-experts-per-layer", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --model-wide: never keep fewer experts than this in a layer.")
-@click.option("--ignore-experts", default=None, help='With --model-wide: indices never pruned, e.g. "0,1,250..255".')
-@click.option("--safety-map", type=click.Path(), default=None, help="Safety report JSON listing experts per layer (format: README, Report files).")
-@click.option("--safety-mode", type=click.Choice(["protect", "target"]), default=None,
-              help="protect: never prune safety-critical experts; target: prune them first.")
-@click.option("--domain-map", type=click.Path(), default=None, help="Domain report JSON listing experts per layer (format: README, Report files).")
-@click.option("--domain-mode", type=click.Choice(["protect"]), default=None, help="protect: never prune domain experts.")
-@click.option("--max-shard-size", default="5GB", show_default=True,
-              help="Largest output .safetensors file (e.g. 5GB, 500MB); more become shards with an index.")
-@force_option("a non-empty --output directory")
+@job_options(prune.run)
 @friendly_errors
 def command(**kwargs):
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.
@@ -46,11 +27,7 @@ def command(**kwargs):
     It streams: tensors are copied or sliced from the model's files one at a time (never decoded), so memory
     stays near the largest tensor, however large the model.
     """
-    from ..jobs import prune
-    from ..experts.selection import Selection
-
-    selection = take(kwargs, Selection)
-    show(prune.run(**kwargs, selection=selection, progress=True, log=echo_err))
+    show(prune.run(**job_kwargs(prune.run, kwargs), progress=True, log=echo_err))
 
 
 def show(result) -> None:

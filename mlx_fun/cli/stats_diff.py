@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_warnings, fmt_number, force_option, friendly_errors, metric_option, text_table
+from ..jobs import stats_diff
+from .common import echo_warnings, fmt_number, friendly_errors, text_table
+from .options import job_kwargs, job_options
 
 
 @click.command(
     "stats-diff",
     short_help="Compare one saliency metric between two saliency files.",
 )
-@click.option("--file1", required=True, type=click.Path(), help="First saliency .npz (from `mlx-fun collect`).")
-@click.option("--file2", required=True, type=click.Path(), help="Second saliency .npz of the same model.")
-@metric_option()
-@click.option("--output", type=click.Path(), default=None,
-              help="Also write the full report (stats, top lists, whole diff matrix) as JSON here.")
-@force_option()
+@job_options(stats_diff.run)
 @friendly_errors
 def command(**kwargs):
     """Compare a saliency metric between two collected saliency files of the same model.
@@ -29,9 +26,7 @@ def command(**kwargs):
     Example:
       mlx-fun stats-diff --file1 code.npz --file2 prose.npz --metric freq --output diff.json
     """
-    from ..jobs import stats_diff
-
-    show(stats_diff.run(**kwargs), kwargs["output"])
+    show(stats_diff.run(**job_kwargs(stats_diff.run, kwargs)), kwargs["output"])
 
 
 def show(report: dict, output=None) -> None:

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import click
 
-from .common import echo_warnings, fmt_number, force_option, friendly_errors, metric_option
+from ..jobs import stats_merge
+from .common import echo_warnings, fmt_number, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command(
     "stats-merge",
     short_help="Rank-merge saliency files of several datasets into one.",
 )
-@click.option("--files", "files", required=True, multiple=True, type=click.Path(),
-              help="Saliency .npz to merge; repeat for each file (at least 2, same model).")
-@click.option("--output", required=True, type=click.Path(), help="Merged saliency .npz to write.")
-@force_option()
-@metric_option()
+@job_options(stats_merge.run)
 @friendly_errors
 def command(**kwargs):
     """Combine saliency files of several datasets by rank aggregation.
@@ -32,9 +30,7 @@ def command(**kwargs):
     Example:
       mlx-fun stats-merge --files code.npz --files prose.npz --output merged.npz --metric reap
     """
-    from ..jobs import stats_merge
-
-    show(stats_merge.run(**kwargs))
+    show(stats_merge.run(**job_kwargs(stats_merge.run, kwargs)))
 
 
 def show(result) -> None:

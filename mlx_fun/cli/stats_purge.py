@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import click
 
-from .common import FiniteFloat, echo_warnings, fmt_number, force_option, friendly_errors, text_table
+from ..jobs import stats_purge
+from .common import echo_warnings, fmt_number, friendly_errors, text_table
+from .options import job_kwargs, job_options
 
 
 @click.command(
     "stats-purge",
     short_help="Zero out experts with too little activation evidence.",
 )
-@click.option("--input", required=True, type=click.Path(), help="Saliency .npz to clean.")
-@click.option("--output", required=True, type=click.Path(), help="Purged saliency .npz to write (same shape).")
-@force_option()
-@click.option("--min-freq", type=FiniteFloat(min=0), default=None,
-              help="Zero out entries routed fewer than this many times (freq < MIN_FREQ).")
-@click.option("--min-count", type=FiniteFloat(min=0), default=None,
-              help="Zero out entries with fewer than this many output-norm samples (reap_count < MIN_COUNT).")
-@click.option("--max-norm", type=FiniteFloat(min=0), default=None,
-              help="Only report entries whose max activation norm exceeds this; nothing is capped or zeroed.")
+@job_options(stats_purge.run)
 @friendly_errors
 def command(**kwargs):
     """Zero out (layer, expert) entries with minimal activation in a saliency file.
@@ -32,8 +26,7 @@ def command(**kwargs):
     Example:
       mlx-fun stats-purge --input merged.npz --output purged.npz --min-freq 100 --min-count 10
     """
-    from ..jobs import stats_purge
-
+    kwargs = job_kwargs(stats_purge.run, kwargs)
     show(stats_purge.run(**kwargs), **kwargs)
 
 

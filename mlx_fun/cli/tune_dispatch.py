@@ -4,42 +4,13 @@ from __future__ import annotations
 
 import click
 
-from ..jobs.tune_dispatch import DEFAULT_MS
-from .common import FiniteFloat, echo_err, force_option, friendly_errors, take
+from ..jobs import tune_dispatch
+from .common import echo_err, friendly_errors
+from .options import job_kwargs, job_options
 
 
 @click.command("tune-dispatch", short_help="Measure sort/no-sort/blocked/dequant cut-offs of MoE experts here.")
-@click.option("--model", type=click.Path(), default=None,
-              help="An mlx-lm model (a local directory, or a Hugging Face repo id as in --model of the other commands): "
-                   "tune each distinct expert shape/quantization it has.")
-@click.option("--shape", multiple=True, metavar="D,H,E,K",
-              help="Instead of --model: a synthetic layer with these hidden, expert, expert-count and top-k sizes "
-                   "(repeatable), e.g. 2048,768,128,8 (Qwen3-30B-A3B).")
-@click.option("--quant", multiple=True,
-              help="With --shape (repeatable): float32, bfloat16, float16, affine4[-g64], affine8, mxfp4, nvfp4, "
-                   "mxfp8. Default: the float dtype of this backend (float32 on CPU, bfloat16 on a GPU) and affine4-g64.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="With --shape: activation (and scale) dtype of quantized layers (default float32 on CPU, "
-                   "bfloat16 on a GPU).")
-@click.option("--gpt-oss", is_flag=True, help="With --shape: gpt-oss experts (biases, clamped SwiGLU).")
-@click.option("--top-k", type=click.IntRange(min=1), default=None, help="With --model: override the top-k from config.json.")
-@click.option("--ms", default=DEFAULT_MS, show_default=True, help="Token counts M to measure.")
-@click.option("--max-m", type=click.IntRange(min=1), default=None,
-              help="Skip M above this (large M on a slow CPU takes minutes per call); the last band extends.")
-@click.option("--blocks", default="8,16,32,64", show_default=True, help="Block sizes R tried for the blocked plans.")
-@click.option("--no-dequant", is_flag=True, help="Do not try dequantize-then-gather_mm plans for quantized experts.")
-@click.option("--margin", type=FiniteFloat(min=0.0, max=0.5), default=0.05, show_default=True,
-              help="A plan replaces mlx-lm's only where it is at least this much (fraction) and 20 µs faster.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Minimum timed calls per plan and M (more for fast calls, up to 100; 1 for calls over 5 s).")
-@click.option("--output", type=click.Path(dir_okay=False), default=None,
-              help="Table file to write; an existing one only with --force, which merges the entries into it "
-                   "(same key: replaced). Default: the user table that --dispatch auto reads, merged into "
-                   "($MLX_FUN_DISPATCH_TABLE or "
-                   "~/.cache/mlx-fun/dispatch_table.json).")
-@force_option("an existing --output table, keeping its other entries")
-@click.option("--merge-into", type=click.Path(dir_okay=False), default=None,
-              help="Also merge the new entries into this table (e.g. mlx_fun/dispatch/dispatch_table.json of a checkout).")
+@job_options(tune_dispatch.run)
 @friendly_errors
 def command(**kwargs):
     """Measure, on the current backend (CPU, CUDA or Metal), how fast each expert dispatch plan runs a model's
@@ -56,11 +27,8 @@ def command(**kwargs):
     Example:
       mlx-fun tune-dispatch --model data/tiny-moe --max-m 256
     """
-    from ..dispatch.tune_options import Measurement
-    from ..jobs import tune_dispatch
-
-    measure = take(kwargs, Measurement)
-    show(tune_dispatch.run(**kwargs, measure=measure, progress=True, log=echo_err, on_entry=_print_entry))
+    kwargs = job_kwargs(tune_dispatch.run, kwargs)
+    show(tune_dispatch.run(**kwargs, progress=True, log=echo_err, on_entry=_print_entry))
 
 
 def show(result) -> None:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import click
+
+from ..core.options import Group, option
+from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
 
 
@@ -23,20 +27,27 @@ def int_list(text: str, what: str) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """How each expert shape is measured (fields = ``tune-dispatch`` options).
+class Measurement(Group):
+    """How each expert shape is measured (fields = ``tune-dispatch`` options; checked when built, the lists too).
 
     ``ms``: token counts M to time (comma-separated); ``max_m``: skip M above this (the last band extends);
     ``blocks``: block sizes R of the blocked plans; ``no_dequant``: do not try dequantize-then-gather_mm plans;
     ``margin``: a plan replaces mlx-lm's only where it is at least this fraction (and 20 µs) faster;
     ``repeats``: minimum timed calls per plan and M."""
 
-    ms: str = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
-    max_m: int | None = None
-    blocks: str = "8,16,32,64"
-    no_dequant: bool = False
-    margin: float = 0.05
-    repeats: int = 3
+    ms: str = option("1,2,4,8,16,32,64,128,256,512,1024,2048,4096", "Token counts M to measure.", type=click.STRING)
+    max_m: int | None = option(None, "Skip M above this (large M on a slow CPU takes minutes per call); the last "
+                               "band extends.", type=click.IntRange(min=1))
+    blocks: str = option("8,16,32,64", "Block sizes R tried for the blocked plans.", type=click.STRING)
+    no_dequant: bool = option(False, "Do not try dequantize-then-gather_mm plans for quantized experts.")
+    margin: float = option(0.05, "A plan replaces mlx-lm's only where it is at least this much (fraction) and 20 µs "
+                           "faster.", type=FiniteFloat(min=0.0, max=0.5))
+    repeats: int = option(3, "Minimum timed calls per plan and M (more for fast calls, up to 100; 1 for calls over "
+                          "5 s).", type=click.IntRange(min=1))
+
+    def validate(self) -> None:
+        int_list(self.ms, "ms")
+        int_list(self.blocks, "blocks")  # their range is checked by block_sizes (the table module imports MLX)
 
     def token_counts(self) -> list[int]:
         """The distinct ``ms`` up to ``max_m``, ascending (the smallest alone if none is that small)."""

@@ -55,8 +55,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import click
 import numpy as np
 
+from ..core.options import Group, Opt, option
 from ..errors import UserError, param
 
 STRATEGIES = ("bottom", "strided")
@@ -65,22 +67,37 @@ KeptMap = dict[int, list[int]]
 ExpertSets = dict[int, set[int]]
 
 
+#: the saliency metrics an expert ranking can use (:meth:`mlx_fun.observe.saliency.SaliencyAccumulator.scores`)
+METRICS = ("reap", "ean", "freq", "weighted_freq")
+#: ``--metric``: one declaration for prune, merge and the ``stats-*`` commands
+METRIC = Opt("Saliency metric: reap = mean(‖y‖·w), ean = mean(‖y‖), freq = routed count, weighted_freq = Σw.",
+             type=click.Choice(METRICS))
+
+
 @dataclass(frozen=True)
-class Selection:
+class Selection(Group):
     """Which experts go, by saliency (the option group ``selection`` of prune and merge; fields = their options).
 
     ``n_prune``: experts removed (prune) or merged away (merge) per layer, or expert indices removed from every
-    layer with ``model_wide``; ``metric``: the saliency metric ranking them (:data:`mlx_fun.observe.saliency.METRICS`);
+    layer with ``model_wide``; ``metric``: the saliency metric ranking them (:data:`METRICS`);
     ``model_wide``: the same indices in every layer (column sums); ``min_experts_per_layer``: with ``model_wide``,
     never keep fewer experts than this in a layer; ``ignore_experts``: with ``model_wide``, indices never removed
-    (``"0,1,250..255"``)."""
+    (``"0,1,250..255"``). Built, it refuses ``n_prune < 1`` and ``ignore_experts`` without ``model_wide``."""
 
-    n_prune: int | None = None
-    metric: str = "reap"
-    model_wide: bool = False
-    min_experts_per_layer: int = 1
-    ignore_experts: str | None = None
+    n_prune: int | None = option(
+        None, "Experts to remove (prune) or merge away (merge; E - n centroids stay) per layer, or expert indices "
+        "removed from every layer with --model-wide.", type=click.IntRange(min=1))
+    metric: str = option("reap", METRIC.help, type=METRIC.type)
+    model_wide: bool = option(False, "Remove the same expert indices from every layer (column sums); merge keeps "
+                              "the same centroid indices.")
+    min_experts_per_layer: int = option(1, "With --model-wide: never keep fewer experts (centroids) than this in a "
+                                        "layer.", type=click.IntRange(min=1))
+    ignore_experts: str | None = option(None, 'With --model-wide: indices never pruned (always kept as centroids), '
+                                        'e.g. "0,1,250..255".')
 
+    def validate(self) -> None:
+        if self.ignore_experts is not None and not self.model_wide:
+            raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
 
 # ---------------------------------------------------------------------------------------------- small helpers
 def _fmt_ints(values: Iterable[int], limit: int = 12) -> str:

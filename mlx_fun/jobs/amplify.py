@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
+import click
 import numpy as np
 
-from ..errors import UserError, param, require_path
-from .common import Log, check_supported, load_moe, quiet
+from ..core.options import Opt
+from ..core.ranges import FiniteFloat
+from ..errors import UserError, param
+from .common import FORCE_DIR, MODEL, Log, job, model_job, quiet
 
 
 @dataclass
@@ -20,20 +24,25 @@ class AmplifyResult:
     warnings: list[str] = field(default_factory=list)
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    domain_map: str | Path,
-    output: str | Path,
-    scale: float = 1.0,
-    threshold: float = 0.0,
-    force: bool = False,
+    model: Annotated[str | Path, MODEL],
+    domain_map: Annotated[str | Path, Opt("domain_report.json from `mlx-fun domain-scan` (its domain experts and "
+                                          "composite scores).", type=click.Path(dir_okay=False),
+                                          missing="pass a domain_report.json written by `mlx-fun domain-scan`")],
+    output: Annotated[str | Path, Opt("Model directory to write.", type=click.Path(file_okay=False))],
+    scale: Annotated[float, Opt("Boost = scale × max(0, composite − threshold) per domain expert.",
+                                type=FiniteFloat(min=0.0, min_open=True))] = 1.0,
+    threshold: Annotated[float, Opt("Composite score a domain expert must exceed to be boosted.",
+                                    type=FiniteFloat())] = 0.0,
+    force: Annotated[bool, FORCE_DIR] = False,
     log: Log = quiet,
 ) -> AmplifyResult:
     """Add ``scale × max(0, composite − threshold)`` to each domain expert's router bias (the family's own
     selection-only bias, else the router's linear bias) and write the model to ``output``
     (:mod:`mlx_fun.rewrite.amplify`); families without such a parameter are refused."""
-    from ..core import json_input, writer
+    from ..core import json_input
     from ..experts.expert_files import load_report_experts
     from ..output.model_dir import params_nbytes, write_model_dir
     from ..rewrite.amplify import apply, target
@@ -44,11 +53,8 @@ def run(
             raise UserError(f"{param(name)} must be a finite number, got {value!r}.")
     if scale <= 0:
         raise UserError(f"{param('scale')} must be above 0 (0 would write the model unchanged), got {scale}.")
-    check_supported(model)
-    require_path("domain_map", domain_map, "pass a domain_report.json written by `mlx-fun domain-scan`")
-    inputs = {param("model"): model, param("domain_map"): domain_map}
-    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log, tokenizer=False)
+    with model_job(model, output=output, kind="dir", force=force, log=log, lazy=True, tokenizer=False) as job_:
+        res, mdl, config, adapter = job_.res, job_.model, job_.config, job_.adapter
         snapshot = Snapshot(mdl, model, config)  # streaming: untouched tensors are copied from the files
         found = target(adapter, adapter.blocks()[0])
         if found is None:

@@ -266,7 +266,7 @@ def model_job(model, *, output=None, kind: str = "file", suffix: str | None = No
     checked = checked or check_moe(model)
     if before_load is not None:
         before_load()
-    reserve = (writer.output(output, kind=kind, suffix=suffix, force=force) if output is not None
+    reserve = (writer.output(output, kind=kind, suffix=suffix or "", force=force) if output is not None
                else contextlib.nullcontext())
     with reserve as res:
         mdl, tok, config, adapter = (load() if load is not None else

@@ -6,12 +6,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Annotated
+
 from .. import __version__
-from ..errors import UserError, param, require_path, require_whole
-from ..rewrite.merge_options import Ream
+from ..core.options import Opt
+from ..datasets.calibration import Calibration
+from ..errors import UserError, param
 from ..experts.selection import Selection
+from ..rewrite.merge_options import Ream
 from ..settings import RunSettings
-from .common import Log, check_supported, load_moe, quiet, warn_past_context
+from .common import DATASET, FORCE_DIR, MODEL, Loaded, Log, check_moe, job, model_job, quiet, warn_past_context
 
 
 @dataclass
@@ -26,22 +30,27 @@ class MergeResult:
     warnings: list[str] = field(default_factory=list)
 
 
+SALIENCY = Opt("Saliency .npz from `mlx-fun collect`: picks the centroids (with --n-prune) and weights the averages "
+               "(with --expert-list: only weights them).", missing="pass the .npz `mlx-fun collect` wrote")
+EXPERT_LIST = Opt("JSON/CSV list of experts per layer; its kept experts are the centroids (replaces --n-prune).",
+                  missing="pass a JSON or CSV expert list (see README)")
+CALIBRATION_DATA = Opt("Calibration data for similarity and alignment (JSONL or a directory, as for collect).",
+                       missing=DATASET.missing)
+
+
+@job
 def run(
     *,
-    model: str | Path,
-    dataset: str | Path,
-    output: str | Path,
-    saliency: str | Path | None = None,
-    expert_list: str | Path | None = None,
+    model: Annotated[str | Path, MODEL],
+    saliency: Annotated[str | Path | None, SALIENCY] = None,
+    expert_list: Annotated[str | Path | None, EXPERT_LIST] = None,
+    dataset: Annotated[str | Path, CALIBRATION_DATA],
+    output: Annotated[str | Path, Opt("Directory for the merged model (must not be --model).")],
     selection: Selection = Selection(),
     ream: Ream = Ream(),
-    max_samples: int = 64,
-    max_tokens: int = 2048,
-    text_key: str = "content",
-    batch_size: int = 8,
-    seed: int | None = None,
+    calibration: Calibration = Calibration(max_samples=64, batch_size=8),
+    force: Annotated[bool, FORCE_DIR] = False,
     settings: RunSettings = RunSettings(),
-    force: bool = False,
     log: Log = quiet,
 ) -> MergeResult:
     """Merge ``model``'s routed experts around the most salient ones (REAM) into ``output``.
@@ -53,61 +62,58 @@ def run(
 
     ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts are merged away and how the centroids
     are ranked; ``ream`` (:class:`mlx_fun.rewrite.merge_options.Ream`): similarity, alignment and group size;
+    ``calibration`` (:class:`mlx_fun.datasets.calibration.Calibration`): the samples, their batches and the seed of
+    the sample and token subsets (its fields may also be given by name: ``max_samples=32``);
     ``settings`` (:class:`mlx_fun.settings.RunSettings`): dispatch, table, token budget and progress of the
     calibration forwards — no ``dequant_cache`` (merging rewrites the expert weights such a cache would hold).
     """
-    import dataclasses
+    checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
+    _check(saliency, expert_list, selection, settings)
+    start = time.perf_counter()
+    with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
+                   lazy=True) as job_:  # dequant_cache is 0 (checked): merging rewrites the experts
+        return _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset, output=output,
+                      selection=selection, ream=ream, calibration=calibration, settings=settings, log=log,
+                      start=start)
 
+
+def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selection: Selection, ream: Ream,
+           calibration: Calibration, settings: RunSettings, log: Log, start: float) -> MergeResult:
+    """The merge of :func:`run` on the loaded model, written into ``job_.res`` with ``ream_metadata.json``."""
+    from ..datasets.samples import pad_id
     from ..model import engine
-    from ..core import writer
-    from ..datasets.samples import load_samples, pad_id
     from ..output.model_dir import write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
 
-    check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
-    _check(saliency, expert_list, selection, ream, settings)
-    require_whole("seed", seed, 0, none_ok=True)  # numpy's generator takes no negative seed
-    for name, path in (("saliency", saliency), ("expert_list", expert_list), ("dataset", dataset)):
-        require_path(name, path)
-    inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
-              param("dataset"): dataset}
-    start = time.perf_counter()
-    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, tokenizer, config, adapter = load_moe(model, lazy=True, log=log)
-        report = settings.apply(mdl, log=log)  # dequant_cache is 0 (checked): merging rewrites the experts
-        moe_layers, E = adapter.moe_layers(), adapter.num_experts
-        keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection)
-        n_kept = len(keep_map[0])
-        check_group_room(n_kept, E, ream.max_group_size)
-        for line in warnings:
-            log(f"Warning: {line}")
-        samples = load_samples(dataset, tokenizer, max_samples=max_samples, max_tokens=max_tokens, text_key=text_key,
-                               seed=seed)
-        log(f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
-            f"{len(samples)} samples, {engine.total_tokens(samples):,} tokens; similarity {ream.similarity_mode}, "
-            f"alignment {ream.alignment}")
-        warnings += warn_past_context(samples, config, log)
-        res.require_space(pruned_nbytes(adapter, n_kept))
-        metadata = merge_model(
-            mdl, adapter, samples, keep_map=keep_map, saliency=scores, metric=selection.metric,
-            **dataclasses.asdict(ream), seed=seed, batch_size=batch_size, pad_id=pad_id(tokenizer),
-            token_budget=settings.budget(config, dispatch_mode=report.mode), progress=settings.progress,
-        )
-        metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide,
-                        source=str(saliency or expert_list),
-                        expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
-                        mlx_fun_version=__version__)
-        log(f"Saving merged model to {output} ...")
-        write_model_dir(res, mdl, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
+    adapter = job_.adapter
+    moe_layers, E = adapter.moe_layers(), adapter.num_experts
+    keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection)
+    n_kept = len(keep_map[0])
+    check_group_room(n_kept, E, ream.max_group_size)
+    for line in warnings:
+        log(f"Warning: {line}")
+    samples = calibration.load(dataset, job_.tokenizer)
+    log(f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
+        f"{len(samples)} samples, {engine.total_tokens(samples):,} tokens; similarity {ream.similarity_mode}, "
+        f"alignment {ream.alignment}")
+    warnings += warn_past_context(samples, job_.config, log)
+    job_.res.require_space(pruned_nbytes(adapter, n_kept))
+    metadata = merge_model(job_.model, adapter, samples, keep_map=keep_map, saliency=scores, selection=selection,
+                           ream=ream, calibration=calibration, pad_id=pad_id(job_.tokenizer),
+                           token_budget=job_.budget, progress=settings.progress)
+    metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list),
+                    expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
+                    mlx_fun_version=__version__)
+    log(f"Saving merged model to {output} ...")
+    write_model_dir(job_.res, job_.model, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
     return MergeResult(Path(output), Path(model), moe_layers, E, n_kept, metadata, time.perf_counter() - start,
                        warnings)
 
 
-def _check(saliency, expert_list, selection: Selection, ream: Ream, settings: RunSettings) -> None:
-    """merge's argument rules, one-line ``UserError`` s before anything loads."""
-    from ..rewrite.merge import check_max_group_size
-
+def _check(saliency, expert_list, selection: Selection, settings: RunSettings) -> None:
+    """merge's argument rules between its parameters, one-line ``UserError`` s before anything loads (the rules
+    within ``selection``, ``ream`` and ``settings`` held when they were built)."""
     n_prune = selection.n_prune
     if saliency is None and expert_list is None:
         raise UserError(f"give {param('saliency')} (with {param('n_prune')}) or {param('expert_list')} to choose the "
@@ -117,16 +123,9 @@ def _check(saliency, expert_list, selection: Selection, ream: Ream, settings: Ru
     if expert_list is not None and n_prune is not None:
         raise UserError(f"{param('expert_list')} already says which experts stay as centroids; drop "
                         f"{param('n_prune')}.")
-    if n_prune == 0:
-        raise UserError(f"{param('n_prune')} 0 merges no expert away: the output would be an unchanged copy labelled "
-                        f"merged; pass {param('n_prune')} 1 or more.")
-    if selection.ignore_experts is not None and not selection.model_wide:
-        raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
     if selection.model_wide and expert_list is not None:
         raise UserError(f"{param('model_wide')} selects centroids from {param('saliency')}; it does not apply to "
                         f"{param('expert_list')}.")
-    check_max_group_size(ream.max_group_size)
-    settings.check()
     if settings.dequant_bytes():
         raise UserError(f"merge takes no {param('dequant_cache')} (got {settings.dequant_cache!r}): it rewrites the "
                         f"expert weights a dequantized-experts cache would hold; leave it at 0.")

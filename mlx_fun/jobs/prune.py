@@ -6,10 +6,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Annotated
+
+import click
+
 from .. import __version__
-from ..errors import UserError, param, require_path
-from ..experts.selection import Selection
-from .common import Log, check_supported, load_moe, quiet
+from ..core.options import Opt
+from ..errors import UserError, param
+from ..experts.selection import STRATEGIES, Selection
+from .common import FORCE_DIR, MODEL, Loaded, Log, check_moe, job, model_job, quiet
 
 
 @dataclass
@@ -29,7 +34,8 @@ class PruneResult:
 
 def check_sources(*, saliency, expert_list, selection: Selection, safety_map=None, safety_mode=None,
                   domain_map=None, domain_mode=None) -> None:
-    """The argument rules of prune (merge shares the first three)."""
+    """The argument rules of prune between its parameters (merge shares the first three; the rules within
+    ``selection`` held when it was built: :class:`~mlx_fun.experts.selection.Selection`)."""
     n_prune = selection.n_prune
     if (saliency is None) == (expert_list is None):
         raise UserError(f"give exactly one of {param('saliency')} (with {param('n_prune')}) or {param('expert_list')}.")
@@ -37,31 +43,43 @@ def check_sources(*, saliency, expert_list, selection: Selection, safety_map=Non
         raise UserError(f"{param('saliency')} needs {param('n_prune')} (how many experts to remove).")
     if expert_list is not None and n_prune is not None:
         raise UserError(f"{param('expert_list')} already says which experts to remove; drop {param('n_prune')}.")
-    if n_prune == 0:
-        raise UserError(f"{param('n_prune')} 0 removes no expert: the output would be an unchanged copy labelled "
-                        f"pruned; pass {param('n_prune')} 1 or more.")
     if (safety_map is None) != (safety_mode is None):
         raise UserError(f"{param('safety_map')} and {param('safety_mode')} go together.")
     if (domain_map is None) != (domain_mode is None):
         raise UserError(f"{param('domain_map')} and {param('domain_mode')} go together.")
-    if selection.ignore_experts is not None and not selection.model_wide:
-        raise UserError(f"{param('ignore_experts')} only works with {param('model_wide')}.")
 
 
+#: a report of experts per layer (safety-scan / domain-scan)
+def _report(kind: str) -> Opt:
+    return Opt(f"{kind} report JSON listing experts per layer (format: README, Report files).",
+               type=click.Path(), missing=f"pass the JSON report `mlx-fun {kind.lower()}-scan` wrote")
+
+
+SALIENCY = Opt("Saliency .npz from `mlx-fun collect`.", missing="pass the .npz `mlx-fun collect` wrote")
+EXPERT_LIST = Opt("JSON/CSV list of experts to keep or remove per layer (see README); replaces --saliency/--n-prune.",
+                  missing="pass a JSON or CSV expert list (see README)")
+MAX_SHARD_SIZE = Opt("Largest output .safetensors file (e.g. 5GB, 500MB); more become shards with an index.",
+                     type=click.STRING)
+
+
+@job
 def run(
     *,
-    model: str | Path,
-    output: str | Path,
-    saliency: str | Path | None = None,
-    expert_list: str | Path | None = None,
+    model: Annotated[str | Path, MODEL],
+    saliency: Annotated[str | Path | None, SALIENCY] = None,
+    expert_list: Annotated[str | Path | None, EXPERT_LIST] = None,
+    output: Annotated[str | Path, Opt("Directory for the pruned model (must not be --model).")],
     selection: Selection = Selection(),
-    strategy: str = "bottom",
-    safety_map: str | Path | None = None,
-    safety_mode: str | None = None,
-    domain_map: str | Path | None = None,
-    domain_mode: str | None = None,
-    max_shard_size: str | int = "5GB",
-    force: bool = False,
+    strategy: Annotated[str, Opt("bottom: remove the lowest scores; strided: spread removals over the saliency "
+                                 "range.", type=click.Choice(STRATEGIES))] = "bottom",
+    safety_map: Annotated[str | Path | None, _report("Safety")] = None,
+    safety_mode: Annotated[str | None, Opt("protect: never prune safety-critical experts; target: prune them first.",
+                                           type=click.Choice(["protect", "target"]))] = None,
+    domain_map: Annotated[str | Path | None, _report("Domain")] = None,
+    domain_mode: Annotated[str | None, Opt("protect: never prune domain experts.",
+                                           type=click.Choice(["protect"]))] = None,
+    max_shard_size: Annotated[str | int, MAX_SHARD_SIZE] = "5GB",
+    force: Annotated[bool, FORCE_DIR] = False,
     progress: bool = False,
     log: Log = quiet,
 ) -> PruneResult:
@@ -76,53 +94,57 @@ def run(
     ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts go and how they are ranked (``n_prune``,
     ``metric``, ``model_wide``, ``min_experts_per_layer``, ``ignore_experts``); ``strategy`` picks them from it.
     """
-    from ..core import writer
-    from ..output.model_dir import params_nbytes, write_model_dir
-    from ..rewrite.prune import expert_rows, prune_model
     from ..observe.saliency import SaliencyAccumulator
-    from ..output.streaming import Snapshot, shard_bytes
+    from ..output.streaming import shard_bytes
 
-    check_supported(model)  # before anything else: a wrong --model is the likeliest mistake
+    checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
     check_sources(saliency=saliency, expert_list=expert_list, selection=selection, safety_map=safety_map,
                   safety_mode=safety_mode, domain_map=domain_map, domain_mode=domain_mode)
-    metric, model_wide = selection.metric, selection.model_wide
     max_shard = shard_bytes(max_shard_size)
-    for name, path in (("saliency", saliency), ("expert_list", expert_list), ("safety_map", safety_map),
-                       ("domain_map", domain_map)):
-        require_path(name, path)
-    inputs = {param("model"): model, param("saliency"): saliency, param("expert_list"): expert_list,
-              param("safety_map"): safety_map, param("domain_map"): domain_map}
     acc = None if saliency is None else SaliencyAccumulator.load(saliency, name="saliency")
-    scores = None if acc is None else acc.ranking_scores(metric, over="columns" if model_wide else "experts")
+    scores = None if acc is None else acc.ranking_scores(selection.metric,
+                                                         over="columns" if selection.model_wide else "experts")
     start = time.perf_counter()
-    with writer.output(output, kind="dir", inputs=inputs, force=force) as res:
-        mdl, _tokenizer, config, adapter = load_moe(model, lazy=True, tokenizer=False)  # rewrites weights only
-        snapshot = Snapshot(mdl, model, config)
-        moe_layers, E = adapter.moe_layers(), adapter.num_experts
+    with model_job(model, output=output, kind="dir", force=force, log=log, checked=checked, lazy=True,
+                   tokenizer=False) as job_:  # rewrites weights only
         keep_map, warnings = select_keep_map(
-            adapter, acc=acc, scores=scores, expert_list=expert_list, selection=selection, strategy=strategy,
+            job_.adapter, acc=acc, scores=scores, expert_list=expert_list, selection=selection, strategy=strategy,
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
         for line in warnings:
             log(f"Warning: {line}")
-        rows = expert_rows(adapter, keep_map)
-        new_config = prune_model(adapter, keep_map)
-        n_kept = adapter.num_experts  # read from the weights: before the writer empties them
-        metadata = {
-            "original_num_experts": E,
-            "pruned_num_experts": n_kept,
-            "metric": "expert-list" if expert_list is not None else metric,
-            "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
-            "strategy": strategy if expert_list is None else None,
-            "model_wide": model_wide,
-            "n_prune": selection.n_prune,
-            "source": str(saliency or expert_list),
-            "mlx_fun_version": __version__,
-        }
-        res.require_space(params_nbytes(mdl))
-        log(f"Saving pruned model to {output} ...")
-        stats = write_model_dir(res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata},
-                                snapshot=snapshot, rows=rows, max_shard_bytes=max_shard, donate=True,
-                                progress=progress)
+        return _write(job_, model=model, output=output, keep_map=keep_map, source=saliency or expert_list,
+                      expert_list=expert_list, selection=selection, strategy=strategy, max_shard=max_shard,
+                      progress=progress, log=log, start=start, warnings=warnings)
+
+
+def _write(job_: Loaded, *, model, output, keep_map, source, expert_list, selection: Selection, strategy: str,
+           max_shard: int, progress: bool, log: Log, start: float, warnings: list[str]) -> PruneResult:
+    """Prune the loaded model to ``keep_map`` and stream it into ``job_.res`` with ``reap_metadata.json``."""
+    from ..output.model_dir import params_nbytes, write_model_dir
+    from ..output.streaming import Snapshot
+    from ..rewrite.prune import expert_rows, prune_model
+
+    mdl, adapter = job_.model, job_.adapter
+    snapshot = Snapshot(mdl, model, job_.config)
+    moe_layers, E = adapter.moe_layers(), adapter.num_experts
+    rows = expert_rows(adapter, keep_map)
+    new_config = prune_model(adapter, keep_map)
+    n_kept = adapter.num_experts  # read from the weights: before the writer empties them
+    metadata = {
+        "original_num_experts": E,
+        "pruned_num_experts": n_kept,
+        "metric": "expert-list" if expert_list is not None else selection.metric,
+        "keep_map": {str(moe_layers[pos]): [int(e) for e in kept] for pos, kept in sorted(keep_map.items())},
+        "strategy": strategy if expert_list is None else None,
+        "model_wide": selection.model_wide,
+        "n_prune": selection.n_prune,
+        "source": str(source),
+        "mlx_fun_version": __version__,
+    }
+    job_.res.require_space(params_nbytes(mdl))
+    log(f"Saving pruned model to {output} ...")
+    stats = write_model_dir(job_.res, mdl, new_config, source=model, metadata={"reap_metadata.json": metadata},
+                            snapshot=snapshot, rows=rows, max_shard_bytes=max_shard, donate=True, progress=progress)
     return PruneResult(Path(output), Path(model), moe_layers, E, n_kept, keep_map,
                        time.perf_counter() - start, warnings, stats.copied, stats.evaluated, stats.shards)
 

@@ -6,9 +6,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Annotated
+
+import click
+
+from ..core.options import Opt
 from ..errors import UserError, param, require_path
+from ..experts.selection import METRIC
 from ..rewrite.quantize import QuantRecipe
-from .common import Log, check_supported, load_moe, quiet
+from .common import FORCE_DIR, MODEL, Log, check_moe, job, model_job, quiet
 
 
 @dataclass
@@ -23,15 +29,17 @@ class QuantizeResult:
     warnings: list[str] = field(default_factory=list)
 
 
+@job
 def run(
     *,
-    model: str | Path,
-    output: str | Path,
+    model: Annotated[str | Path, MODEL],
+    output: Annotated[str | Path, Opt("Directory for the quantized model.")],
     recipe: QuantRecipe = QuantRecipe(),
-    saliency: str | Path | None = None,
-    metric: str = "reap",
-    max_shard_size: str | int = "5GB",
-    force: bool = False,
+    saliency: Annotated[str | Path | None, Opt("Saliency .npz from `mlx-fun collect`: the coldest layers' experts get "
+                                               "--cold-bits.")] = None,
+    metric: Annotated[str, METRIC] = "reap",
+    max_shard_size: Annotated[str | int, Opt("Largest output .safetensors file.", type=click.STRING)] = "5GB",
+    force: Annotated[bool, FORCE_DIR] = False,
     progress: bool = False,
     log: Log = quiet,
 ) -> QuantizeResult:
@@ -44,21 +52,20 @@ def run(
     allows (:mod:`mlx_fun.rewrite.quantize`). Lazy load, lazy quantization, written tensor by tensor
     (:mod:`mlx_fun.output.streaming`).
     """
-    from ..core import writer
     from ..output.model_dir import params_nbytes, write_model_dir
     from ..rewrite import quantize as q
     from ..output.streaming import Snapshot, shard_bytes
 
-    config = check_supported(model)
-    if found := (config.get("quantization") or config.get("quantization_config")):
+    checked = check_moe(model)
+    if found := (checked[0].get("quantization") or checked[0].get("quantization_config")):
         raise UserError(f"{param('model')} {model} is already quantized ({_describe(found)}); quantize starts from "
                         f"the float original.")
     dense, experts, router, cold = _settings(recipe, saliency)
     max_shard = shard_bytes(max_shard_size)
     start, warnings = time.perf_counter(), []
-    with writer.output(output, kind="dir", inputs={param("model"): model, param("saliency"): saliency},
-                       force=force) as res:
-        mdl, _tok, config, adapter = load_moe(model, lazy=True, log=log, tokenizer=False)  # weights only
+    with model_job(model, output=output, kind="dir", force=force, log=log, checked=checked, lazy=True,
+                   tokenizer=False) as job_:  # weights only
+        res, mdl, config, adapter = job_.res, job_.model, job_.config, job_.adapter
         snapshot = Snapshot(mdl, model, config)
         cold_scores: dict[int, float] = {}
         if saliency is not None:
@@ -84,32 +91,17 @@ def run(
 
 
 def _settings(recipe: QuantRecipe, saliency):
-    """``(dense, experts, router, cold)`` :class:`~mlx_fun.rewrite.quantize.Setting` s of ``recipe`` (router and
-    cold ``None`` where unused), checked before anything loads: one-line ``UserError`` s naming the field."""
-    from ..rewrite import quantize as q
-
+    """``recipe``'s settings (:meth:`~mlx_fun.rewrite.quantize.QuantRecipe.settings`, checked when it was built),
+    once the rules between it and ``saliency`` hold: one-line ``UserError`` s before anything loads."""
     r = recipe
-    dense = q.setting("dense", r.dense_bits, r.dense_group_size, r.dense_mode)
-    experts = q.setting("expert", r.expert_bits, r.expert_group_size, r.expert_mode)
-    if r.router_bits not in (8, 16):
-        raise UserError(f"{param('router_bits')} must be 16 (kept in float) or 8 (8-bit affine), got "
-                        f"{r.router_bits!r}.")
-    router = None if r.router_bits == 16 else q.Setting(8, 64, "affine")
     if saliency is not None and (r.cold_layers is None or (r.cold_bits is None and r.cold_mode is None)):
         raise UserError(f"{param('saliency')} needs {param('cold_layers')} N and {param('cold_bits')} B (the N "
                         f"coldest MoE layers' experts get B bits).")
     if saliency is None and (r.cold_layers, r.cold_bits, r.cold_mode) != (None, None, None):
         raise UserError(f"{param('cold_layers')} / {param('cold_bits')} pick layers by saliency; add "
                         f"{param('saliency')} (a .npz from `mlx-fun collect`).")
-    require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")
-    cold = None if r.cold_layers is None else q.setting("cold", r.cold_bits, r.expert_group_size,
-                                                        r.cold_mode or r.expert_mode, group_param="expert_group_size")
-    if cold is not None and (cold.bits > experts.bits or cold == experts):
-        what = "the same setting as" if cold == experts else "more bits than"
-        raise UserError(f"{param('cold_bits')} {cold.bits} gives the coldest, least salient layers {what} the other "
-                        f"routed experts ({cold} vs {experts}): cold layers are the ones that give up precision; "
-                        f"pass a {param('cold_bits')} below {experts.bits} (or raise {param('expert_bits')}).")
-    return dense, experts, router, cold
+    require_path("saliency", saliency, "pass a .npz written by `mlx-fun collect`")  # after the rules (tests)
+    return r.settings()
 
 
 def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[int, float]:

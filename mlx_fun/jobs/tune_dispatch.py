@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
 
+import click
+
+from ..core.options import Opt
 from ..dispatch.tune_options import Measurement, int_list
 from ..errors import UserError, param
-from .common import Log, quiet
-
-DEFAULT_MS = Measurement().ms
+from .common import Log, job, quiet
+from .common import force as force_opt
 
 
 @dataclass
@@ -20,18 +22,34 @@ class TuneResult:
     user_table: bool = True  # written to the user table that --dispatch auto reads
 
 
+@job(any_model=True)
 def run(
     *,
-    model: str | Path | None = None,
-    shape: Sequence[str] = (),
-    quant: Sequence[str] = (),
-    dtype: str | None = None,
-    gpt_oss: bool = False,
-    top_k: int | None = None,
+    model: Annotated[str | Path | None, Opt(
+        "An mlx-lm model (a local directory, or a Hugging Face repo id as in --model of the other commands): tune "
+        "each distinct expert shape/quantization it has.", type=click.Path())] = None,
+    shape: Annotated[Sequence[str], Opt(
+        "Instead of --model: a synthetic layer with these hidden, expert, expert-count and top-k sizes (repeatable), "
+        "e.g. 2048,768,128,8 (Qwen3-30B-A3B).", metavar="D,H,E,K", multiple=True)] = (),
+    quant: Annotated[Sequence[str], Opt(
+        "With --shape (repeatable): float32, bfloat16, float16, affine4[-g64], affine8, mxfp4, nvfp4, mxfp8. "
+        "Default: the float dtype of this backend (float32 on CPU, bfloat16 on a GPU) and affine4-g64.",
+        multiple=True)] = (),
+    dtype: Annotated[str | None, Opt(
+        "With --shape: activation (and scale) dtype of quantized layers (default float32 on CPU, bfloat16 on a GPU).",
+        type=click.Choice(["float32", "bfloat16", "float16"]))] = None,
+    gpt_oss: Annotated[bool, Opt("With --shape: gpt-oss experts (biases, clamped SwiGLU).")] = False,
+    top_k: Annotated[int | None, Opt("With --model: override the top-k from config.json.",
+                                     type=click.IntRange(min=1))] = None,
     measure: Measurement = Measurement(),
-    output: str | Path | None = None,
-    merge_into: str | Path | None = None,
-    force: bool = False,
+    output: Annotated[str | Path | None, Opt(
+        "Table file to write; an existing one only with --force, which merges the entries into it (same key: "
+        "replaced). Default: the user table that --dispatch auto reads, merged into ($MLX_FUN_DISPATCH_TABLE or "
+        "~/.cache/mlx-fun/dispatch_table.json).", type=click.Path(dir_okay=False))] = None,
+    force: Annotated[bool, force_opt("an existing --output table, keeping its other entries")] = False,
+    merge_into: Annotated[str | Path | None, Opt(
+        "Also merge the new entries into this table (e.g. mlx_fun/dispatch/dispatch_table.json of a checkout).",
+        type=click.Path(dir_okay=False))] = None,
     progress: bool = False,
     log: Log = quiet,
     on_entry=None,

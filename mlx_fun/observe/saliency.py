@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError, param
+from ..experts.selection import METRICS
 
-METRICS = ("reap", "ean", "freq", "weighted_freq")
 ARRAY_KEYS = ("freq", "weighted_freq_sum", "reap_sum", "ean_sum", "reap_count", "max_activation_norm")
 #: what names the model a file was collected on; all of it is checked before a file is used or combined
 IDENTITY_KEYS = ("model_type", "top_k", "num_layers", "num_experts", "moe_layer_indices")

@@ -73,11 +73,11 @@ from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError, param
 from .driver import LayerDriver
 from .weights import dense, stored, write
-from .merge_options import Ream  # noqa: F401 - the merge job's option group ``ream``
+from ..datasets.calibration import Calibration
+from ..experts.selection import Selection
+from .merge_options import ALIGNMENTS, SIMILARITY_MODES, Ream, check_max_group_size  # noqa: F401 - re-exported
 from .prune import check_keep_map, prune_block, pruned_config
 
-SIMILARITY_MODES = ("gated", "average")
-ALIGNMENTS = ("hungarian", "greedy", "none")
 _EPS = 1e-12
 
 
@@ -228,12 +228,6 @@ def _desc_order(values: np.ndarray, candidates) -> list[int]:
     if cand.size == 0:
         return []
     return cand[np.lexsort((cand, -np.asarray(values, dtype=np.float64)[cand]))].tolist()
-
-
-def check_max_group_size(max_group_size) -> None:
-    """A whole number of experts >= 1, else a one-line ``UserError`` naming the parameter."""
-    if isinstance(max_group_size, bool) or not isinstance(max_group_size, (int, np.integer)) or max_group_size < 1:
-        raise UserError(f"{param('max_group_size')} must be a whole number of experts >= 1, got {max_group_size!r}.")
 
 
 def check_group_room(n_kept: int, num_experts: int, max_group_size: int) -> None:
@@ -423,34 +417,26 @@ def merge_model(
     *,
     keep_map: dict[int, list[int]] | None = None,
     saliency=None,
-    n_prune: int | None = None,
-    metric: str = "reap",
-    similarity_mode: str = "gated",
-    alignment: str = "hungarian",
-    max_group_size: int = 16,
-    max_similarity_tokens: int = 512,
-    max_alignment_tokens: int = 256,
-    seed: int | None = None,
-    batch_size: int = 8,
+    selection: Selection = Selection(),
+    ream: Ream = Ream(),
+    calibration: Calibration = Calibration(max_samples=64, batch_size=8),
     pad_id: int = 0,
     token_budget: int | None = None,
     progress: bool = False,
 ) -> dict:
     """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
 
-    Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − n_prune`` most
-    salient experts of ``saliency`` ((L, E) scores, higher = more important). ``saliency`` also orders the
-    centroids and weights the averages; without it the REAP score of the captured calibration tokens is used.
+    Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − selection.n_prune``
+    most salient experts of ``saliency`` ((L, E) scores, higher = more important; ``selection.metric`` names them
+    in the metadata). ``saliency`` also orders the centroids and weights the averages; without it the REAP score of
+    the captured calibration tokens is used. ``ream`` (:class:`~mlx_fun.rewrite.merge_options.Ream`): how experts
+    are merged; ``calibration``: its ``seed`` draws the token subsets and ``batch_size`` batches the forwards.
     ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
     """
     t_start = time.perf_counter()
-    if similarity_mode not in SIMILARITY_MODES:
-        raise UserError(f"unknown similarity mode '{similarity_mode}'; choose one of {', '.join(SIMILARITY_MODES)}.")
-    if alignment not in ALIGNMENTS:
-        raise UserError(f"unknown alignment '{alignment}'; choose one of {', '.join(ALIGNMENTS)}.")
-    check_max_group_size(max_group_size)
-    if max_similarity_tokens < 1 or max_alignment_tokens < 1:
-        raise UserError(f"{param('max_similarity_tokens')} and {param('max_alignment_tokens')} must be at least 1.")
+    n_prune, metric, seed = selection.n_prune, selection.metric, calibration.seed
+    similarity_mode, alignment, max_group_size = ream.similarity_mode, ream.alignment, ream.max_group_size
+    max_similarity_tokens, max_alignment_tokens = ream.max_similarity_tokens, ream.max_alignment_tokens
     moe_layers = adapter.moe_layers()
     L, E = len(moe_layers), adapter.num_experts
     scores = None
@@ -477,7 +463,8 @@ def merge_model(
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
 
     # ---- calibration hidden states, carried through the layers by the rewrite driver
-    driver = LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget)
+    driver = LayerDriver(model, adapter, samples, batch_size=calibration.batch_size, pad_id=pad_id,
+                         token_budget=token_budget)
     n_capture = max(max_similarity_tokens, max_alignment_tokens)
     rng = np.random.default_rng(seed)
     selects, n_cap = _token_subsets([b.valid for b in driver.batches], n_capture, rng)

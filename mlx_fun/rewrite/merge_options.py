@@ -1,7 +1,7 @@
 """The option group of ``merge`` (:func:`mlx_fun.jobs.merge.run`): :class:`Ream`, how experts are merged.
 
 Kept apart from :mod:`mlx_fun.rewrite.merge` (which re-exports it) because every job's signature is built when
-:mod:`mlx_fun.jobs` is imported, and the merging code imports MLX and the adapters: this module imports nothing::
+:mod:`mlx_fun.jobs` is imported, and the merging code imports MLX and the adapters: this module imports neither::
 
     from mlx_fun import jobs
     from mlx_fun.rewrite.merge_options import Ream
@@ -12,24 +12,50 @@ Kept apart from :mod:`mlx_fun.rewrite.merge` (which re-exports it) because every
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+import click
+
+from ..core.options import Group, option
+from ..errors import UserError, param
+
+SIMILARITY_MODES = ("gated", "average")
+ALIGNMENTS = ("hungarian", "greedy", "none")
+
+
+def check_max_group_size(max_group_size) -> None:
+    """A whole number of experts >= 1, else a one-line ``UserError`` naming the parameter."""
+    if isinstance(max_group_size, bool) or not isinstance(max_group_size, numbers.Integral) or max_group_size < 1:
+        raise UserError(f"{param('max_group_size')} must be a whole number of experts >= 1, got {max_group_size!r}.")
 
 
 @dataclass(frozen=True)
-class Ream:
+class Ream(Group):
     """How experts are merged (the option group ``ream`` of the merge job; fields = its options).
 
     ``similarity_mode``: ``gated`` or ``average`` (:mod:`mlx_fun.rewrite.merge`, step 3); ``alignment``:
     ``hungarian``, ``greedy`` or ``none`` (step 5); ``max_group_size``: most experts per group, centroid included
     (REAM's C); ``max_similarity_tokens``: tokens every expert is run on to measure similarity;
-    ``max_alignment_tokens``: the first that many of them align neurons. They are the keyword arguments of the same
-    names of :func:`mlx_fun.rewrite.merge.merge_model`."""
+    ``max_alignment_tokens``: the first that many of them align neurons. Every field is checked when a Ream is
+    built (:class:`mlx_fun.core.options.Group`); :func:`mlx_fun.rewrite.merge.merge_model` takes it whole."""
 
-    similarity_mode: str = "gated"
-    alignment: str = "hungarian"
-    max_group_size: int = 16
-    max_similarity_tokens: int = 512
-    max_alignment_tokens: int = 256
+    similarity_mode: str = option(
+        "gated", "gated: cosine of router-probability-weighted mean outputs; average: of plain mean outputs. Both are "
+        "averaged with the router-logit correlation.", type=click.Choice(SIMILARITY_MODES))
+    alignment: str = option("hungarian", "Neuron alignment before averaging: hungarian (optimal), greedy (fast), none.",
+                            type=click.Choice(ALIGNMENTS))
+    max_group_size: int = option(
+        16, "Most experts per merge group, centroid included (REAM's C). Never exceeded: a size too small for the "
+        "centroids to hold every expert is refused, naming the smallest that works.", type=click.IntRange(min=1))
+    max_similarity_tokens: int = option(512, "Tokens (random subset) on which every expert is run to measure "
+                                        "similarity.", type=click.IntRange(min=1))
+    max_alignment_tokens: int = option(256, "Tokens (subset of the similarity tokens) whose activations align "
+                                       "neurons.", type=click.IntRange(min=1))
+
+    def __post_init__(self) -> None:
+        check_max_group_size(self.max_group_size)  # its own message ("a whole number of experts") before the range's
+        super().__post_init__()
 
 
-__all__ = ["Ream"]
+__all__ = ["ALIGNMENTS", "Ream", "SIMILARITY_MODES", "check_max_group_size"]

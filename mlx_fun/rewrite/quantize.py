@@ -25,8 +25,10 @@ import contextlib
 import io
 from dataclasses import dataclass
 
+import click
 import numpy as np
 
+from ..core.options import Group, option
 from ..errors import UserError, param
 
 #: mode → (default group size, bits it forces or None, group sizes it allows)
@@ -77,10 +79,21 @@ def setting(name: str, bits: int | None, group_size: int | None, mode: str, *, g
     return Setting(int(bits), int(gs), mode)
 
 
+class IntChoice(click.Choice):
+    """A choice of whole numbers, shown as ``[2|3|4]`` and given back as an ``int``."""
+
+    def convert(self, value, param, ctx):
+        return int(super().convert(str(value), param, ctx))
+
+
+BITS = IntChoice([str(b) for b in AFFINE_BITS])
+MODE = click.Choice(list(MODES))
+
+
 @dataclass(frozen=True)
-class QuantRecipe:
-    """What the quantize job is asked for (its option group ``recipe``; fields = its options), checked and
-    resolved into a :class:`Recipe` by the job.
+class QuantRecipe(Group):
+    """What the quantize job is asked for (its option group ``recipe``; fields = its options), checked when built
+    and resolved into a :class:`Recipe` by the job.
 
     ``expert_*``: bits / format / group size of the routed experts (``None`` group size: the mode's default;
     ``None`` bits: the mode's own for mxfp4 / nvfp4 / mxfp8, 4 for affine); ``dense_*``: the same for attention, shared experts,
@@ -89,16 +102,46 @@ class QuantRecipe:
     bits and format (default ``expert_mode``), with ``expert_group_size`` — fewer bits than the other experts
     (cold: the least salient layers give up precision first)."""
 
-    expert_bits: int | None = None
-    expert_mode: str = "affine"
-    expert_group_size: int | None = None
-    dense_bits: int | None = None
-    dense_mode: str = "affine"
-    dense_group_size: int | None = None
-    router_bits: int = 16
-    cold_layers: int | None = None
-    cold_bits: int | None = None
-    cold_mode: str | None = None
+    expert_bits: int | None = option(None, "Bits of the routed experts (affine).", type=BITS,
+                                     default_text="4; mxfp4 / nvfp4 / mxfp8: their own")
+    expert_mode: str = option("affine", "Routed experts' format (mxfp4 / nvfp4: 4 bits, mxfp8: 8 bits).", type=MODE)
+    expert_group_size: int | None = option(
+        None, "Routed experts' (and cold layers') group size: affine 32, 64 or 128; mxfp4 / mxfp8 32; nvfp4 16. "
+        "Left out: the mode's default (64, 32, 32, 16).", type=click.INT)
+    dense_bits: int | None = option(None, "Bits of attention, shared experts, dense MLPs, embeddings and head.",
+                                    type=BITS, default_text="4; mxfp4 / nvfp4 / mxfp8: their own")
+    dense_mode: str = option("affine", "Their format.", type=MODE)
+    dense_group_size: int | None = option(None, "Their group size (allowed values and default as for "
+                                          "--expert-group-size).", type=click.INT)
+    router_bits: int = option(16, "16: routers stay in float; 8: 8-bit affine.", type=IntChoice(["16", "8"]))
+    cold_layers: int | None = option(None, "How many MoE layers count as cold.", type=click.IntRange(min=1))
+    cold_bits: int | None = option(None, "Bits of the cold layers' routed experts: fewer than --expert-bits.",
+                                   type=BITS)
+    cold_mode: str | None = option(None, "Their format (default --expert-mode).", type=MODE)
+
+    def __post_init__(self) -> None:
+        self.settings()  # each setting's own message (allowed bits, group sizes per mode) before the generic ones
+        super().__post_init__()
+
+    def settings(self) -> tuple[Setting, Setting, Setting | None, Setting | None]:
+        """``(dense, experts, router, cold)`` :class:`Setting` s (router and cold ``None`` where unused), checked:
+        one-line ``UserError`` s naming the field."""
+        dense = setting("dense", self.dense_bits, self.dense_group_size, self.dense_mode)
+        experts = setting("expert", self.expert_bits, self.expert_group_size, self.expert_mode)
+        if self.router_bits not in (8, 16):
+            raise UserError(f"{param('router_bits')} must be 16 (kept in float) or 8 (8-bit affine), got "
+                            f"{self.router_bits!r}.")
+        router = None if self.router_bits == 16 else Setting(8, 64, "affine")
+        cold = None if self.cold_layers is None else setting(
+            "cold", self.cold_bits, self.expert_group_size, self.cold_mode or self.expert_mode,
+            group_param="expert_group_size")
+        if cold is not None and (cold.bits > experts.bits or cold == experts):
+            what = "the same setting as" if cold == experts else "more bits than"
+            raise UserError(f"{param('cold_bits')} {cold.bits} gives the coldest, least salient layers {what} the "
+                            f"other routed experts ({cold} vs {experts}): cold layers are the ones that give up "
+                            f"precision; pass a {param('cold_bits')} below {experts.bits} (or raise "
+                            f"{param('expert_bits')}).")
+        return dense, experts, router, cold
 
 
 @dataclass(frozen=True)
