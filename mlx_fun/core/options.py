@@ -97,6 +97,12 @@ def check_value(name: str, value: Any, opt: Opt) -> Any:
     elif isinstance(kind, click.FloatRange) or kind is click.FLOAT:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise UserError(f"{param(name)} must be a finite number, got {value!r}.")
+    if isinstance(kind, click.Choice):
+        for v in (value if opt.multiple and isinstance(value, (list, tuple)) else [value]):
+            named = v in kind.choices or (not isinstance(v, str) and str(v) in kind.choices)  # IntChoice: "8"
+            if isinstance(v, bool) or not named:
+                raise UserError(f"{param(name)} must be one of {', '.join(map(str, kind.choices))}, got {v!r}.")
+        return value
     values = value if opt.multiple and isinstance(value, (list, tuple)) else [value]
     try:
         for v in values:
@@ -120,11 +126,15 @@ class Group:
     value against its option (:func:`check_value`), then :meth:`validate` (the rules between fields)."""
 
     def __post_init__(self) -> None:
+        self.check_fields()
+        self.validate()
+
+    def check_fields(self, kind: type | None = None) -> None:
+        """Each field against its option (``kind``: only the fields whose type is one, e.g. ``click.IntRange``)."""
         for f in dataclasses.fields(self):
             opt = opt_of(f)
-            if opt is not None:
+            if opt is not None and (kind is None or isinstance(opt.type, kind)):
                 check_value(f.name, getattr(self, f.name), opt)
-        self.validate()
 
     def validate(self) -> None:
         """Rules between fields (a subclass overrides it); a one-line ``UserError``."""

@@ -46,18 +46,6 @@ class GenOptions(Group):
         "--draft-model).", type=click.IntRange(min=1))
     num_draft_tokens: int = option(2, "Tokens the draft model proposes per step.", type=DRAFT_TOKENS)
 
-    def __post_init__(self) -> None:
-        # the two choices first, in the words Python callers have been given (``kv_bits= must be one of ...``);
-        # the command line says click's own (``'7' is not one of ...``) before a GenOptions is built
-        for name, choices, what in (("kv_bits", KV_BITS, " (bits per cached key/value)"),
-                                    ("kv_group_size", KV_GROUP_SIZES, "")):
-            value = getattr(self, name)
-            if value is None and name == "kv_bits":
-                continue  # a float cache
-            if isinstance(value, bool) or value not in choices:
-                raise UserError(f"{param(name)} must be one of {', '.join(map(str, choices))}{what}, got {value!r}.")
-        super().__post_init__()
-
     def validate(self) -> None:
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise UserError(f"{param('kv_bits')} and {param('max_kv_size')} do not go together: mlx-lm cannot "

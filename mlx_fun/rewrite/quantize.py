@@ -120,7 +120,8 @@ class QuantRecipe(Group):
     cold_mode: str | None = option(None, "Their format (default --expert-mode).", type=MODE)
 
     def __post_init__(self) -> None:
-        self.settings()  # each setting's own message (allowed bits, group sizes per mode) before the generic ones
+        self.check_fields(click.IntRange)  # the counts' ranges first,
+        self.settings()  # then each setting's own message (allowed bits, group sizes per mode) before the generic ones
         super().__post_init__()
 
     def settings(self) -> tuple[Setting, Setting, Setting | None, Setting | None]:
