@@ -1,7 +1,7 @@
 """How a job runs its model, in one typed object: :class:`RunSettings`.
 
 Every job that runs forwards takes ``settings: RunSettings`` (the CLI builds it once from ``--dispatch``,
-``--dispatch-table``, ``--dequant-cache``, ``--token-budget`` and its progress bar: ``cli.common.run_settings``),
+``--dispatch-table``, ``--dequant-cache``, ``--token-budget``, generated from its fields, and its progress bar),
 so a job's own signature holds only what the job is about::
 
     from mlx_fun import jobs

@@ -135,3 +135,14 @@ def test_a_group_field_given_by_name_is_folded_into_the_group(tmp_path):
         jobs.collect.run(model="m", dataset="d", output=str(tmp_path / "o.npz"), max_samples=0)
     with pytest.raises(UserError, match="does not exist; pass a JSONL file"):
         check_path("dataset", str(tmp_path / "nope.jsonl"), Opt("d", missing="pass a JSONL file"))
+
+
+def test_every_job_is_wrapped_where_it_is_defined():
+    """Issue 42: the wrappers (repo ids, folding, checks, the input guard) are visible at ``@job`` above each
+    ``def run``; nothing wraps a job again in a loop elsewhere."""
+    for module in jobs.ALL:
+        text = Path(module.__file__).read_text()
+        assert re.search(r"^@job(\(any_model=True\))?\ndef run\(", text, re.M), module.__name__
+        assert hasattr(module.run, "reads") and module.run.any_model == (module in jobs.ANY_MODEL)
+    assert {m.__name__.rsplit(".", 1)[1] for m in jobs.ANY_MODEL} == {"eval", "smoke_test", "tune_dispatch"}
+    assert "_resolving(" not in (PKG / "jobs" / "__init__.py").read_text()

@@ -1,4 +1,5 @@
-"""Shared click options and the error handling every command uses."""
+"""The error handling every command runs under (one line per failure, its exit status, a stderr that never fails
+a run) and the printing helpers the commands share. Options are generated from the jobs: :mod:`.options`."""
 
 from __future__ import annotations
 
@@ -11,10 +12,7 @@ import sys
 
 import click
 
-from ..datasets.samples import MAX_SAMPLE_BYTES
 from ..errors import UserError, cli_names
-from ..core.ranges import DRAFT_TOKENS, MAX_SEED, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat  # noqa: F401 (re-exported)
-from ..observe.saliency import METRICS
 
 
 DEBUG_ENV = "MLX_FUN_DEBUG"
@@ -163,159 +161,9 @@ def sparing_stderr():
         sys.stderr = before
 
 
-
-
-def model_option(fn):
-    """--model (a local directory or a Hugging Face repo id) and --revision (of that repo)."""
-    fn = click.option(
-        "--revision", default=None, metavar="REV",
-        help="With a repo id in --model: its branch, tag or commit hash  [default: main].",
-    )(fn)
-    return click.option("--model", required=True, type=click.Path(),
-                        help="An mlx-lm model: a local directory (config.json + safetensors + tokenizer), or a Hugging "
-                             "Face repo id (org/name) fetched into the Hugging Face cache as mlx-lm does (only the "
-                             "files mlx-lm needs; HF_HUB_OFFLINE=1: from the cache alone). A local directory of that "
-                             "name wins over the repo.")(fn)
-
-
-def generation_options(fn):
-    """mlx-lm's KV-cache and speculative-decoding options (mlx_fun.model.genopts), as mlx_lm.generate names them."""
-    from ..model.genopts import KV_BITS, KV_GROUP_SIZES
-
-    for option in reversed((
-        click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default=None,
-                     callback=lambda _c, _p, v: None if v is None else int(v),
-                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache)  [default: float]."),
-        click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default="64",
-                     show_default=True, callback=lambda _c, _p, v: int(v), help="Group size of the quantized KV cache."),
-        click.option("--quantized-kv-start", type=click.IntRange(min=0), default=5000, show_default=True,
-                     help="With --kv-bits: quantize the cache once it holds this many tokens (0: from the start)."),
-        click.option("--max-kv-size", type=click.IntRange(min=1), default=None,
-                     help="Keep at most this many tokens in the KV cache (mlx-lm's rotating cache; not with "
-                          "--kv-bits or --draft-model)."),
-        click.option("--draft-model", type=click.Path(), default=None,
-                     help="A smaller model with the same tokenizer for speculative decoding (mlx-lm's; a directory "
-                          "or a repo id). Greedy output is unchanged; --temp > 0 samples as mlx-lm does then."),
-        click.option("--num-draft-tokens", type=DRAFT_TOKENS, default=2, show_default=True,
-                     help="Tokens the draft model proposes per step."),
-    )):
-        fn = option(fn)
-    return fn
-
-
-def metric_option(default: str = "reap"):
-    return click.option(
-        "--metric",
-        type=click.Choice(METRICS),
-        default=default,
-        show_default=True,
-        help="Saliency metric: reap = mean(‖y‖·w), ean = mean(‖y‖), freq = routed count, weighted_freq = Σw.",
-    )
-
-
-def dataset_options(fn):
-    """--dataset/--max-samples/--max-tokens/--text-key/--seed, shared by every command that reads data."""
-    fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
-    fn = click.option(
-        "--text-key", default="content", show_default=True, help="JSON key of plain-text JSONL lines."
-    )(fn)
-    fn = click.option(
-        "--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-        help="Truncate every sample to this many tokens.",
-    )(fn)
-    fn = click.option(
-        "--max-samples", type=click.IntRange(min=1), default=128, show_default=True,
-        help="Use at most this many samples (a random subset when the dataset has more).",
-    )(fn)
-    fn = click.option(
-        "--dataset", required=True, type=click.Path(),
-        help="JSONL file (messages / prompt+completion / text lines, detected per line) or a directory of files; "
-             f"UTF-8, each line (or file) at most {MAX_SAMPLE_BYTES >> 20} MiB, no devices or FIFOs.",
-    )(fn)
-    return fn
-
-
-def scan_options(names: tuple[str, str], helps: tuple[str, str]):
-    """The two datasets of a differential scan plus --output and the sampling / threshold options."""
-
-    def deco(fn):
-        fn = click.option("--threshold-percentile", type=FiniteFloat(50, 100, min_open=True, max_open=True),
-                          default=90.0, show_default=True,
-                          help="Composite-score percentile above which (and below 100 minus which) experts are "
-                               "classified.")(fn)
-        fn = click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
-                          help="Samples per forward pass (padding excluded).")(fn)
-        fn = click.option("--seed", type=SEED, default=None, help="Seed for the random subset of samples.")(fn)
-        fn = click.option("--text-key", default="content", show_default=True,
-                          help="JSON key of plain-text JSONL lines.")(fn)
-        fn = click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-                          help="Truncate every sample to this many tokens.")(fn)
-        fn = click.option("--max-samples", type=click.IntRange(min=1), default=128, show_default=True,
-                          help="Samples per dataset (a random subset when it has more).")(fn)
-        fn = force_option()(fn)
-        fn = click.option("--output", required=True, type=click.Path(dir_okay=False),
-                          help="The report to write (JSON).")(fn)
-        for name, text in reversed(list(zip(names, helps))):
-            fn = click.option(f"--{name}", required=True, type=click.Path(), help=text)(fn)
-        return fn
-
-    return deco
-
-
-def force_option(what: str = "an existing --output file"):
-    """--force: the one way to let a command replace what exists (mlx_fun.core.writer refuses it otherwise)."""
-    return click.option("--force", is_flag=True, default=False,
-                        help=f"Replace {what}; refused otherwise (inputs, links and devices never are).")
-
-
 def echo_err(line: str) -> None:
     """Status lines and warnings go to stderr (stdout carries the results)."""
     click.echo(line, err=True)
-
-
-def dispatch_option(fn):
-    """--dispatch [auto|mlx-lm], --dispatch-table PATH, --dequant-cache SIZE, passed to the job as they are."""
-    fn = click.option(
-        "--dequant-cache", default="0", show_default=True, metavar="SIZE",
-        help="With --dispatch auto: memory allowed for keeping dequantized experts of quantized layers "
-             "(e.g. 4GiB; K/M/G are powers of 1024), used where the table says it is faster. 0 = off.",
-    )(fn)
-    fn = click.option(
-        "--dispatch-table", type=click.Path(dir_okay=False), default=None,
-        help="Extra cut-off table (JSON from `mlx-fun tune-dispatch`) over the shipped and user tables.",
-    )(fn)
-    fn = click.option(
-        "--dispatch", type=click.Choice(["auto", "mlx-lm"]), default="auto", show_default=True,
-        help="MoE expert dispatch: auto picks sorted/unsorted/blocked/dequantized per token count from measured "
-             "per-backend cut-offs (and splits calls a backend cannot launch); mlx-lm keeps mlx-lm's fixed rule.",
-    )(fn)
-    return fn
-
-
-def take(kwargs: dict, group: type, **extra):
-    """Build option group ``group`` (a dataclass: :class:`mlx_fun.settings.RunSettings`,
-    :class:`mlx_fun.model.genopts.GenOptions`, ...) from the parsed options named as its fields, removing them from
-    ``kwargs``; ``extra`` sets fields the command decides itself (``progress=True``)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(group)}
-    return group(**{k: kwargs.pop(k) for k in list(kwargs) if k in names}, **extra)
-
-
-def run_settings(kwargs: dict, *, progress: bool = True):
-    """The :class:`mlx_fun.settings.RunSettings` of ``--dispatch`` / ``--dispatch-table`` / ``--dequant-cache`` /
-    ``--token-budget`` (those the command has), taken out of ``kwargs``; ``progress``: show progress bars."""
-    from ..settings import RunSettings
-
-    return take(kwargs, RunSettings, progress=progress)
-
-
-def token_budget_option(fn):
-    return click.option(
-        "--token-budget", type=click.IntRange(min=1), default=None, metavar="N",
-        help="Most tokens (rows × columns) per forward pass: larger batches are split and longer samples fed in "
-             "chunks with the KV cache, so no batch size or length can exhaust memory [default: 8192].",
-    )(fn)
 
 
 def fmt_number(x: float) -> str:

@@ -230,7 +230,9 @@ def job(run: Callable | None = None, *, any_model: bool = False):
     from ..model.hub import resolving
 
     def wrap(run: Callable) -> Callable:
-        return resolving(folding(job_inputs(checking_groups(checking_options(run)))), needs_moe=not any_model)
+        wrapped = resolving(folding(job_inputs(checking_groups(checking_options(run)))), needs_moe=not any_model)
+        wrapped.any_model = any_model
+        return wrapped
 
     return wrap if run is None else wrap(run)
 
