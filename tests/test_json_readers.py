@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mlx_fun.experts import expert_files
+from mlx_fun.output import streaming
 from mlx_fun import jobs
 from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError
@@ -191,13 +193,11 @@ def _corpus_manifest(p):
 ENTRY_POINTS = {
     "io.read_config": _read_config,
     "dispatch_table.read_table": _read_table,
-    "expert_files.load_expert_list": lambda p: __import__("mlx_fun.experts.expert_files").expert_files.load_expert_list(
+    "expert_files.load_expert_list": lambda p: expert_files.load_expert_list(
         p.rename(p.with_suffix(".json")), 2, 4),
-    "expert_files.load_report_experts(safety)": lambda p: __import__(
-        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "safety"),
-    "expert_files.load_report_experts(domain)": lambda p: __import__(
-        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "domain"),
-    "streaming.read_header": lambda p: __import__("mlx_fun.output.streaming").streaming.read_header(
+    "expert_files.load_report_experts(safety)": lambda p: expert_files.load_report_experts(p, "safety"),
+    "expert_files.load_report_experts(domain)": lambda p: expert_files.load_report_experts(p, "domain"),
+    "streaming.read_header": lambda p: streaming.read_header(
         _safetensors(p.with_suffix(".safetensors"), p.read_bytes())),
     "corpus manifest": _corpus_manifest,
 }

@@ -395,7 +395,7 @@ def test_killed_prune_leaves_no_temp_after_the_next_run(tmp_path, bundled_salien
 
 def test_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path):
     data = tmp_path / "calib.jsonl"
-    text = (ROOT / "mlx_fun" / "writer.py").read_text()
+    text = (ROOT / "mlx_fun" / "core" / "writer.py").read_text()
     data.write_text("".join(json.dumps({"content": text[i * 900:(i + 1) * 900] * 3}) + "\n" for i in range(24)))
     out = tmp_path / "s.npz"
     args = [MLX_FUN, "collect", "--model", BUNDLED, "--dataset", data, "--output", out, "--max-tokens", 512]
