@@ -94,7 +94,7 @@ def check_value(name: str, value: Any, opt: Opt) -> Any:
                      else f" >= {low}" if low is not None else f" <= {high}" if high is not None else "")
             raise UserError(f"{param(name)} must be a whole number{bound}, got {value!r}.")
         return value
-    elif isinstance(kind, click.FloatRange) or kind is click.FLOAT:
+    elif isinstance(kind, click.FloatRange) or kind is click.FLOAT or kind.name == "float":  # FiniteFloat too
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise UserError(f"{param(name)} must be a finite number, got {value!r}.")
     if isinstance(kind, click.Choice):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -48,11 +47,6 @@ def run(
     from ..rewrite.amplify import apply, target
     from ..output.streaming import Snapshot
 
-    for name, value in (("scale", scale), ("threshold", threshold)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UserError(f"{param(name)} must be a finite number, got {value!r}.")
-    if scale <= 0:
-        raise UserError(f"{param('scale')} must be above 0 (0 would write the model unchanged), got {scale}.")
     with model_job(model, output=output, kind="dir", force=force, log=log, lazy=True, tokenizer=False) as job_:
         res, mdl, config, adapter = job_.res, job_.model, job_.config, job_.adapter
         snapshot = Snapshot(mdl, model, config)  # streaming: untouched tensors are copied from the files
