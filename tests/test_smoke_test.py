@@ -11,7 +11,7 @@ import pytest
 
 from mlx_fun.jobs.smoke_test import DEFAULT_PROMPT
 from mlx_fun.model.io import load_model
-from mlx_fun.model.sampling import GumbelSampler, generate_tokens, gumbel_noise, run_generation
+from mlx_fun.model.sampling import GumbelSampler, Sampling, generate_tokens, gumbel_noise, run_generation
 from .cli_helpers import expect_error as _error, run  # noqa: E402
 
 N_TOKENS = 24
@@ -56,7 +56,8 @@ def test_greedy_matches_mlx_lm_generate(loaded, model_type, bits):
         assert 0 < len(ours) <= N_TOKENS
         assert ours == _mlx_lm_tokens(model, tokenizer, prompt, N_TOKENS)
         assert ours == _mlx_lm_tokens(model, tokenizer, prompt, N_TOKENS, sampler=mlx_lm_make_sampler(temp=0))
-        res = run_generation(model, tokenizer, prompt, max_tokens=N_TOKENS, temp=0.0, seed=5, top_k=3, top_p=0.5)
+        res = run_generation(model, tokenizer, prompt, max_tokens=N_TOKENS,
+                             sampling=Sampling(temp=0.0, seed=5, top_k=3, top_p=0.5))
         assert res.tokens == ours  # masks and seed do not change greedy decoding
         assert res.text == generate(model, tokenizer, prompt, max_tokens=N_TOKENS)
         assert res.prompt_tokens == len(tokenizer.encode(prompt)) and res.generation_tps > 0
@@ -75,7 +76,8 @@ def test_seeded_sampling_is_gumbel_max_of_mlx_lm_logprobs(loaded):
         want = int(np.argmax(np.array(logprobs, dtype=np.float32) / temp + np.array(g)[0]))
         assert int(token) == want, n
     toks = [int(t) for t, _ in steps]
-    assert toks == generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS, temp=temp, seed=seed)[
+    assert toks == generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS,
+                                   sampling=Sampling(temp=temp, seed=seed))[
         : len(toks)
     ]
 
@@ -83,10 +85,9 @@ def test_seeded_sampling_is_gumbel_max_of_mlx_lm_logprobs(loaded):
 @pytest.mark.parametrize("model_type, bits", [("qwen3_moe", 4), ("gpt_oss", None)])
 def test_seeded_generation_is_reproducible(loaded, model_type, bits):
     _, model, tokenizer = loaded(model_type, bits)
-    kw = dict(max_tokens=N_TOKENS, temp=1.0)
-    a = generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=3, **kw)
-    assert a == generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=3, **kw)
-    assert a != generate_tokens(model, tokenizer, DEFAULT_PROMPT, seed=4, **kw)
+    a = generate_tokens(model, tokenizer, DEFAULT_PROMPT, N_TOKENS, Sampling(temp=1.0, seed=3))
+    assert a == generate_tokens(model, tokenizer, DEFAULT_PROMPT, N_TOKENS, Sampling(temp=1.0, seed=3))
+    assert a != generate_tokens(model, tokenizer, DEFAULT_PROMPT, N_TOKENS, Sampling(temp=1.0, seed=4))
     assert a != generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)  # not greedy
     vocab = model.args.vocab_size if hasattr(model, "args") else 512
     assert all(0 <= t < vocab for t in a)
@@ -95,7 +96,7 @@ def test_seeded_generation_is_reproducible(loaded, model_type, bits):
 def test_top_k_one_sampling_is_greedy(loaded):
     _, model, tokenizer = loaded("qwen3_moe")
     greedy = generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
-    assert generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS, temp=2.0, seed=1, top_k=1) == greedy
+    assert generate_tokens(model, tokenizer, DEFAULT_PROMPT, N_TOKENS, Sampling(temp=2.0, seed=1, top_k=1)) == greedy
 
 
 def test_chat_template(loaded):

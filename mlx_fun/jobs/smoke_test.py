@@ -9,9 +9,9 @@ from typing import Annotated, Callable
 import click
 
 from ..core.options import Opt
-from ..core.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
 from ..model.genopts import DRAFT_MODEL, GenOptions
+from ..model.sampling import Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, job, quiet
 
@@ -53,14 +53,7 @@ def run(
     prompt: Annotated[str, Opt("Prompt text, fed raw (no chat template) unless --chat.")] = DEFAULT_PROMPT,
     max_tokens: Annotated[int, Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
                                    type=click.IntRange(min=1))] = 100,
-    temp: Annotated[float, Opt("Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
-                               "default).", type=TEMPERATURE)] = 0.0,
-    seed: Annotated[int | None, Opt("Seed: step n of the generation draws its noise from mx.random.key(seed + n), so "
-                                    "the same seed reproduces the output. Without it the noise comes from MLX's "
-                                    "global RNG.", type=SEED)] = None,
-    top_k: Annotated[int, Opt("Sample only among the k most likely tokens (0 disables).", type=TOP_K)] = 0,
-    top_p: Annotated[float, Opt("Sample only from the nucleus of the model's (untempered) distribution holding this "
-                                "much probability (1 disables).", type=TOP_P)] = 1.0,
+    sampling: Sampling = Sampling(),
     chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation "
                               "prompt).")] = False,
     settings: RunSettings = RunSettings(),
@@ -71,23 +64,21 @@ def run(
 ) -> SmokeTestResult:
     """Generate up to ``max_tokens`` after ``prompt`` (raw, or in the chat template with ``chat``): greedy at
     ``temp=0`` (token for token what ``mlx_lm.generate`` gives), else seeded Gumbel-max sampling. ``on_text``
-    receives the text as it is generated. ``settings`` (:class:`mlx_fun.settings.RunSettings`): the expert dispatch,
+    receives the text as it is generated; ``sampling`` (:class:`mlx_fun.model.sampling.Sampling`): temperature,
+    seed, top-k, top-p. ``settings`` (:class:`mlx_fun.settings.RunSettings`): the expert dispatch,
     and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its ``progress`` is
     unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and speculative decoding
     options (:mod:`mlx_fun.model.genopts`)."""
     from ..model import moe_hook
     from ..model.genopts import load_draft
     from ..model.io import context_length, load_model
-    from ..model.sampling import encode_prompt, make_sampler, run_generation
+    from ..model.sampling import encode_prompt, run_generation
 
     generation.check(draft=draft_model)
     config = check_generatable(model)
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")
-    try:
-        sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
-    except ValueError as e:
-        raise UserError(f"{e}; check {param('temp')}, {param('seed')}, {param('top_k')} and {param('top_p')}.") from None
+    sampler = sampling.sampler()
     log(f"Loading {model} ...")
     mdl, tokenizer, _config = load_model(model)
     report = settings.apply(mdl, log=log)
@@ -104,7 +95,7 @@ def run(
                         f"the model's context of {limit:,} tokens (max_position_embeddings); output past it is "
                         f"unreliable. Shorten the prompt or lower {param('max_tokens')}.")
         log(f"Warning: {warnings[-1]}")
-    result = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed, top_k=top_k,
-                            top_p=top_p, chat=chat, on_text=on_text, options=generation, draft_model=draft,
+    result = run_generation(mdl, tokenizer, ids, max_tokens=max_tokens, sampling=sampling, chat=chat,
+                            on_text=on_text, options=generation, draft_model=draft,
                             prefill_step_size=settings.prefill_step(config, dispatch_mode=report.mode))
     return SmokeTestResult(result, repr(sampler), warnings)

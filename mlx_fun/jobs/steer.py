@@ -9,9 +9,10 @@ from typing import Annotated, Callable
 import click
 
 from ..core.options import Group, Opt, option
-from ..core.ranges import SEED, TEMPERATURE, FiniteFloat
+from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
 from ..model.genopts import DRAFT_MODEL, GenOptions
+from ..model.sampling import Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, check_supported, job, load_moe, quiet
 
@@ -62,8 +63,7 @@ def run(
     prompt: Annotated[str, Opt("Prompt text (raw unless --chat).", required=True)],
     steering: SteerOptions = SteerOptions(),
     max_tokens: Annotated[int, Opt("", type=click.IntRange(min=1))] = 100,
-    temp: Annotated[float, Opt("0 is greedy.", type=TEMPERATURE)] = 0.0,
-    seed: Annotated[int | None, Opt("Seed of the Gumbel-max sampler.", type=SEED)] = None,
+    sampling: Sampling = Sampling(),
     chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, Opt("First print the unsteered reply (same sampler), then stream the steered "
                                  "one.")] = False,
@@ -83,7 +83,7 @@ def run(
     speculative decoding options (:mod:`mlx_fun.model.genopts`); a draft model is never steered."""
     from ..model import moe_hook
     from ..model.genopts import load_draft
-    from ..model.sampling import encode_prompt, make_sampler, run_generation
+    from ..model.sampling import encode_prompt, run_generation
     from ..experts.steering import for_adapter
 
     generation.check(draft=draft_model)
@@ -94,10 +94,6 @@ def run(
                         f"{param('domain_map')} with {param('domain_mode')}.")
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass the text to answer.")
-    try:
-        make_sampler(temp=temp, seed=seed)
-    except ValueError as e:
-        raise UserError(f"{e}; check {param('temp')} and {param('seed')}.") from None
     mdl, tokenizer, config, adapter = load_moe(model, log=log)
     steers = for_adapter(adapter, safety_map=s.safety_map, safety_mode=s.mode, domain_map=s.domain_map,
                          domain_mode=s.domain_mode, mask_value=s.mask_value, boost_value=s.boost_value,
@@ -110,7 +106,7 @@ def run(
         log(f"Warning: {w}")
     report = settings.apply(mdl, log=log)
     draft = load_draft(draft_model, tokenizer)
-    gen = dict(max_tokens=max_tokens, temp=temp, seed=seed, options=generation, draft_model=draft,
+    gen = dict(max_tokens=max_tokens, sampling=sampling, options=generation, draft_model=draft,
                prefill_step_size=settings.prefill_step(config, dispatch_mode=report.mode, top_k=adapter.top_k))
     ids = encode_prompt(tokenizer, prompt, chat)
     baseline = None

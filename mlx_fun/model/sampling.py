@@ -49,6 +49,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..core.options import Group, option
+from ..core.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
 
 #: smallest positive normal float32: the lower clip of ``u`` (``-log(tiny)`` ≈ 87.3, so ``g`` ≥ -4.47).
@@ -279,6 +281,25 @@ def make_sampler(temp: float = 0.0, seed: int | None = None, top_k: int = 0, top
     return GumbelSampler(temperature=temp, seed=seed, top_k=top_k, top_p=top_p)
 
 
+@dataclass(frozen=True)
+class Sampling(Group):
+    """How tokens are drawn (the option group ``sampling`` of smoke-test and steer; fields = their options, ranges
+    from :mod:`mlx_fun.core.ranges`, which the server's request checks share)."""
+
+    temp: float = option(0.0, "Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
+                         "default).", type=TEMPERATURE)
+    seed: int | None = option(None, "Seed: step n of the generation draws its noise from mx.random.key(seed + n), so "
+                              "the same seed reproduces the output. Without it the noise comes from MLX's global RNG.",
+                              type=SEED)
+    top_k: int = option(0, "Sample only among the k most likely tokens (0 disables).", type=TOP_K)
+    top_p: float = option(1.0, "Sample only from the nucleus of the model's (untempered) distribution holding this "
+                          "much probability (1 disables).", type=TOP_P)
+
+    def sampler(self) -> GumbelSampler:
+        """A fresh sampler of these settings (step 0)."""
+        return make_sampler(temp=self.temp, seed=self.seed, top_k=self.top_k, top_p=self.top_p)
+
+
 # ------------------------------------------------------------------------------------------------- generation
 
 
@@ -326,10 +347,7 @@ def run_generation(
     tokenizer,
     prompt: str | Sequence[int],
     max_tokens: int = 100,
-    temp: float = 0.0,
-    seed: int | None = None,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     options=None,
@@ -353,7 +371,7 @@ def run_generation(
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise UserError(f"the prompt encodes to no tokens; pass a non-empty {param('prompt')}.")
-    sampler = make_sampler(temp=temp, seed=seed, top_k=top_k, top_p=top_p)
+    sampler = sampling.sampler()
     result = GenerationResult(prompt_tokens=len(ids))
     pieces: list[str] = []
     response = None
@@ -384,20 +402,18 @@ def generate_tokens(
     tokenizer,
     prompt: str | Sequence[int],
     max_tokens: int = 100,
-    temp: float = 0.0,
-    seed: int | None = None,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     chat: bool = False,
 ) -> list[int]:
     """The generated token ids of :func:`run_generation` (what ``mlx-fun smoke-test`` prints, as ids)."""
-    return run_generation(model, tokenizer, prompt, max_tokens, temp, seed, top_k, top_p, chat).tokens
+    return run_generation(model, tokenizer, prompt, max_tokens, sampling, chat).tokens
 
 
 __all__ = [
     "U_MIN",
     "U_MAX",
     "GenerationResult",
+    "Sampling",
     "GumbelSampler",
     "clipped_uniform",
     "default_compiled",
