@@ -207,7 +207,7 @@ ENTRY_POINTS = {
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 def test_every_reader_entry_point_refuses_bad_bytes_in_one_line(entry, bad, tmp_path):
     """The readers below the commands, the ones no option reaches directly included (a safetensors header, the
-    corpus manifest of scripts/prepare_dataset.py): a ``UserError`` of one line naming the file."""
+    corpus manifest of scripts/tools/prepare_dataset.py): a ``UserError`` of one line naming the file."""
     path = tmp_path / "doc"
     path.write_bytes(BAD[bad])
     with pytest.raises(UserError) as err:
