@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mlx_fun import blas_threads
+from mlx_fun.runtime import blas_threads
 from mlx_fun.runtime.blas_threads import BUSY, QUIET, Governor
 
 from .test_blas import clean_env, linux_only, needs_openblas
@@ -73,7 +73,8 @@ DECODE_PROBE = """
 from mlx_fun.runtime.blas import maybe_reexec
 maybe_reexec()
 import mlx.core as mx
-from mlx_fun import blas_threads, moe_hook
+from mlx_fun.model import moe_hook
+from mlx_fun.runtime import blas_threads
 from mlx_fun.model.io import load_model
 import time
 g = blas_threads.start()
@@ -108,7 +109,7 @@ PROBE = """
 import ctypes, json, sys, time
 from mlx_fun.runtime.blas import maybe_reexec
 maybe_reexec()
-from mlx_fun import blas_threads
+from mlx_fun.runtime import blas_threads
 decisions = []  # every (others' cores, threads wanted) the governor decided, from its first look on
 decide = blas_threads.Governor.decide
 def recording(self, others):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -191,13 +192,13 @@ def _corpus_manifest(p):
 ENTRY_POINTS = {
     "io.read_config": _read_config,
     "dispatch_table.read_table": _read_table,
-    "expert_files.load_expert_list": lambda p: __import__("mlx_fun.experts.expert_files").expert_files.load_expert_list(
+    "expert_files.load_expert_list": lambda p: import_module("mlx_fun.experts.expert_files").load_expert_list(
         p.rename(p.with_suffix(".json")), 2, 4),
-    "expert_files.load_report_experts(safety)": lambda p: __import__(
-        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "safety"),
-    "expert_files.load_report_experts(domain)": lambda p: __import__(
-        "mlx_fun.experts.expert_files").expert_files.load_report_experts(p, "domain"),
-    "streaming.read_header": lambda p: __import__("mlx_fun.output.streaming").streaming.read_header(
+    "expert_files.load_report_experts(safety)": lambda p: import_module(
+        "mlx_fun.experts.expert_files").load_report_experts(p, "safety"),
+    "expert_files.load_report_experts(domain)": lambda p: import_module(
+        "mlx_fun.experts.expert_files").load_report_experts(p, "domain"),
+    "streaming.read_header": lambda p: import_module("mlx_fun.output.streaming").read_header(
         _safetensors(p.with_suffix(".safetensors"), p.read_bytes())),
     "corpus manifest": _corpus_manifest,
 }
