@@ -1,10 +1,18 @@
-"""Running the click group in-process and checking the one-line error contract, shared by the CLI tests."""
+"""Running the click group in-process and checking the one-line error contract, shared by the CLI tests; running
+the repository's scripts as the README does."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from mlx_fun.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
@@ -19,3 +27,13 @@ def expect_error(result, *needles):
     assert len(lines) == 1, result.output
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m scripts.NAME ARGS…`` (``name`` such as ``"tools.prepare_dataset"``) in a child process, output
+    captured as text; the repository root leads its ``PYTHONPATH``, so the checkout's ``scripts`` and ``mlx_fun``
+    import whatever ``cwd`` is. Other keyword arguments (``env``, ``cwd``, ``timeout``) go to ``subprocess.run``."""
+    env = dict(kwargs.pop("env", None) or os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", f"scripts.{name}", *map(str, args)], env=env, capture_output=True,
+                          text=True, **kwargs)

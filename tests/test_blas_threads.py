@@ -1,6 +1,7 @@
 """OpenBLAS's threads give way to other processes (issue 32, part 3): the governor's rule, its measurement, and the
 real thing: a process re-executed with the fast BLAS drops to one thread while other processes spin on every core,
-and takes all cores back once they stop. scripts/bench_collect.py --contended N measures what that is worth."""
+and takes all cores back once they stop. `python -m scripts.benchmarks.bench_collect --contended N` measures what
+that is worth."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from click.testing import CliRunner
 from mlx_fun.cli import main
 from mlx_fun.model.io import bundled_model_dir
 from mlx_fun.output.model_dir import dir_size
+
+from .cli_helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "data" / "tiny-moe"
@@ -83,12 +84,11 @@ def test_train_script_runs_a_few_steps_and_saves_a_loadable_model(tmp_path):
     data = tmp_path / "corpus"
     corpus.prepare(data, max_samples=12, max_eval_samples=2, max_chars=512)
     out = tmp_path / "model"
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_tiny_moe.py"), "--data", str(data), "--output", str(out),
-         "--vocab-size", "300", "--hidden", "32", "--layers", "1", "--experts", "4", "--top-k", "2",
-         "--moe-intermediate", "16", "--heads", "2", "--kv-heads", "1", "--seq-len", "32", "--batch-size", "2",
-         "--steps", "4", "--warmup", "2", "--eval-every", "2", "--eval-windows", "2"],
-        capture_output=True, text=True, timeout=300)
+    r = script(
+        "training.train_tiny_moe", "--data", data, "--output", out,
+        "--vocab-size", "300", "--hidden", "32", "--layers", "1", "--experts", "4", "--top-k", "2",
+        "--moe-intermediate", "16", "--heads", "2", "--kv-heads", "1", "--seq-len", "32", "--batch-size", "2",
+        "--steps", "4", "--warmup", "2", "--eval-every", "2", "--eval-windows", "2", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "validation:" in r.stdout and "tok/s" in r.stdout
     if sys.platform.startswith("linux"):  # the script re-execs with the fast BLAS, as the mlx-fun launcher does

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mlx_fun.datasets import corpus
 from mlx_fun.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+from .cli_helpers import script
 
 
 def test_split_is_a_deterministic_hash_of_the_document_id():
@@ -100,28 +97,25 @@ def test_solidity_from_an_npm_pack_tarball(tmp_path):
     assert len(docs) == 40 and docs[0].doc_id == "solidity:token/Token0.sol" and "pragma solidity" in docs[0].text
     manifest = corpus.prepare(tmp_path / "c", sources=["solidity"], splits=("train",), openzeppelin=tgz)
     assert manifest["domains"]["solidity"]["splits"]["train"]["samples"] > 20
-    # built in worker processes (what scripts/prepare_dataset.py does with several sources): the same samples, in order
+    # built in worker processes (what scripts/tools/prepare_dataset.py does with several sources): the same samples,
+    # in order
     here = corpus.build_domain("solidity", openzeppelin=tgz)
     assert corpus._build_all(["solidity", "solidity"], 2048, 32, tgz, workers=2) == [here, here] and here["train"]
 
 
 def test_prepare_dataset_script(tmp_path):
     out = tmp_path / "c"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--output", str(out),
-                        "--source", "code", "--split", "test", "--max-eval-samples", "3"],
-                       capture_output=True, text=True)
+    r = script("tools.prepare_dataset", "--output", out, "--source", "code", "--split", "test",
+               "--max-eval-samples", "3")
     assert r.returncode == 0, r.stderr
     assert len((out / "code" / "test.jsonl").read_text().splitlines()) == 3
     assert not (out / "code" / "train.jsonl").exists()
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--output", str(out),
-                        "--source", "klingon"], capture_output=True, text=True)
+    r = script("tools.prepare_dataset", "--output", out, "--source", "klingon")
     assert r.returncode == 2 and r.stderr.startswith("Error: unknown source")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--output", str(out / "p"),
-                        "--source", "packages", "--max-package-bytes", "-5"], capture_output=True, text=True)
+    r = script("tools.prepare_dataset", "--output", out / "p", "--source", "packages", "--max-package-bytes", "-5")
     assert r.returncode == 2 and r.stderr.startswith("Error: --max-package-bytes must be at least 1, got -5")
     assert not (out / "p").exists()
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--list"],
-                       capture_output=True, text=True)
+    r = script("tools.prepare_dataset", "--list")
     assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:2] == ["code", "yes"]
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from mlx_fun.observe.distributed import World, gather, my_share
 
+from .cli_helpers import script
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, DATA = ROOT / "data" / "tiny-moe", ROOT / "data" / "calibration_sample.jsonl"
 # batch size 1 (the default): every sample's forward is then the same computation in both runs. With larger
@@ -151,12 +153,12 @@ def test_tensor_parallel_blocks_are_refused_with_the_alternative(qwen_model):
     (["--model", "missing-model", "--samples", "2", "--tokens", "16", "--repeats", "1"], "failed: "),  # in a run
 ], ids=["bad --build", "a failing collect"])
 def test_a_failed_bench_distributed_run_leaves_no_temporary_directory(tmp_path, args, needle):
-    """scripts/bench_distributed.py makes its model, dataset and outputs in a temp dir: removed on every exit."""
+    """scripts/benchmarks/bench_distributed.py makes its model, dataset and outputs in a temp dir: removed on every
+    exit."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     env = dict(os.environ, TMPDIR=str(tmpdir))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), *args], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = script("benchmarks.bench_distributed", *args, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode != 0 and needle in out.stderr, out.stderr[-2000:]
     assert list(tmpdir.iterdir()) == []
 

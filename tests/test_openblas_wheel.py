@@ -55,7 +55,8 @@ def test_prepared_copy_is_cached_with_the_users_umask(tmp_path, monkeypatch):
 def test_mlx_runs_its_matmuls_and_lapack_on_the_wheel(tmp_path):
     """In a fresh process with MLX_FUN_BLAS=wheel, the launcher's re-exec preloads the renamed copy, and MLX's
     CPU matmul and inverse agree with numpy, and the dynamic linker binds libmlx's ``cblas_sgemm`` to that copy
-    (LD_DEBUG=bindings: proof that MLX really calls it; the speed itself is measured by scripts/bench_collect.py)."""
+    (LD_DEBUG=bindings: proof that MLX really calls it; the speed itself is measured by
+    scripts/benchmarks/bench_collect.py)."""
     code = (
         "from mlx_fun.runtime.blas import maybe_reexec, blas_status; maybe_reexec()\n"
         "import numpy as np, mlx.core as mx\n"

@@ -1,25 +1,21 @@
-"""scripts/prepare_dataset.py --source all: builds every source installed here and says which optional sources it
-skipped, why, and how to install them (issue 29 row 23: they were skipped silently)."""
+"""`python -m scripts.tools.prepare_dataset --source all`: builds every source installed here and says which optional
+sources it skipped, why, and how to install them (issue 29 row 23: they were skipped silently)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mlx_fun.datasets import corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+from .cli_helpers import script
 
 
 def test_source_all_names_every_skipped_source_with_why_and_how_to_install(tmp_path):
     missing = tmp_path / "no-such-package.tgz"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--source", "all", "--output",
-                        str(tmp_path / "c"), "--split", "test", "--max-eval-samples", "2", "--openzeppelin",
-                        str(missing), "--max-package-bytes", "20000"], capture_output=True, text=True, timeout=300)
+    r = script("tools.prepare_dataset", "--source", "all", "--output", tmp_path / "c", "--split", "test",
+               "--max-eval-samples", "2", "--openzeppelin", missing, "--max-package-bytes", "20000", timeout=300)
     assert r.returncode == 0, r.stderr
     have = corpus.available_sources(str(missing))
     skipped = [line for line in r.stderr.splitlines() if line.startswith("--source all: skipped ")]
@@ -45,9 +41,8 @@ def test_a_corpus_file_or_manifest_that_exists_is_replaced_only_with_force(tmp_p
     split, manifest = out / "code" / "test.jsonl", out / "manifest.json"
 
     def prepare(*extra):
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), "--source", "code",
-                            "--split", "test", "--max-eval-samples", "2", "--output", str(out), *extra],
-                           capture_output=True, text=True, timeout=300)
+        r = script("tools.prepare_dataset", "--source", "code", "--split", "test", "--max-eval-samples", "2",
+                   "--output", out, *extra, timeout=300)
         errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
         return r.returncode, errors, r.stderr
 
@@ -72,8 +67,7 @@ def test_a_corpus_file_or_manifest_that_exists_is_replaced_only_with_force(tmp_p
 
 
 def _script(*args, timeout=60):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_dataset.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    return script("tools.prepare_dataset", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, needle", [

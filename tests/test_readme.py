@@ -25,7 +25,8 @@ README = (ROOT / "README.md").read_text()
 NOT_RUN = {
     "pip install": "the package is installed already (the README's first command is run from `mlx-fun demo` on)",
     "python -m pytest": "the test suite itself",
-    "python scripts/train_tiny_moe.py": "8 minutes of training; test_bundled.py runs the script with tiny settings",
+    "python -m scripts.training.train_tiny_moe": "8 minutes of training; test_bundled.py runs the script with tiny "
+                                                 "settings",
     "mlx.launch --hostfile": "needs two machines; test_distributed.py runs the same launch with two ranks on loopback",
 }
 

@@ -1,20 +1,15 @@
-"""scripts/shard_model.py: a model split into size-capped shards (and cast) loads and computes as before."""
+"""scripts/tools/shard_model.py: a model split into size-capped shards (and cast) loads and computes as before."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from .cli_helpers import script
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "shard_model.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return script("tools.shard_model", *args, timeout=120)
 
 
 def test_shards_under_the_cap_load_and_give_the_same_logits(make_model, tmp_path):

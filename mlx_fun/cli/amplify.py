@@ -19,7 +19,7 @@ def command(**kwargs):
     bias (qwen3_moe, mixtral, olmoe, …) are refused: boost them at run time with `steer` or `serve`.
 
     \b
-    Example (a tiny random deepseek_v3 from scripts/make_tiny_moe.py, scanned with domain-scan):
+    Example (a tiny random deepseek_v3 from scripts/tools/make_tiny_moe.py, scanned with domain-scan):
       mlx-fun amplify --model tiny-dsv3 --domain-map dsv3_domain.json --output amplified --scale 1.0
     """
     show(amplify.run(**job_kwargs(amplify.run, kwargs), log=echo_err))

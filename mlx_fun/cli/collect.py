@@ -20,7 +20,7 @@ def command(**kwargs):
     `stats-*` commands.
 
     \b
-    Example (on the bundled model, after `python scripts/prepare_dataset.py --output corpus`):
+    Example (on the bundled model, after `python -m scripts.tools.prepare_dataset --output corpus`):
       mlx-fun collect --model data/tiny-moe --dataset corpus/code/train.jsonl --output code.npz \\
           --max-samples 32 --max-tokens 512 --seed 42 --batch-size 4
 

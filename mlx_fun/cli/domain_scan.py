@@ -21,7 +21,7 @@ def command(**kwargs):
     boost them (or suppress the general experts).
 
     \b
-    Example (after `python scripts/prepare_dataset.py --output corpus`):
+    Example (after `python -m scripts.tools.prepare_dataset --output corpus`):
       mlx-fun domain-scan --model data/tiny-moe --domain-dataset corpus/code/train.jsonl \\
           --general-dataset corpus/prose/train.jsonl --domain-name python --output domain_report.json \\
           --max-samples 32 --max-tokens 256 --seed 0

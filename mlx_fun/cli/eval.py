@@ -22,7 +22,7 @@ def command(**kwargs):
     KL(reference ‖ model) in nats, and top-1 agreement (how often both predict the same most likely token).
 
     \b
-    Example (the held-out splits of `python scripts/prepare_dataset.py --output corpus`):
+    Example (the held-out splits of `python -m scripts.tools.prepare_dataset --output corpus`):
       mlx-fun eval --model pruned --reference data/tiny-moe --dataset code=corpus/code/test.jsonl \\
           --dataset prose=corpus/prose/test.jsonl --max-samples 32 --max-tokens 512 --output eval.json
 

@@ -413,7 +413,7 @@ def prepare(
     domain (a seeded random subset, in document order). A source that is not installed is a ``UserError``
     with the command that installs it; so is one with an empty split (``skip_empty``: left out, and said),
     found before anything is written. ``workers`` > 1 builds that many sources at once, each in a process of its
-    own (the same files; ``scripts/prepare_dataset.py`` uses every core).
+    own (the same files; ``scripts/tools/prepare_dataset.py`` uses every core).
     """
     _check_numbers(max_samples=max_samples, max_eval_samples=max_eval_samples, min_tokens=min_tokens,
                    max_chars=max_chars, seed=seed)

@@ -20,8 +20,8 @@ them is seen at once), in the input's dtype; only float32 inputs on the CPU (MLX
 
 Half-precision scales (what ``mlx_lm.convert`` writes for a bfloat16 / float16 checkpoint: nearly every published
 quantized model) on the CPU: MLX's CPU ``quantized_matmul`` is about 9× (bfloat16) and 45× (float16) slower than in
-float32 at 64 rows, 7-13× and 27-40× at one (4-bit g32, 256 → 768; ``python scripts/bench_half_cpu.py``). Such a
-linear runs in float32 at every token count (below ``MIN_ROWS`` by :func:`upcast_scales`: the input, scales and
+float32 at 64 rows, 7-13× and 27-40× at one (4-bit g32, 256 → 768;
+``python -m scripts.benchmarks.bench_half_cpu``). Such a linear runs in float32 at every token count (below ``MIN_ROWS`` by :func:`upcast_scales`: the input, scales and
 biases cast per call, a quarter of the packed weight's bytes at 4 bits and group size 32, an eighth at 64; the
 packed weight is read as stored), and its output keeps the input's dtype. The tied LM head
 (``QuantizedEmbedding.as_linear``) does the same. In ``--dispatch mlx-lm`` mode only this part is installed (at

@@ -30,7 +30,8 @@ Masks (applied before the noise; masked logits become ``-inf`` and are never sam
 Compilation
     ``compiled=None`` (the default) compiles the noise+argmax function only when MLX's default device is a GPU.
     On the CPU backend, MLX's built-in (vectorised) ``log`` / ``uniform`` kernels beat the JIT-fused elementwise
-    kernel that ``mx.compile`` generates (measured with ``scripts/bench_sampling.py``), so the plain graph is used.
+    kernel that ``mx.compile`` generates (measured with ``scripts/benchmarks/bench_sampling.py``), so the plain graph
+    is used.
 
 :class:`GumbelSampler` is a drop-in mlx-lm ``sampler`` (``logprobs (B, V) -> tokens (B,)``) with a step
 counter: ``mlx_lm.generate.generate_step(prompt, model, sampler=GumbelSampler(temperature=0.8, seed=0))``.

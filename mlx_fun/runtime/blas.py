@@ -226,8 +226,8 @@ def local_ranks(environ) -> int:
     """How many ranks ``mlx.launch`` (ring backend: ``MLX_HOSTFILE`` is a JSON list of ``["ip:port", ...]`` per
     rank) runs on this host; 0 when not launched or the file is not that format.
 
-    Measured (2-core Linux, bundled model, ``scripts/bench_distributed.py --samples 128``): two ranks that each
-    keep OpenBLAS's default of one thread per core collect 3.5x slower than one process (OpenBLAS threads spin
+    Measured (2-core Linux, bundled model, ``python -m scripts.benchmarks.bench_distributed --samples 128``): two
+    ranks that each keep OpenBLAS's default of one thread per core collect 3.5x slower than one process (OpenBLAS threads spin
     on the shared cores); with the cores divided, as here, they run as fast as one process."""
     import socket
 

@@ -4,7 +4,7 @@ A multi-threaded OpenBLAS call splits its work across one thread per core and wa
 process holds a core, one part waits for the scheduler and the whole call with it; between calls, the idle threads
 spin on cores the other process wants. On a shared 2-core machine that made `collect` 2-30x slower than with one
 thread (and slower than with no fast BLAS at all), while on a quiet machine the threads are worth 15-40%
-(scripts/bench_collect.py --contended N).
+(python -m scripts.benchmarks.bench_collect --contended N).
 
 :class:`Governor` watches how much CPU the *other* processes of the machine used in the last interval
 (``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets OpenBLAS's thread count through its
@@ -13,7 +13,7 @@ once they use half a core or more (in between: as it was). Small forwards run on
 does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS` tokens (a decode
 step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a core that
 MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
-(``scripts/bench_decode.py``). It runs on a daemon thread, every
+(``scripts/benchmarks/bench_decode.py``). It runs on a daemon thread, every
 :data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
 (:func:`mlx_fun.runtime.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` to a thread count (always
 respected; a value OpenBLAS ignores, such as ``abc``, is said on stderr and governed as if unset).

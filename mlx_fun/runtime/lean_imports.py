@@ -17,7 +17,7 @@ command uses PyTorch (mlx-lm's tokenizers are the fast, Rust ``tokenizers`` ones
 Both are process-wide and only the ``mlx-fun`` console entry calls them (:mod:`mlx_fun.launcher`), before anything imports
 mlx-lm; importing ``mlx_fun`` as a library changes nothing. ``MLX_FUN_EAGER_IMPORTS=1`` turns both off (imports as
 mlx-lm makes them: for a tokenizer with remote code that needs PyTorch, and the before/after of
-``scripts/bench_startup.py``).
+``scripts/benchmarks/bench_startup.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ completions and streamed / whole responses, with prompts of different lengths (s
 Every request asks for usage (streams through ``stream_options.include_usage``); the sum over requests of
 ``prompt_tokens − cached_tokens + completion_tokens`` is what the server must have counted, which
 :func:`run_load` compares with the change of ``/v1/reap/stats``' ``token_count`` (``counts_exact``).
-Used by ``scripts/load_test_serve.py``, ``scripts/bench_serve.py`` and the tests.
+Used by ``scripts/benchmarks/load_test_serve.py``, ``scripts/benchmarks/bench_serve.py`` and the tests.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiny random MoE models of every supported family, with a locally trained byte-level BPE tokenizer.
 
-Used by ``scripts/make_tiny_moe.py``, by the test fixtures and by the quick-start. Nothing here touches the
+Used by ``scripts/tools/make_tiny_moe.py``, by the test fixtures and by the quick-start. Nothing here touches the
 network: the tokenizer is trained on text that ships with Python itself (standard-library sources).
 """
 

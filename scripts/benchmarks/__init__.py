@@ -1,0 +1,1 @@
+"""Benchmarks and minimal repros: each prints its measurements, most end with ``key=value`` ratios."""

@@ -1,0 +1,1 @@
+"""User-facing utilities: datasets, tiny models, sharded copies of a model."""
