@@ -6,12 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Callable
 
-import click
-
 from ..core.options import Opt
 from ..errors import UserError, param
 from ..model.genopts import DRAFT_MODEL, GenOptions
-from ..model.sampling import Sampling
+from ..model.sampling import CHAT, MAX_NEW_TOKENS, Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, job, quiet
 
@@ -51,11 +49,9 @@ def run(
     *,
     model: Annotated[str | Path, MODEL],
     prompt: Annotated[str, Opt("Prompt text, fed raw (no chat template) unless --chat.")] = DEFAULT_PROMPT,
-    max_tokens: Annotated[int, Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
-                                   type=click.IntRange(min=1))] = 100,
+    max_tokens: Annotated[int, MAX_NEW_TOKENS] = 100,
     sampling: Sampling = Sampling(),
-    chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation "
-                              "prompt).")] = False,
+    chat: Annotated[bool, CHAT] = False,
     settings: RunSettings = RunSettings(),
     generation: GenOptions = GenOptions(),
     draft_model: Annotated[str | Path | None, DRAFT_MODEL] = None,

@@ -12,7 +12,7 @@ from ..core.options import Group, Opt, option
 from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
 from ..model.genopts import DRAFT_MODEL, GenOptions
-from ..model.sampling import Sampling
+from ..model.sampling import CHAT, MAX_NEW_TOKENS, Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, check_supported, job, load_moe, quiet
 
@@ -62,9 +62,9 @@ def run(
     model: Annotated[str | Path, MODEL],
     prompt: Annotated[str, Opt("Prompt text (raw unless --chat).", required=True)],
     steering: SteerOptions = SteerOptions(),
-    max_tokens: Annotated[int, Opt("", type=click.IntRange(min=1))] = 100,
+    max_tokens: Annotated[int, MAX_NEW_TOKENS] = 100,
     sampling: Sampling = Sampling(),
-    chat: Annotated[bool, Opt("Wrap the prompt in the tokenizer's chat template.")] = False,
+    chat: Annotated[bool, CHAT] = False,
     compare: Annotated[bool, Opt("First print the unsteered reply (same sampler), then stream the steered "
                                  "one.")] = False,
     settings: RunSettings = RunSettings(),

@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
+import click
 import mlx.core as mx
 import numpy as np
 
-from ..core.options import Group, option
+from ..core.options import Group, Opt, option
 from ..core.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
 
@@ -280,6 +281,12 @@ class GumbelSampler:
 def make_sampler(temp: float = 0.0, seed: int | None = None, top_k: int = 0, top_p: float = 1.0) -> GumbelSampler:
     """A fresh :class:`GumbelSampler` (step 0); ``temp=0`` is greedy, like ``mlx_lm.sample_utils.make_sampler``."""
     return GumbelSampler(temperature=temp, seed=seed, top_k=top_k, top_p=top_p)
+
+
+#: ``max_tokens`` and ``chat`` of the generating jobs (smoke-test, steer), declared once
+MAX_NEW_TOKENS = Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
+                     type=click.IntRange(min=1))
+CHAT = Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
 
 
 @dataclass(frozen=True)
