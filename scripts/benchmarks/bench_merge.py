@@ -63,6 +63,9 @@ def time_merge(args, layers: int, samples, saliency_row) -> tuple[float, dict]:
     import numpy as np
 
     from mlx_fun.rewrite.merge import merge_model
+    from mlx_fun.rewrite.merge_options import Ream
+    from mlx_fun.experts.selection import Selection
+    from mlx_fun.datasets.calibration import Calibration
 
     best, best_meta = float("inf"), None
     for rep in range(args.repeats):
@@ -70,9 +73,10 @@ def time_merge(args, layers: int, samples, saliency_row) -> tuple[float, dict]:
         sal = np.tile(saliency_row, (len(adapter.moe_layers()), 1))
         t0 = time.perf_counter()
         meta = merge_model(
-            model, adapter, samples, saliency=sal, n_prune=args.n_prune, alignment=args.alignment,
-            max_group_size=args.max_group_size, max_similarity_tokens=args.similarity_tokens,
-            max_alignment_tokens=args.alignment_tokens, seed=0,
+            model, adapter, samples, saliency=sal, selection=Selection(n_prune=args.n_prune),
+            ream=Ream(alignment=args.alignment, max_group_size=args.max_group_size,
+                      max_similarity_tokens=args.similarity_tokens, max_alignment_tokens=args.alignment_tokens),
+            calibration=Calibration(seed=0),
         )  # fmt: skip
         elapsed = time.perf_counter() - t0
         if elapsed < best:
@@ -105,6 +109,8 @@ def rss_child(kind: str, n_samples: int) -> None:
     from mlx_fun.datasets.samples import pad_id
     from mlx_fun.model.io import load_model
     from mlx_fun.rewrite.merge import merge_model
+    from mlx_fun.datasets.calibration import Calibration
+    from mlx_fun.experts.selection import Selection
 
     model, tokenizer, config = load_model(BUNDLED)
     adapter = get_adapter(model, config)
@@ -117,8 +123,8 @@ def rss_child(kind: str, n_samples: int) -> None:
         engine.run(model.model, samples, lambda chunk, out: chunk.eval(out), batch_size=8, pad_id=pad_id(tokenizer))
     elif kind == "merge":
         scores = np.random.default_rng(0).random((len(adapter.moe_layers()), adapter.num_experts))
-        merge_model(model, adapter, samples, saliency=scores, n_prune=adapter.num_experts // 4, batch_size=8,
-                    pad_id=pad_id(tokenizer), seed=0)
+        merge_model(model, adapter, samples, saliency=scores, selection=Selection(n_prune=adapter.num_experts // 4),
+                    calibration=Calibration(seed=0, batch_size=8), pad_id=pad_id(tokenizer))
     tokens = engine.total_tokens(samples)
     captures = tokens * config["hidden_size"] * 4 + 512 * (config["hidden_size"] + adapter.num_experts + 2 * adapter.top_k) * 4
     mx.synchronize()

@@ -36,6 +36,9 @@ from mlx_fun.observe.evaluate import ReferenceCache, evaluate  # noqa: E402
 from mlx_fun.model.io import bundled_model_dir, load_model  # noqa: E402
 from mlx_fun.core.writer import write_json, write_text  # noqa: E402
 from mlx_fun.rewrite.merge import merge_model  # noqa: E402
+from mlx_fun.rewrite.merge_options import Ream  # noqa: E402
+from mlx_fun.experts.selection import Selection  # noqa: E402
+from mlx_fun.datasets.calibration import Calibration  # noqa: E402
 from mlx_fun.rewrite.prune import prune_model  # noqa: E402
 from mlx_fun.experts.selection import select_experts  # noqa: E402
 
@@ -133,8 +136,9 @@ def main(argv=None):
             for size in ([] if args.no_merge else [int(c) for c in args.merge_group_sizes.split(",")]):
                 model, ad = fresh()
                 t0 = time.perf_counter()
-                merge_model(model, ad, calib[d], saliency=saliency[d].scores("reap"), n_prune=n_prune,
-                            max_group_size=size, seed=0, pad_id=pad)
+                merge_model(model, ad, calib[d], saliency=saliency[d].scores("reap"),
+                            selection=Selection(n_prune=n_prune), ream=Ream(max_group_size=size),
+                            calibration=Calibration(seed=0), pad_id=pad)
                 print(f"  merged in {time.perf_counter() - t0:.1f} s", flush=True)
                 name = "ream-merge" if size == 16 else f"ream-merge C={size}"
                 score(ready(model), {"method": name, "fraction": fraction, "calibration": d, "experts": kept})
