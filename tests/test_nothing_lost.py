@@ -396,7 +396,10 @@ def test_killed_prune_leaves_no_temp_after_the_next_run(tmp_path, bundled_salien
 def test_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path):
     data = tmp_path / "calib.jsonl"
     text = (ROOT / "mlx_fun" / "core" / "writer.py").read_text()
-    data.write_text("".join(json.dumps({"content": text[i * 900:(i + 1) * 900] * 3}) + "\n" for i in range(24)))
+    pieces = len(text) // 900
+    # 48 samples: long enough that the second run, slow to start on a busy machine, still finds the first one running
+    data.write_text("".join(json.dumps({"content": text[i % pieces * 900:(i % pieces + 1) * 900] * 3}) + "\n"
+                            for i in range(48)))
     out = tmp_path / "s.npz"
     args = [MLX_FUN, "collect", "--model", BUNDLED, "--dataset", data, "--output", out, "--max-tokens", 512]
     first = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

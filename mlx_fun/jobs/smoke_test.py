@@ -8,8 +8,7 @@ from typing import Annotated, Callable
 
 from ..core.options import Opt
 from ..errors import UserError, param
-from ..model.genopts import DRAFT_MODEL, GenOptions
-from ..model.sampling import CHAT, MAX_NEW_TOKENS, Sampling
+from ..model.genopts import CHAT, DRAFT_MODEL, MAX_NEW_TOKENS, GenOptions, Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, job, quiet
 
@@ -68,13 +67,13 @@ def run(
     from ..model import moe_hook
     from ..model.genopts import load_draft
     from ..model.io import context_length, load_model
-    from ..model.sampling import encode_prompt, run_generation
+    from ..model.sampling import encode_prompt, run_generation, sampler_of
 
     generation.check(draft=draft_model)
     config = check_generatable(model)
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")
-    sampler = sampling.sampler()
+    sampler = sampler_of(sampling)
     log(f"Loading {model} ...")
     mdl, tokenizer, _config = load_model(model)
     report = settings.apply(mdl, log=log)

@@ -11,8 +11,7 @@ import click
 from ..core.options import Group, Opt, option
 from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
-from ..model.genopts import DRAFT_MODEL, GenOptions
-from ..model.sampling import CHAT, MAX_NEW_TOKENS, Sampling
+from ..model.genopts import CHAT, DRAFT_MODEL, MAX_NEW_TOKENS, GenOptions, Sampling
 from ..settings import RunSettings
 from .common import MODEL, Log, check_supported, job, load_moe, quiet
 

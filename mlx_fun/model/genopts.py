@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from ..core.options import Group, Opt, option
-from ..core.ranges import DRAFT_TOKENS
+from ..core.ranges import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
@@ -75,6 +75,27 @@ class GenOptions(Group):
         if kw.get("max_kv_size") is None:
             kw.pop("max_kv_size", None)
         return kw
+
+
+#: ``max_tokens`` and ``chat`` of the generating jobs (smoke-test, steer), declared once
+MAX_NEW_TOKENS = Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
+                     type=click.IntRange(min=1))
+CHAT = Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
+
+
+@dataclass(frozen=True)
+class Sampling(Group):
+    """How tokens are drawn (the option group ``sampling`` of smoke-test and steer; fields = their options, ranges
+    from :mod:`mlx_fun.core.ranges`, which the server's request checks share); :func:`mlx_fun.model.sampling.sampler_of` makes its sampler."""
+
+    temp: float = option(0.0, "Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
+                         "default).", type=TEMPERATURE)
+    seed: int | None = option(None, "Seed: step n of the generation draws its noise from mx.random.key(seed + n), so "
+                              "the same seed reproduces the output. Without it the noise comes from MLX's global RNG.",
+                              type=SEED)
+    top_k: int = option(0, "Sample only among the k most likely tokens (0 disables).", type=TOP_K)
+    top_p: float = option(1.0, "Sample only from the nucleus of the model's (untempered) distribution holding this "
+                          "much probability (1 disables).", type=TOP_P)
 
 
 def kv_quantization_problem(bits: int, group_size: int) -> str | None:

@@ -47,13 +47,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
-import click
 import mlx.core as mx
 import numpy as np
 
-from ..core.options import Group, Opt, option
-from ..core.ranges import SEED, TEMPERATURE, TOP_K, TOP_P
 from ..errors import UserError, param
+from .genopts import Sampling
 
 #: smallest positive normal float32: the lower clip of ``u`` (``-log(tiny)`` ≈ 87.3, so ``g`` ≥ -4.47).
 U_MIN = float(np.finfo(np.float32).tiny)
@@ -283,29 +281,9 @@ def make_sampler(temp: float = 0.0, seed: int | None = None, top_k: int = 0, top
     return GumbelSampler(temperature=temp, seed=seed, top_k=top_k, top_p=top_p)
 
 
-#: ``max_tokens`` and ``chat`` of the generating jobs (smoke-test, steer), declared once
-MAX_NEW_TOKENS = Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
-                     type=click.IntRange(min=1))
-CHAT = Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
-
-
-@dataclass(frozen=True)
-class Sampling(Group):
-    """How tokens are drawn (the option group ``sampling`` of smoke-test and steer; fields = their options, ranges
-    from :mod:`mlx_fun.core.ranges`, which the server's request checks share)."""
-
-    temp: float = option(0.0, "Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
-                         "default).", type=TEMPERATURE)
-    seed: int | None = option(None, "Seed: step n of the generation draws its noise from mx.random.key(seed + n), so "
-                              "the same seed reproduces the output. Without it the noise comes from MLX's global RNG.",
-                              type=SEED)
-    top_k: int = option(0, "Sample only among the k most likely tokens (0 disables).", type=TOP_K)
-    top_p: float = option(1.0, "Sample only from the nucleus of the model's (untempered) distribution holding this "
-                          "much probability (1 disables).", type=TOP_P)
-
-    def sampler(self) -> GumbelSampler:
-        """A fresh sampler of these settings (step 0)."""
-        return make_sampler(temp=self.temp, seed=self.seed, top_k=self.top_k, top_p=self.top_p)
+def sampler_of(sampling: Sampling) -> GumbelSampler:
+    """A fresh sampler of ``sampling``'s settings (step 0)."""
+    return make_sampler(temp=sampling.temp, seed=sampling.seed, top_k=sampling.top_k, top_p=sampling.top_p)
 
 
 # ------------------------------------------------------------------------------------------------- generation
@@ -379,7 +357,7 @@ def run_generation(
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise UserError(f"the prompt encodes to no tokens; pass a non-empty {param('prompt')}.")
-    sampler = sampling.sampler()
+    sampler = sampler_of(sampling)
     result = GenerationResult(prompt_tokens=len(ids))
     pieces: list[str] = []
     response = None
@@ -422,6 +400,7 @@ __all__ = [
     "U_MAX",
     "GenerationResult",
     "Sampling",
+    "sampler_of",
     "GumbelSampler",
     "clipped_uniform",
     "default_compiled",
