@@ -8,6 +8,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import signal  # noqa: E402
+
+# A suite started in the background (`cmd &` in a script) inherits an ignored SIGINT, and so would every child it
+# starts: Ctrl-C (which the tests send to real `mlx-fun` runs) would do nothing there. Children get it as a
+# terminal gives it, however the suite was started.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import pytest  # noqa: E402
 
 from mlx_fun.adapters import ALIASES, supported_model_types  # noqa: E402
