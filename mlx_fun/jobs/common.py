@@ -221,12 +221,13 @@ def checking_options(run: Callable) -> Callable:
 
 
 def job(run: Callable | None = None, *, any_model: bool = False):
-    """The wrappers of every job's ``run``, applied where the job is defined (``@job`` above ``def run``):
-    a Hugging Face repo id in ``model`` (``reference``, ``draft_model``) resolved first, with ``revision=``
-    (:func:`mlx_fun.model.hub.resolving`; ``any_model``: a dense model too); group fields given by name folded into
-    their group (:func:`folding`); each group an instance of its dataclass (:func:`mlx_fun.settings.checking_groups`);
-    each option within its declared range and every path it reads that must exist there (:func:`checking_options`); every output the job reserves refused if it
-    is, holds or lies in a path the job reads (:func:`job_inputs`, the one input guard, from the signature)."""
+    """The wrappers of every job's ``run``, applied where the job is defined (``@job`` above ``def run``), in the
+    order they act: a Hugging Face repo id in ``model`` (``reference``, ``draft_model``) resolved first, with
+    ``revision=`` (:func:`mlx_fun.model.hub.resolving`; ``any_model``: a dense model too); group fields given by
+    name folded into their group (:func:`folding`); every output the job reserves refused if it is, holds or lies in
+    a path the job reads (:func:`job_inputs`, the one input guard, from the signature); each group an instance of
+    its dataclass (:func:`mlx_fun.settings.checking_groups`); each option within its declared range, and each path
+    it reads that must exist there (:func:`checking_options`)."""
     from ..model.hub import resolving
 
     def wrap(run: Callable) -> Callable:
@@ -257,12 +258,11 @@ def model_job(model, *, output=None, kind: str = "file", suffix: str | None = No
               before_load: Callable[[], None] | None = None, lazy: bool = False, tokenizer: bool = True,
               load: Callable[[], tuple] | None = None):
     """The steps every model job takes, in order: check the model (:func:`check_moe`: config, family, tokenizer
-    files; without weights), ``before_load`` (the job's own checks),
-    reserve ``output`` (:func:`mlx_fun.core.writer.output`; refused if it is an input, locked or unwritable, an
-    existing one replaced only with ``force``), load the model, install the dispatch (``settings.apply``) and work
-    out the token budget. Yields :class:`Loaded`; the output is committed when the block ends without error.
-    ``load``: the job's own loader (``(model, tokenizer, config, adapter)``: one rank's layers under ``--pipeline``).
-    """
+    files; without weights; ``checked``: already done), ``before_load`` (the job's own checks), reserve ``output``
+    (:func:`mlx_fun.core.writer.output`; refused if it is an input, locked or unwritable, an existing one replaced
+    only with ``force``), load the model, install the dispatch (``settings.apply``) and work out the token budget.
+    Yields :class:`Loaded`; the output is committed when the block ends without error. ``load``: the job's own
+    loader (``(model, tokenizer, config, adapter)``: one rank's layers under ``--pipeline``)."""
     from ..core import writer
 
     checked = checked or check_moe(model)
