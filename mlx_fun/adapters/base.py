@@ -141,6 +141,11 @@ class MoEAdapter:
         """Constants of the experts' activation for ``block`` (alpha / limit of clamped SwiGLUs), from config.json."""
         return {}
 
+    def layerwise_blocker(self) -> str | None:
+        """Why this model's decoder layers cannot be run one at a time (``layerwise_reason``, or a config option
+        of the family), or None: what a layer-by-layer job (merge, a streamed collect) refuses early."""
+        return self.layerwise_reason
+
     def layer_passthrough(self, x: mx.array, *args, **kwargs):
         """What a decoder layer that does nothing returns when called as ``layer(x, *args, **kwargs)``
         (``mlx_fun.model.layerwise`` stand-ins): ``x``, for layers that return their hidden state alone."""

@@ -209,6 +209,11 @@ class HunyuanAdapter(MoEAdapter):
     def top_k(self) -> int:
         return self.config_top_k(self.config)
 
+    def layerwise_blocker(self) -> str | None:
+        if self.text_config.get("use_cla"):
+            return "its cross-layer attention (use_cla) reads earlier layers' K/V"
+        return None
+
     def layer_passthrough(self, x, *args, **kwargs):
         if self.text_config.get("use_cla"):
             raise UserError(

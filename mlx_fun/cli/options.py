@@ -57,7 +57,9 @@ def click_option(name: str, opt: Opt, default, annotation):
     required = opt.required or default is inspect.Parameter.empty
     shown = f"  [default: {opt.default_text}]" if opt.default_text else ""
     kw = {"help": opt.help + shown, "metavar": opt.metavar, "multiple": opt.multiple}
-    if base <= {bool, type(None)} and not required:
+    if base <= {bool, type(None)} and not required and default is None and opt.flag and "/" in opt.flag:
+        kw.update(default=None)  # a tri-state --x/--no-x: None (neither given) leaves the choice to the job
+    elif base <= {bool, type(None)} and not required:
         kw.update(is_flag=True, default=bool(default))
     else:
         kind = opt.type

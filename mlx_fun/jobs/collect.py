@@ -44,6 +44,11 @@ def run(
     pipeline: Annotated[bool, Opt("Under mlx.launch: split the model's layers across the ranks (each loads only "
                                   "its own), for a model no single machine holds; without it the ranks split the "
                                   "samples.")] = False,
+    stream_layers: Annotated[bool | None, Opt(
+        "Run the model one decoder layer at a time, each layer's weights read from its files for its one visit and "
+        "then released, for a model larger than memory (same statistics: counts exactly, sums to float rounding); "
+        "a killed run resumes at the next layer when rerun. Default: stream when the model's weights exceed the "
+        "memory this process can use.", flag="--stream-layers/--no-stream-layers")] = None,
     log: Log = quiet,
 ) -> CollectResult:
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
@@ -55,6 +60,12 @@ def run(
     ``calibration``: how the samples are drawn and batched (:class:`mlx_fun.datasets.calibration.Calibration`; its
     fields may also be given by name: ``max_samples=32``).
 
+    ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): the
+    model loads lazily and runs one decoder layer at a time (:func:`mlx_fun.observe.collect.collect_streamed`),
+    each layer released after its visit; after every layer a checkpoint is kept in ``.<output name>.stream/``
+    beside ``output`` (:mod:`mlx_fun.observe.checkpoint`: it survives a kill or Ctrl-C), which rerunning the same
+    command resumes from, and which is removed once ``output`` is written. Not with ``pipeline``.
+
     Under ``mlx.launch`` (:mod:`mlx_fun.observe.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
     bar (all ranks' tokens); every rank returns the summed result.
@@ -64,10 +75,11 @@ def run(
 
     checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
     w = world()
+    say = log if w.writer else quiet  # one rank speaks
+    stream = _stream_choice(model, stream_layers, pipeline, w, checked[1], say)
     if pipeline:
         check_pipeline(checked[0], w)  # every rank alike, before any collective
     writer.check_output_path(output, kind="file", force=force)  # every rank alike, before any collective
-    say = log if w.writer else quiet  # one rank speaks
     split = []  # with pipeline: the model's MoE layers and this rank's positions among them
 
     def pipeline_load():
@@ -79,16 +91,52 @@ def run(
         return mdl, tokenizer, config, adapter
 
     with model_job(model, output=output if w.writer else None, suffix=".npz", force=force, settings=settings,
-                   log=say, checked=checked, load=pipeline_load if pipeline else None) as job_:
-        return _collect(job_, dataset, output, calibration, settings, w, tuple(split) or None, say)
+                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=stream) as job_:
+        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, stream)
+        target = job_.res.path if job_.res is not None else None
+    if stream and target is not None:  # written: the checkpoint has served
+        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
+
+        StreamCheckpoint(checkpoint_dir(target), {}).remove()
+    return result
 
 
-def _collect(job_: Loaded, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log):
+def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter_cls, say: Log) -> bool:
+    """Whether to stream the layers: as asked, else when the weights exceed the memory left (a note says so);
+    refused with ``pipeline``, and under mlx.launch when asked."""
+    from ..errors import UserError, param
+    from ..runtime.memory import available_bytes, weight_bytes
+
+    if stream_layers and pipeline:
+        raise UserError(f"{param('stream_layers')} and {param('pipeline')} are two ways to run a model larger than "
+                        f"memory; pass one of them.")
+    if stream_layers and w.size > 1:
+        raise UserError(f"{param('stream_layers')} runs in one process; under mlx.launch pass {param('pipeline')} "
+                        f"to split the model's layers across the ranks.")
+    if stream_layers is not None or pipeline or w.size > 1:
+        return bool(stream_layers)
+    need, room = weight_bytes(model), available_bytes()
+    if room is None or need <= room:
+        return False
+    from ..core.sizes import format_bytes
+
+    if adapter_cls.layerwise_reason:
+        say(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}), but "
+            f"{adapter_cls.model_types[0]} cannot run one layer at a time: collecting in memory.")
+        return False
+    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
+    say(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}): streaming the "
+        f"layers (one decoder layer's weights in memory at a time; {off} loads them all).")
+    return True
+
+
+def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,
+             stream: bool = False):
     """The calibration pass of :func:`run` on a loaded model (``split``: with ``pipeline``, the model's MoE layers
     and this rank's positions among them); rank 0 writes ``job_.res``."""
     from ..datasets.samples import pad_id
     from ..model import engine
-    from ..observe.collect import collect
+    from ..observe.collect import collect, collect_streamed
     from ..observe.distributed import globalize, my_share, reduce_saliency, shared_seed
 
     say = log
@@ -104,10 +152,16 @@ def _collect(job_: Loaded, dataset, output, calibration: Calibration, settings: 
     if w.writer:
         job_.res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
     start = time.perf_counter()
-    acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
-                  token_budget=job_.budget, progress=settings.progress and w.writer,
-                  progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1),
-                  evaluate_output=pipeline)
+    if stream:
+        acc = collect_streamed(job_.model, adapter, mine, batch_size=calibration.batch_size,
+                               pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
+                               progress=settings.progress and w.writer, log=say,
+                               checkpoint=_checkpoint(job_, model, samples, dataset, calibration) if w.size == 1 else None)
+    else:
+        acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
+                      token_budget=job_.budget, progress=settings.progress and w.writer,
+                      progress_scale=engine.total_tokens(samples) / max(engine.total_tokens(mine), 1),
+                      evaluate_output=pipeline)
     if split:
         acc = globalize(acc, *split)
     acc = reduce_saliency(acc, w, same_tokens=pipeline)
@@ -115,3 +169,17 @@ def _collect(job_: Loaded, dataset, output, calibration: Calibration, settings: 
     if w.writer:
         acc.write_npz(job_.res.tmp)
     return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size)
+
+
+def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):
+    """The streamed collect's checkpoint beside the output, named by what the run reads and how it batches."""
+    import dataclasses
+
+    from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir, file_hash, samples_hash
+
+    model_dir = Path(model)
+    identity = {"model": str(model_dir.resolve()), "config_sha256": file_hash(model_dir / "config.json"),
+                "dataset": str(Path(dataset).resolve()), "samples_sha256": samples_hash(samples),
+                "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
+                "dispatch": job_.dispatch.mode, "output": str(job_.res.path)}
+    return StreamCheckpoint(checkpoint_dir(job_.res.path), identity)

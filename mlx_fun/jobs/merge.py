@@ -57,7 +57,7 @@ def run(
 
     Centroids: the ``E − selection.n_prune`` most salient experts of ``saliency``, or the kept experts of
     ``expert_list`` (``saliency`` then only weights the averages). Calibration hidden states are carried through the
-    layers by the rewrite driver (:class:`mlx_fun.rewrite.driver.LayerDriver`); quantized experts are re-quantized
+    layers by the layered driver (:class:`mlx_fun.model.layered.LayerDriver`); quantized experts are re-quantized
     with their own bits / group size / mode. See :mod:`mlx_fun.rewrite.merge` for the method.
 
     ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts are merged away and how the centroids

@@ -46,7 +46,7 @@ Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
    makes "groups of one" exactly prune.
 
 **Sequential, linear in depth.** Hidden states of all calibration samples are pushed through the model one
-decoder layer at a time by the rewrite driver (:class:`mlx_fun.rewrite.driver.LayerDriver`, on
+decoder layer at a time by the layered driver (:class:`mlx_fun.model.layered.LayerDriver`, on
 :mod:`mlx_fun.model.layerwise`, which replays the arguments the model's own forward gives each layer, so masks of
 every family are right). For a MoE layer the layer is run once with its original experts
 — only the tap's arrays are evaluated, i.e. attention and router — then merged, then run again to produce the
@@ -71,7 +71,7 @@ import numpy as np
 from ..model import engine, moe_hook
 from ..adapters.base import MoEAdapter, expert_projections, intermediate
 from ..errors import UserError, param
-from .driver import LayerDriver
+from ..model.layered import LayerDriver
 from .weights import dense, stored, write
 from ..datasets.calibration import Calibration
 from ..experts.selection import Selection
@@ -462,7 +462,7 @@ def merge_model(
     if not samples:
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
 
-    # ---- calibration hidden states, carried through the layers by the rewrite driver
+    # ---- calibration hidden states, carried through the layers by the layered driver
     driver = LayerDriver(model, adapter, samples, batch_size=calibration.batch_size, pad_id=pad_id,
                          token_budget=token_budget)
     n_capture = max(max_similarity_tokens, max_alignment_tokens)

@@ -1,4 +1,4 @@
-"""The per-layer rewrite driver: calibration hidden states carried through the decoder layers one at a time.
+"""The layered driver: calibration hidden states carried through the decoder layers one at a time.
 
 A rewrite that depends on what a layer sees must capture each layer's input *after* the layers before it were
 rewritten. Today that is REAM merging alone (:mod:`mlx_fun.rewrite.merge`, the only user of :class:`LayerDriver`);
@@ -19,6 +19,13 @@ so far, then restores the original weights and removes every round's directions 
 Only one hidden state per calibration token is alive at a time (the layer's input), so the cost is about one
 forward pass plus the per-layer work, linear in depth. A single sample is never split (its length is bounded by
 ``max_tokens``); batches are.
+
+It is also the streamed forward (``collect --stream-layers``, :func:`mlx_fun.observe.collect.collect_streamed`):
+``run(after_batch=...)`` hands each batch's output of layer ``i`` (computed once, through the installed hooks) to
+the caller before it becomes the next layer's input, ``release=True`` empties each visited layer's parameters (a
+lazily loaded model then holds one layer's weights at a time), ``start`` resumes at a layer with hidden states
+restored from a checkpoint (:meth:`LayerDriver.hidden_states`, :meth:`LayerDriver.restore`) and ``on_done(i)``
+runs once layer ``i``'s outputs are evaluated (a checkpoint).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..model import engine, layerwise
+from . import engine, layerwise
 from ..adapters.base import MoEAdapter
 
 
@@ -71,25 +78,39 @@ class LayerDriver:
             if before is None or before(b):
                 layerwise.run_layer(self.layers[i], b.h, b.calls, i)
 
-    def run(self, on_layer: Callable[[int], None], *, last: int | None = None, progress: bool = False,
-            desc: str = "layers") -> None:
-        """``on_layer(i)`` for every decoder layer up to ``last`` (default: the last MoE layer), each followed by
-        pushing the hidden states through layer ``i``. ``seconds[i]`` records each layer's time."""
+    def run(self, on_layer: Callable[[int], None] | None = None, *, last: int | None = None, progress: bool = False,
+            desc: str = "layers", start: int = 0, release: bool = False,
+            after_batch: Callable[[int, LayerBatch, mx.array], Sequence[mx.array]] | None = None,
+            on_done: Callable[[int], None] | None = None) -> None:
+        """``on_layer(i)`` for every decoder layer from ``start`` up to ``last`` (default: the last MoE layer), each
+        followed by pushing the hidden states through layer ``i``; ``seconds[i]`` records each layer's time.
+
+        ``after_batch(i, batch, out)``: called with each batch's (lazy) output of layer ``i`` before it replaces
+        the batch's hidden state; the arrays it returns are evaluated with the output (the last layer is then run
+        too). ``release``: each visited layer's parameters are emptied (:func:`release_layer`). ``on_done(i)``:
+        once layer ``i``'s outputs are evaluated (and the layer released)."""
         last = self.adapter.moe_layers()[-1] if last is None else last
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=last + 1, unit="layer", desc=desc, dynamic_ncols=True)
+            bar = tqdm(total=last + 1, initial=start, unit="layer", desc=desc, dynamic_ncols=True)
         try:
-            for i in range(last + 1):
+            for i in range(start, last + 1):
                 t0 = time.perf_counter()
-                on_layer(i)
-                if i < last:  # nothing after the last layer is needed
+                if on_layer is not None:
+                    on_layer(i)
+                if i < last or after_batch is not None:  # nothing after the last layer is needed
                     for b in self.batches:
-                        b.h = layerwise.run_layer(self.layers[i], b.h, b.calls, i)
-                        mx.eval(b.h)
+                        out = layerwise.run_layer(self.layers[i], b.h, b.calls, i)
+                        keep = after_batch(i, b, out) if after_batch is not None else ()
+                        mx.eval(out, *keep)
+                        b.h = out if i < last else None
+                if release:
+                    release_layer(self.layers[i])
                 self.seconds[i] = round(time.perf_counter() - t0, 4)
+                if on_done is not None:
+                    on_done(i)
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -97,3 +118,24 @@ class LayerDriver:
                 bar.close()
             for b in self.batches:  # free the hidden states
                 b.h = None
+
+    def hidden_states(self) -> dict[str, mx.array]:
+        """Every batch's current hidden state by name (``"b<index>"``), for a checkpoint."""
+        return {f"b{b.index}": b.h for b in self.batches if b.h is not None}
+
+    def restore(self, states: dict[str, mx.array]) -> None:
+        """Set every batch's hidden state from :meth:`hidden_states`' names (a checkpoint); a missing one or a
+        shape other than the batch's input is a ``ValueError``."""
+        for b in self.batches:
+            h = states[f"b{b.index}"]
+            if tuple(h.shape) != tuple(b.h.shape):
+                raise ValueError(f"batch {b.index}: hidden state {tuple(h.shape)}, expected {tuple(b.h.shape)}")
+            b.h = h
+
+
+def release_layer(layer) -> None:
+    """Empty every parameter of ``layer`` (each replaced by a 0-element array of its dtype): a lazily loaded
+    layer's weights, read once for its visit, are freed; the layer cannot run again."""
+    from mlx.utils import tree_map
+
+    layer.update(tree_map(lambda a: mx.zeros((0,), a.dtype), layer.parameters()))

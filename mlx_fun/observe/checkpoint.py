@@ -1,0 +1,108 @@
+"""The checkpoint of a streamed collect (:func:`mlx_fun.observe.collect.collect_streamed`), so a killed run
+resumes at the next layer.
+
+It lives in ``.<output name>.stream/`` beside the output: not in the writer's reservation, which is removed on
+every failure and on Ctrl-C (:mod:`mlx_fun.core.writer`), and not of the writer's temp naming, which the next
+run's stale sweep removes. It survives SIGKILL, SIGTERM and Ctrl-C alike; the job removes it once the output is
+written. It holds:
+
+- ``identity.json``: what the run is (model and the hash of its config.json, dataset and the hash of the sample
+  token ids, calibration and batching fields, the output): a run of anything else refuses to resume, in one line
+  naming the field that differs;
+- per layer ``k`` done: ``hidden-<k>.safetensors`` (every batch's hidden state entering layer ``k + 1``, in the
+  model's dtype) and ``acc-<k>.npz`` (the float64 statistics so far), then ``state.json`` naming ``k``, replaced
+  atomically last, so a kill at any point leaves the previous layer's complete checkpoint in force.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..errors import UserError
+from .saliency import SaliencyAccumulator
+
+
+def samples_hash(samples: Sequence[Sequence[int]]) -> str:
+    """sha256 over the samples' token ids (lengths included), in order."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(len(s).to_bytes(8, "little"))
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in s))
+    return h.hexdigest()
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def checkpoint_dir(output: str | os.PathLike) -> Path:
+    """Where the checkpoint of a streamed collect writing ``output`` lives: ``.<name>.stream`` beside it."""
+    output = Path(output)
+    return output.parent / f".{output.name}.stream"
+
+
+class StreamCheckpoint:
+    """``path``: the checkpoint directory; ``identity``: a JSON-able dict naming the run (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, identity: dict):
+        self.path = Path(path)
+        self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+    def load(self) -> tuple[int, dict[str, mx.array], SaliencyAccumulator] | None:
+        """``(layer done, hidden states, statistics)`` of a checkpoint of this run, None when there is none; a
+        checkpoint of another run is refused (``UserError``: the field that differs, and how to start afresh)."""
+        state_file = self.path / "state.json"
+        if not state_file.is_file():
+            return None
+        fresh = f"remove {self.path} to start afresh"
+        try:
+            theirs = json.loads((self.path / "identity.json").read_text())
+            state = json.loads(state_file.read_text())
+            layer = int(state["layer"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"the checkpoint {self.path} of an interrupted streamed collect is unreadable ({e}); "
+                            f"{fresh}.") from None
+        differs = sorted(k for k in set(theirs) | set(self.identity) if theirs.get(k) != self.identity.get(k))
+        if differs:
+            raise UserError(f"the checkpoint {self.path} is of another streamed collect (its {', '.join(differs)} "
+                            f"differ from this run's); rerun that command to resume it, or {fresh}.")
+        try:
+            states = mx.load(str(self.path / state["hidden"]))
+            acc = SaliencyAccumulator.load(self.path / state["acc"])
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise UserError(f"the checkpoint {self.path} is damaged ({e}); {fresh}.") from None
+        return layer, states, acc
+
+    def save(self, layer: int, states: dict[str, mx.array], acc: SaliencyAccumulator) -> None:
+        """The checkpoint after ``layer``: its files first, then ``state.json`` atomically, then the previous
+        layer's files removed."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        ident = self.path / "identity.json"
+        if not ident.exists():
+            _replace_text(ident, json.dumps(self.identity, indent=1, sort_keys=True))
+        hidden, stats = f"hidden-{layer}.safetensors", f"acc-{layer}.npz"
+        mx.save_safetensors(str(self.path / hidden), states)
+        acc.write_npz(self.path / stats)
+        _replace_text(self.path / "state.json", json.dumps({"layer": layer, "hidden": hidden, "acc": stats}))
+        for entry in self.path.iterdir():
+            if entry.name.startswith(("hidden-", "acc-")) and entry.name not in (hidden, stats):
+                entry.unlink()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

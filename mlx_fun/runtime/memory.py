@@ -1,0 +1,77 @@
+"""How much memory this process can still use, and how much a model's weights take: what ``collect`` compares to
+decide whether to stream the model's layers (``--stream-layers``, automatic by default).
+
+:func:`available_bytes` is the least of the machine's available memory (Linux ``MemAvailable``; macOS the free,
+inactive, speculative and purgeable pages of ``vm_stat``, else ``hw.memsize``) and the room left under this
+process's cgroup limit (v2 ``memory.max`` − ``memory.current``, v1 ``memory.limit_in_bytes`` −
+``memory.usage_in_bytes``); None where none of these can be read."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    """Linux ``MemAvailable`` in bytes."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_room(root: Path = CGROUP) -> int | None:
+    """The cgroup limit minus usage (v2, else v1); None without a limit."""
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        cap, used = _read_int(root / limit), _read_int(root / usage)
+        if cap is not None and used is not None and cap < 1 << 60:  # v1's "no limit" is a huge number
+            return max(cap - used, 0)
+    return None
+
+
+def _macos_available() -> int | None:
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+        page = int(re.search(r"page size of (\d+)", out).group(1))
+        pages = sum(int(m.group(2)) for m in re.finditer(r"Pages (free|inactive|speculative|purgeable):\s+(\d+)", out))
+        return pages * page
+    except (OSError, ValueError, AttributeError, subprocess.SubprocessError):
+        pass
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, timeout=5).stdout
+        return int(out.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def available_bytes() -> int | None:
+    """The memory this process can still use (see the module docstring), or None when unknown."""
+    found = [cgroup_room()]
+    found.append(_macos_available() if sys.platform == "darwin" else meminfo_available())
+    known = [n for n in found if n is not None]
+    return min(known) if known else None
+
+
+def weight_bytes(model_dir: str | os.PathLike) -> int:
+    """The bytes of a model directory's weights: the sum of its ``*.safetensors`` files."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+__all__ = ["available_bytes", "cgroup_room", "meminfo_available", "weight_bytes"]

@@ -1,0 +1,169 @@
+"""Issue 43: a layer-streamed collect (``collect --stream-layers``): one decoder layer's weights in memory at a
+time, the in-memory collect's statistics (counts exactly, sums to float rounding), every family; a killed run
+resumes at the next layer and writes what an uninterrupted run writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_fun.adapters import get_adapter
+from mlx_fun.errors import UserError, cli_names
+from mlx_fun.model.io import load_model
+from mlx_fun.observe.collect import collect, collect_streamed
+from mlx_fun.observe.saliency import ARRAY_KEYS
+
+from .conftest import FAMILIES
+
+SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
+
+
+def _pair(path, model_type):
+    """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy."""
+    model, _, config = load_model(path)
+    adapter = get_adapter(model, config)
+    lazy, _, lconfig = load_model(path, lazy=True)
+    ladapter = get_adapter(lazy, lconfig)
+    if ladapter.layerwise_blocker():
+        with cli_names(), pytest.raises(UserError, match=f"which {model_type} does not allow: .*without "
+                                                         "--stream-layers.*--pipeline under mlx.launch"):
+            collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
+        return None, None, None
+    full = collect(model, adapter, SAMPLES, batch_size=2)
+    streamed = collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
+    return full, streamed, ladapter
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "q4"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_streamed_collect_equals_the_in_memory_collect(make_model, model_type, bits):
+    kw = {"n_group": 1, "topk_group": 1} if model_type in ("deepseek_v3", "deepseek_v32") else {}
+    full, streamed, adapter = _pair(make_model(model_type, bits=bits, **kw), model_type)
+    if full is None:
+        return
+    assert streamed.total_tokens == full.total_tokens == 28
+    assert np.array_equal(streamed.freq, full.freq)
+    assert np.array_equal(streamed.reap_count, full.reap_count)
+    for key in ARRAY_KEYS:
+        np.testing.assert_allclose(getattr(streamed, key), getattr(full, key), rtol=1e-5, atol=1e-6, err_msg=key)
+    # every visited layer was released: nothing of its weights is left
+    from mlx.utils import tree_flatten
+
+    for i, layer in enumerate(adapter.decoder_layers()[: adapter.moe_layers()[-1] + 1]):
+        assert all(a.size == 0 for _, a in tree_flatten(layer.parameters())), i
+
+
+# ---------------------------------------------------------------------------------------------- the job
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import zipfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from click.testing import CliRunner  # noqa: E402
+
+from mlx_fun import jobs  # noqa: E402
+from mlx_fun.cli import main  # noqa: E402
+from mlx_fun.runtime import memory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "calibration_sample.jsonl"
+ARGS = ["--max-samples", "6", "--max-tokens", "48", "--seed", "1", "--batch-size", "2"]
+
+
+def _npz_members(path) -> dict[str, bytes]:
+    """Every array file of an .npz, byte for byte (the zip's own timestamps aside)."""
+    with zipfile.ZipFile(path) as z:
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def _collect_cli(model, out, *extra):
+    return CliRunner().invoke(main, ["collect", "--model", str(model), "--dataset", str(DATA), "--output",
+                                     str(out), *ARGS, *extra])
+
+
+def test_collect_stream_layers_writes_the_in_memory_statistics(tmp_path, make_model):
+    model = make_model("gpt_oss", bits=4)
+    for name, flag in (("mem", "--no-stream-layers"), ("stream", "--stream-layers")):
+        result = _collect_cli(model, tmp_path / f"{name}.npz", flag)
+        assert result.exit_code == 0, result.output
+    a, b = np.load(tmp_path / "mem.npz"), np.load(tmp_path / "stream.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        if key in ("freq", "reap_count") or a[key].dtype.kind != "f":
+            assert np.array_equal(a[key], b[key]), key
+        else:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert not (tmp_path / ".stream.npz.stream").exists()  # the checkpoint is gone once the output is written
+
+
+def test_stream_layers_and_pipeline_are_refused_together(tmp_path, qwen_model):
+    result = _collect_cli(qwen_model, tmp_path / "o.npz", "--stream-layers", "--pipeline")
+    assert result.exit_code == 2 and "--stream-layers and --pipeline" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o.npz").exists()
+
+
+def test_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path, qwen_model, monkeypatch):
+    lines = []
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    jobs.collect.run(model=qwen_model, dataset=DATA, output=tmp_path / "a.npz", max_samples=2, log=lines.append)
+    assert any("exceed the memory left" in line and "streaming the layers" in line for line in lines), lines
+    lines.clear()
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 40)
+    jobs.collect.run(model=qwen_model, dataset=DATA, output=tmp_path / "b.npz", max_samples=2, log=lines.append)
+    assert not any("streaming" in line for line in lines)
+
+
+def test_memory_left_reads_meminfo_and_the_cgroup(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:     2048 kB\n")
+    assert memory.meminfo_available(tmp_path / "meminfo") == 2048 * 1024
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("10\n")
+    assert memory.cgroup_room(tmp_path) is None  # no limit
+    (tmp_path / "memory.max").write_text("1000\n")
+    assert memory.cgroup_room(tmp_path) == 990
+
+
+# ---------------------------------------------------------------------------------------------- resume
+CHILD = """
+import os, signal, sys
+import mlx_fun.observe.checkpoint as c
+real = c.StreamCheckpoint.save
+def save(self, layer, *a, **k):
+    real(self, layer, *a, **k)
+    if layer == int(os.environ["KILL_AFTER"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+c.StreamCheckpoint.save = save
+from mlx_fun.cli import main
+main(sys.argv[1:], prog_name="mlx-fun")
+"""
+
+
+def _child(model, out, data=DATA, kill_after=-1):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER=str(kill_after))
+    return subprocess.run([sys.executable, "-c", CHILD, "collect", "--model", str(model), "--dataset", str(data),
+                           "--output", str(out), "--stream-layers", *ARGS], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_killed_streamed_collect_resumes_at_the_next_layer(tmp_path, make_model):
+    model = make_model("qwen3_moe", num_hidden_layers=4)
+    whole = _child(model, tmp_path / "whole.npz")
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "out" / "o.npz"
+    killed = _child(model, out, kill_after=1)
+    assert killed.returncode == -signal.SIGKILL
+    ckpt = tmp_path / "out" / ".o.npz.stream"
+    assert not out.exists() and json.loads((ckpt / "state.json").read_text())["layer"] == 1
+    other = tmp_path / "other.jsonl"  # another dataset: refused, the checkpoint kept
+    other.write_text("".join(json.dumps({"content": f"other text {i} " * 9}) + "\n" for i in range(6)))
+    refused = _child(model, out, data=other)
+    assert refused.returncode == 2 and "is of another streamed collect" in refused.stderr
+    assert "dataset" in refused.stderr and "samples_sha256" in refused.stderr and ckpt.exists()
+    resumed = _child(model, out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming at layer 2 of 4" in resumed.stdout + resumed.stderr
+    assert _npz_members(out) == _npz_members(tmp_path / "whole.npz")
+    assert not ckpt.exists() and sorted(p.name for p in out.parent.iterdir()) == ["o.npz"]
