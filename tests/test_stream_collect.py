@@ -121,9 +121,34 @@ def test_memory_left_reads_meminfo_and_the_cgroup(tmp_path):
     assert memory.meminfo_available(tmp_path / "meminfo") == 2048 * 1024
     (tmp_path / "memory.max").write_text("max\n")
     (tmp_path / "memory.current").write_text("10\n")
-    assert memory.cgroup_room(tmp_path) is None  # no limit
+    unknown = tmp_path / "no-proc-cgroup"  # where /proc/self/cgroup cannot be read: the root's own files
+    assert memory.cgroup_room(tmp_path, unknown) is None  # no limit
     (tmp_path / "memory.max").write_text("1000\n")
-    assert memory.cgroup_room(tmp_path) == 990
+    assert memory.cgroup_room(tmp_path, unknown) == 990
+
+
+def test_the_cgroup_limit_is_read_where_this_process_sits(tmp_path):
+    """A process in a nested cgroup (a systemd slice, cgexec, the benchmark's own memory cgroup) sees the root's
+    files unlimited: its own cgroup and every parent up the path count (v1 and v2)."""
+    v1 = tmp_path / "v1"
+    for sub, cap, used in (("memory", 1 << 62, 0), ("memory/a", 5000, 100), ("memory/a/b", 3000, 1000)):
+        (v1 / sub).mkdir(parents=True)
+        (v1 / sub / "memory.limit_in_bytes").write_text(f"{cap}\n")
+        (v1 / sub / "memory.usage_in_bytes").write_text(f"{used}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("7:cpu,cpuacct:/x\n5:memory:/a/b\n0::/user.slice\n")
+    assert memory.cgroup_room(v1, proc) == 2000  # b's room; a's 4900 is more
+    (v1 / "memory/a/memory.limit_in_bytes").write_text("1100\n")
+    assert memory.cgroup_room(v1, proc) == 1000  # now the parent's is the least
+    v2 = tmp_path / "v2"
+    (v2 / "work").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "work" / "memory.max").write_text("800\n")
+    (v2 / "work" / "memory.current").write_text("300\n")
+    proc.write_text("0::/work\n")
+    assert memory.cgroup_room(v2, proc) == 500
+    proc.write_text("")
+    assert memory.cgroup_room(v2, proc) is None  # the root's own files only: none here
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -36,14 +36,39 @@ def meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def cgroup_room(root: Path = CGROUP) -> int | None:
-    """The cgroup limit minus usage (v2, else v1); None without a limit."""
-    for limit, usage in (("memory.max", "memory.current"),
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        cap, used = _read_int(root / limit), _read_int(root / usage)
-        if cap is not None and used is not None and cap < 1 << 60:  # v1's "no limit" is a huge number
-            return max(cap - used, 0)
-    return None
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
+    """This process's memory cgroup directories, its own first, then each parent up to the hierarchy's root, from
+    ``/proc/self/cgroup`` (v2: the ``0::/path`` line where ``root`` is the unified hierarchy; v1: the ``memory``
+    controller's line under ``root/memory``). A limit anywhere on that path applies to the process."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    dirs = []
+    for line in lines:
+        _hier, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "" and (root / "cgroup.controllers").exists():
+            base = root
+        elif "memory" in controllers.split(","):
+            base = root / "memory"
+        else:
+            continue
+        here = base / path.strip().lstrip("/")
+        dirs += [here, *[d for d in here.parents if d == base or base in d.parents]]
+    return dirs or [root, root / "memory"]
+
+
+def cgroup_room(root: Path = CGROUP, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The least room (limit minus usage) of this process's memory cgroup and its parents (v2 ``memory.max`` −
+    ``memory.current``, v1 ``memory.limit_in_bytes`` − ``memory.usage_in_bytes``); None without a limit. Its own
+    cgroup may be below the root: a container without a cgroup namespace, a systemd slice, ``cgexec``."""
+    rooms = []
+    for d in _cgroup_dirs(root, proc_cgroup):
+        for limit, usage in (("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            cap, used = _read_int(d / limit), _read_int(d / usage)
+            if cap is not None and used is not None and cap < 1 << 60:  # v1's "no limit" is a huge number
+                rooms.append(max(cap - used, 0))
+    return min(rooms) if rooms else None
 
 
 def _macos_available() -> int | None:

@@ -1,0 +1,159 @@
+"""Benchmark layer-streamed runs (issue 43): a model larger than the memory the process may use.
+
+    sudo python -m scripts.benchmarks.bench_stream [--limit 2GiB] [--layers 9] [--experts 32] [--hidden 1536]
+                                                   [--width 1024] [--samples 8] [--tokens 256] [--keep DIR]
+
+Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the defaults: 9 decoder layers of
+~0.6 GB), then runs ``mlx-fun collect`` on the bundled calibration text three times:
+
+1. in memory, without a limit: the reference statistics, wall time and peak RSS;
+2. in memory, in a memory cgroup of ``--limit``: killed by the limit (shown, not assumed);
+3. streamed (``--stream-layers``), in the same cgroup: completes; peak memory of the cgroup, wall time, and
+   ``streamed_equal`` (counts bit-identical, sums within float rounding of run 1).
+
+Needs root for the cgroup (v1 ``/sys/fs/cgroup/memory``, or v2). Prints one ``key=value`` line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.lib.paths import BUNDLED, CALIBRATION
+from scripts.lib.procs import root_env
+
+MLX_FUN = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
+
+
+class MemoryCgroup:
+    """A memory cgroup of ``limit`` bytes (v1 or v2) that children join before they exec."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        v1 = Path("/sys/fs/cgroup/memory")
+        if v1.is_dir():
+            self.path, self.v2 = v1 / f"mlx-fun-bench-{os.getpid()}", False
+        else:
+            self.path, self.v2 = Path("/sys/fs/cgroup") / f"mlx-fun-bench-{os.getpid()}", True
+        self.path.mkdir()
+        if self.v2:
+            (self.path / "memory.max").write_text(str(limit))
+            (self.path / "memory.swap.max").write_text("0")
+        else:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            swap = self.path / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(str(limit))
+
+    def join(self) -> None:  # preexec_fn
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return int((self.path / name).read_text())
+
+    def reset(self) -> None:
+        if not self.v2:
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
+def parse_bytes(text: str) -> int:
+    from mlx_fun.core.sizes import parse_bytes as parse
+
+    return parse(text)
+
+
+def build(out: Path, args) -> Path:
+    from mlx_fun.testing.tiny import make_tiny_model
+
+    vocab = int(__import__("json").loads((BUNDLED / "config.json").read_text())["vocab_size"])
+    return make_tiny_model("qwen3_moe", out, vocab_size=vocab, tokenizer_dir=BUNDLED, num_hidden_layers=args.layers,
+                           num_experts=args.experts, hidden_size=args.hidden, moe_intermediate_size=args.width,
+                           intermediate_size=args.width * 2, num_experts_per_tok=4, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=args.hidden // 8)
+
+
+def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+    """``(returncode, seconds, peak bytes, stderr)`` of one ``mlx-fun collect`` child."""
+    cmd = [MLX_FUN, "collect", "--model", str(model), "--dataset", str(CALIBRATION), "--output", str(out),
+           "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if cgroup is not None:
+        cgroup.reset()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=root_env(), capture_output=True, text=True,
+                          preexec_fn=cgroup.join if cgroup is not None else None)
+    seconds = time.perf_counter() - t0
+    if cgroup is not None:
+        peak = cgroup.peak()
+    else:
+        peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+    return proc.returncode, seconds, peak, proc.stderr
+
+
+def equal(a: Path, b: Path) -> bool:
+    import numpy as np
+
+    from mlx_fun.observe.saliency import SaliencyAccumulator
+
+    x, y = SaliencyAccumulator.load(a), SaliencyAccumulator.load(b)
+    return bool(np.array_equal(x.freq, y.freq) and np.array_equal(x.reap_count, y.reap_count)
+                and x.total_tokens == y.total_tokens
+                and all(np.allclose(getattr(x, k), getattr(y, k), rtol=1e-5, atol=1e-6)
+                        for k in ("weighted_freq_sum", "reap_sum", "ean_sum", "max_activation_norm")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", default="2GiB", help="memory cgroup limit of runs 2 and 3 (default 2GiB)")
+    ap.add_argument("--layers", type=int, default=9)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--width", type=int, default=1024, help="expert width (moe_intermediate_size)")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--keep", type=Path, default=None, help="build the model here (kept) instead of a temp dir")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_stream needs root for its memory cgroup; run it with sudo.")
+    limit = parse_bytes(args.limit)
+    work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    try:
+        model = args.keep or work / "model"
+        if not (model / "config.json").exists():
+            build(model, args)
+        weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        print(f"weights_bytes={weights} limit_bytes={limit} ratio={weights / limit:.2f}", flush=True)
+        rc, s_mem, p_mem, err = collect(model, work / "inmem.npz", args, "--no-stream-layers")
+        assert rc == 0, err
+        print(f"inmem_seconds={s_mem:.1f} inmem_peak_rss={p_mem}", flush=True)
+        cgroup = MemoryCgroup(limit)
+        try:
+            rc, s, p, err = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
+            killed = rc in (-9, 137) or rc < 0
+            print(f"inmem_limited_returncode={rc} inmem_limited_killed={str(killed).lower()} "
+                  f"inmem_limited_peak={p}", flush=True)
+            rc, s_st, p_st, err = collect(model, work / "streamed.npz", args, cgroup=cgroup)
+            assert rc == 0, err
+            notes = [line for line in err.splitlines() if "stream" in line.lower()]
+            print(f"streamed_seconds={s_st:.1f} streamed_peak={p_st} streamed_time_ratio={s_st / s_mem:.2f}")
+            print(f"streamed_auto_note={notes[:1]}")
+        finally:
+            cgroup.remove()
+        print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
