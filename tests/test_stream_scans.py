@@ -5,6 +5,8 @@ exactly, scores to float rounding)."""
 from __future__ import annotations
 
 
+import json
+
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -69,3 +71,77 @@ def test_streamed_scan_equals_the_in_memory_scan(make_model, model_type, bits):
 
 def test_a_family_that_cannot_stream_is_refused(make_model):
     assert _reports(make_model("deepseek_v41"), "deepseek_v41") is None
+
+
+# ---------------------------------------------------------------------------------------------- the jobs
+from mlx_fun import jobs  # noqa: E402
+from mlx_fun.model.io import bundled_model_dir  # noqa: E402
+from mlx_fun.runtime import memory  # noqa: E402
+
+from .cli_helpers import expect_error  # noqa: E402
+from .cli_helpers import run as cli  # noqa: E402
+
+SAFETY = bundled_model_dir().parent / "safety"
+
+
+def _letters(path, letters: str, step: int):
+    path.write_text("".join(json.dumps({"content": "".join(letters[(i * step + j) % len(letters)] for j in range(40))})
+                            + "\n" for i in range(8)))
+    return path
+
+
+def test_safety_scan_stream_layers_writes_the_in_memory_report(tmp_path):
+    chat = bundled_model_dir().parent / "tiny-moe-chat"
+    reports = []
+    for name, flag in (("mem", "--no-stream-layers"), ("stream", "--stream-layers")):
+        r = cli("safety-scan", "--model", chat, "--harmful-dataset", SAFETY / "harmful_train.jsonl", "--benign-dataset",
+                SAFETY / "benign_train.jsonl", "--output", tmp_path / f"{name}.json", "--max-samples", 12, "--seed", 0,
+                flag)
+        assert r.exit_code == 0, r.output
+        reports.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    full, streamed = reports
+    assert streamed["datasets"]["harmful"]["path"] == full["datasets"]["harmful"]["path"]
+    assert [d["tokens"] for d in streamed["datasets"].values()] == [d["tokens"] for d in full["datasets"].values()]
+    assert full["hcdg"] and full["hrcg"]
+    _assert_same_report(full, streamed)
+
+
+def test_domain_scan_stream_layers_writes_the_in_memory_report(tmp_path, make_model):
+    model = make_model("gpt_oss", bits=4)
+    domain = _letters(tmp_path / "domain.jsonl", "abcdefghijklm", 7)
+    general = _letters(tmp_path / "general.jsonl", "NOPQRSTUVWXYZ", 5)
+    reports = []
+    for name, flag in (("mem", "--no-stream-layers"), ("stream", "--stream-layers")):
+        r = cli("domain-scan", "--model", model, "--domain-dataset", domain, "--general-dataset", general,
+                "--domain-name", "letters", "--output", tmp_path / f"{name}.json", "--batch-size", 3, flag)
+        assert r.exit_code == 0, r.output
+        reports.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    assert reports[0]["domain_experts"] and reports[0]["domain_name"] == reports[1]["domain_name"] == "letters"
+    _assert_same_report(*reports)
+
+
+def test_a_scan_of_a_family_that_cannot_stream_is_refused_in_one_line(tmp_path, make_model):
+    model = make_model("deepseek_v41")
+    data = _letters(tmp_path / "d.jsonl", "abcdef", 1)
+    expect_error(cli("safety-scan", "--model", model, "--harmful-dataset", data, "--benign-dataset", data,
+                     "--output", tmp_path / "r.json", "--stream-layers"),
+                 "a streamed safety-scan runs the model one decoder layer at a time, which deepseek_v41 does not allow",
+                 "run it without --stream-layers")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_scan_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path, make_model, monkeypatch):
+    data = _letters(tmp_path / "d.jsonl", "abcdefghij", 3)
+
+    def scan(model_type, name):  # the run's note, "" without one
+        lines = []
+        jobs.safety_scan.run(model=make_model(model_type), harmful_dataset=data, benign_dataset=data,
+                             output=tmp_path / name, max_samples=2, seed=0, log=lines.append)
+        return "".join(line for line in lines if line.startswith("Note:"))
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    assert "exceed the memory left" in (note := scan("qwen3_moe", "a.json")) and "streaming the layers" in note
+    assert "deepseek_v41 cannot run one layer at a time: scanning in memory" in scan("deepseek_v41", "b.json")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 40)
+    assert scan("qwen3_moe", "c.json") == ""
+    assert json.loads((tmp_path / "a.json").read_text())["scores"] == json.loads((tmp_path / "c.json").read_text())["scores"]
