@@ -81,6 +81,41 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
     return [line]
 
 
+def stream_layers_opt(*, same: str = "the same results: counts exactly, sums to float rounding",
+                  resumes: bool = False) -> Opt:
+    """``--stream-layers/--no-stream-layers`` (a tri-state: None, neither given, is :func:`stream_choice`'s
+    automatic choice); ``same``: what the streamed run gives alike, ``resumes``: a killed run resumes."""
+    resume = "a killed run resumes at the next layer when rerun. " if resumes else ""
+    return Opt("Run the model one decoder layer at a time, each layer's weights read from its files for its one visit "
+               f"and then released, for a model larger than memory ({same}); {resume}Default: stream when the "
+               "model's weights exceed the memory this process can use.", flag="--stream-layers/--no-stream-layers")
+
+
+STREAM_LAYERS = stream_layers_opt()
+
+
+def stream_choice(model, stream_layers: bool | None, adapter_cls: type, log: Log, *, in_memory: str) -> bool:
+    """Whether a job streams ``model``'s layers: as asked (``stream_layers`` True / False), else (None) when the
+    weights exceed :func:`mlx_fun.runtime.memory.available_bytes`, with a one-line note (``in_memory``: what the
+    job does instead where the family cannot stream, ``collecting in memory``)."""
+    if stream_layers is not None:
+        return bool(stream_layers)
+    from ..core.sizes import format_bytes
+    from ..runtime.memory import available_bytes, weight_bytes
+
+    need, room = weight_bytes(model), available_bytes()
+    if room is None or need <= room:
+        return False
+    if adapter_cls.layerwise_reason:
+        log(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}), but "
+            f"{adapter_cls.model_types[0]} cannot run one layer at a time: {in_memory}.")
+        return False
+    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
+    log(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}): streaming the "
+        f"layers (one decoder layer's weights in memory at a time; {off} loads them all).")
+    return True
+
+
 #: the options of a differential scan (``safety-scan`` / ``domain-scan``) besides its two datasets
 SCAN_OUTPUT = Opt("The report to write (JSON).", type=click.Path(dir_okay=False))
 PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus which) experts are classified.",
@@ -89,25 +124,34 @@ PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus wh
 
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      calibration: Calibration, threshold_percentile: float, settings: RunSettings, log: Log,
-                     extra: dict | None = None, force: bool = False) -> dict:
+                     extra: dict | None = None, force: bool = False, stream_layers: bool | None = None) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general, each read under
     ``calibration`` (chats with their generation prompt). The job's ``@job`` wrapper has checked that both exist.
+    ``stream_layers`` (None: :func:`stream_choice`): the model loads lazily and both datasets run together through
+    one streamed forward, each layer's weights read once (:func:`mlx_fun.observe.differential.scan_streamed`).
     """
     from ..datasets.samples import pad_id
-    from ..observe.differential import report, scan
+    from ..observe.differential import report, scan, scan_streamed
 
     check_value("threshold_percentile", threshold_percentile, PERCENTILE)
-    with model_job(model, output=output, kind="file", force=force, settings=settings, log=log) as job_:
-        taps, datasets = [], {}
-        for name, path in (dataset_a, dataset_b):
-            samples = calibration.load(path, job_.tokenizer, generation_prompt=True)
-            taps.append(scan(job_.model, job_.adapter, samples, batch_size=calibration.batch_size,
-                             pad_id=pad_id(job_.tokenizer), token_budget=job_.budget, progress=settings.progress,
-                             desc=name.replace("_dataset", "")))
-            datasets[name.replace("_dataset", "")] = {"path": str(path), "samples": len(samples),
-                                                       "tokens": taps[-1].tokens}
+    checked = check_moe(model)
+    stream = stream_choice(model, stream_layers, checked[1], log, in_memory="scanning in memory")
+    with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
+                   lazy=stream) as job_:
+        names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
+        paths = [path for _name, path in (dataset_a, dataset_b)]
+        sets = [calibration.load(path, job_.tokenizer, generation_prompt=True) for path in paths]
+        how = dict(batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
+                   progress=settings.progress)
+        if stream:
+            taps = scan_streamed(job_.model, job_.adapter, sets, desc=f"{kind}-scan",
+                                 refusal=f"a streamed {kind}-scan", **how)
+        else:
+            taps = [scan(job_.model, job_.adapter, samples, desc=name, **how) for name, samples in zip(names, sets)]
+        datasets = {name: {"path": str(path), "samples": len(samples), "tokens": tap.tokens}
+                    for name, path, samples, tap in zip(names, paths, sets, taps)}
         out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
                      datasets=datasets, extra={"model": str(model), **(extra or {})})
         job_.res.write_json(out)

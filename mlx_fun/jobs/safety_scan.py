@@ -9,7 +9,7 @@ from typing import Annotated
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..settings import RunSettings
-from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, Log, differential_job, job, quiet
+from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, STREAM_LAYERS, Log, differential_job, job, quiet
 
 
 #: the two prompt sets safety-scan compares and abliterate takes its directions from
@@ -39,15 +39,19 @@ def run(
     calibration: Calibration = Calibration(batch_size=4),
     threshold_percentile: Annotated[float, PERCENTILE] = 90.0,
     settings: RunSettings = RunSettings(),
+    stream_layers: Annotated[bool | None, STREAM_LAYERS] = None,
     log: Log = quiet,
 ) -> ScanResult:
     """Route ``harmful_dataset`` and ``benign_dataset`` (chats are read with their generation prompt) through
     ``model`` and write the report (:mod:`mlx_fun.observe.differential`): experts at or above the
     ``threshold_percentile``-th composite score and more active on harmful prompts (HCDG), at or below the
     complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``), every score.
-    ``calibration``: how each set's samples are drawn and batched (its fields may be given by name)."""
+    ``calibration``: how each set's samples are drawn and batched (its fields may be given by name).
+    ``stream_layers`` (None: when the model's weights exceed the memory left): the model loads lazily and both sets
+    run together through one streamed forward, one decoder layer's weights in memory at a time (the same report:
+    counts exactly, scores to float rounding); no resume."""
     report = differential_job(
         "safety", model=model, dataset_a=("harmful_dataset", harmful_dataset),
         dataset_b=("benign_dataset", benign_dataset), output=output, calibration=calibration,
-        threshold_percentile=threshold_percentile, settings=settings, log=log, force=force)
+        threshold_percentile=threshold_percentile, settings=settings, log=log, force=force, stream_layers=stream_layers)
     return ScanResult(Path(output), report)

@@ -49,27 +49,37 @@ class LayerBatch:
     h: mx.array | None
     calls: layerwise.LayerCalls
     valid: np.ndarray  # (B, L) True for real (not padding) tokens
+    group: int = 0  # which of the driver's sample sets the batch's samples come from
 
 
 class LayerDriver:
-    """Hidden states of ``samples`` carried through ``adapter``'s decoder layers (see the module docstring)."""
+    """Hidden states of ``samples`` carried through ``adapter``'s decoder layers (see the module docstring).
+
+    ``more``: further sample sets carried in the same pass (each layer's weights visited once for all of them),
+    batched apart from ``samples`` and each other: a batch's ``group`` is 0 for ``samples``, 1 for ``more[0]``, ...
+    (a differential scan's two datasets)."""
 
     def __init__(self, model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *, batch_size: int = 8,
-                 pad_id: int = 0, token_budget: int | None = None):
+                 pad_id: int = 0, token_budget: int | None = None, more: Sequence[Sequence[Sequence[int]]] = ()):
         self.model, self.adapter = model, adapter
         self.layers = adapter.decoder_layers()
         self.batches: list[LayerBatch] = []
-        for tokens, lengths, _rows in engine.batches(samples, batch_size, pad_id=pad_id, budget=token_budget):
-            calls = layerwise.record_layer_calls(model, self.layers, mx.array(tokens), adapter.layer_passthrough)
-            mx.eval(calls.h)
-            h, calls.h = calls.h, None  # one reference only: replaced layer after layer
-            valid = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
-            self.batches.append(LayerBatch(len(self.batches), h, calls, valid))
+        for group, sample_set in enumerate([samples, *more]):
+            for tokens, lengths, _rows in engine.batches(sample_set, batch_size, pad_id=pad_id, budget=token_budget):
+                calls = layerwise.record_layer_calls(model, self.layers, mx.array(tokens), adapter.layer_passthrough)
+                mx.eval(calls.h)
+                h, calls.h = calls.h, None  # one reference only: replaced layer after layer
+                valid = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
+                self.batches.append(LayerBatch(len(self.batches), h, calls, valid, group))
         self.seconds: dict[int, float] = {}
 
     @property
     def n_tokens(self) -> int:
         return int(sum(b.valid.sum() for b in self.batches))
+
+    def group_tokens(self, group: int) -> int:
+        """The real tokens of sample set ``group`` (0: ``samples``, 1: ``more[0]``, ...)."""
+        return int(sum(b.valid.sum() for b in self.batches if b.group == group))
 
     def replay(self, i: int, before: Callable[[LayerBatch], bool] | None = None) -> None:
         """Run layer ``i`` on every batch (``before(batch)`` may prepare taps, or return False to skip it); the

@@ -130,6 +130,16 @@ def collect(
     return acc
 
 
+def check_streamable(adapter: MoEAdapter, *, run: str, instead: str) -> None:
+    """Refuse, in one line (``UserError``), to stream a family whose layers read state other layers hand on
+    (``adapter.layerwise_blocker()``): ``run`` names the streamed run, ``instead`` what to do."""
+    from ..errors import UserError
+
+    if (blocker := adapter.layerwise_blocker()) is not None:
+        raise UserError(f"{run} runs the model one decoder layer at a time, which {adapter.model_type} does not "
+                        f"allow: {blocker}; {instead}.")
+
+
 def collect_streamed(
     model,
     adapter: MoEAdapter,
@@ -153,13 +163,11 @@ def collect_streamed(
     and resumed from when it holds a layer (``log`` says where). A family whose layers read state other layers
     hand on (``adapter.layerwise_blocker()``) is refused in one line naming ``--pipeline``.
     """
-    from ..errors import UserError, param
+    from ..errors import param
     from ..model.layered import LayerDriver, release_layer
 
-    if (blocker := adapter.layerwise_blocker()) is not None:
-        raise UserError(f"a streamed collect runs the model one decoder layer at a time, which {adapter.model_type} "
-                        f"does not allow: {blocker}; collect it without {param('stream_layers')}, or split its "
-                        f"layers across machines with {param('pipeline')} under mlx.launch.")
+    check_streamable(adapter, run="a streamed collect", instead=f"collect it without {param('stream_layers')}, or "
+                     f"split its layers across machines with {param('pipeline')} under mlx.launch")
     say = log or (lambda _line: None)
     driver = LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget)
     acc = SaliencyAccumulator.for_adapter(adapter)

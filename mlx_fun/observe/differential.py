@@ -17,13 +17,14 @@ group (HCDG / domain experts), and those at or below the ``(100 − p)``-th perc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..model import engine, moe_hook
 from ..adapters.base import MoEAdapter
-from .collect import SaliencyTap
+from .collect import SaliencyTap, check_streamable
 from .saliency import SaliencyAccumulator
 
 REPORT_VERSION = 1
@@ -47,13 +48,19 @@ class RoutingTap(SaliencyTap):
         super().__call__(layer, inds, weights, logits, y)
         self.logits.append((layer, logits.astype(mx.float32).reshape(-1, logits.shape[-1])))
 
-    def flush(self, valid: np.ndarray | None = None, evaluate=mx.eval) -> int:
+    def flush(self, valid: np.ndarray | None = None, evaluate=mx.eval, *, into: RoutingTap | None = None,
+              count_tokens: bool = True) -> int:
+        """Evaluate what the tap recorded since the last flush and add it to ``into``'s sums (default: its own);
+        ``valid``: the batch's real tokens. ``count_tokens=False``: the tokens are not added to ``into.tokens`` (a
+        streamed scan flushes each batch once per layer, its tokens counted once beforehand)."""
+        into = self if into is None else into
         logits, self.logits = self.logits, []
-        n = super().flush(self.acc, valid, evaluate=lambda *a: evaluate(*a, *[lg for _, lg in logits]))
-        self.acc.total_tokens += n
+        n = super().flush(into.acc, valid, evaluate=lambda *a: evaluate(*a, *[lg for _, lg in logits]))
+        if count_tokens:
+            into.acc.total_tokens += n
         for layer, lg in logits:
             lg = np.array(lg, dtype=np.float64)
-            self.logit_sum[layer] += (lg if valid is None else lg[valid.reshape(-1)]).sum(axis=0)
+            into.logit_sum[layer] += (lg if valid is None else lg[valid.reshape(-1)]).sum(axis=0)
         return n
 
     def means(self) -> dict[str, np.ndarray]:
@@ -74,6 +81,38 @@ def scan(model, adapter: MoEAdapter, samples, *, batch_size: int = 1, pad_id: in
         engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=token_budget,
                    progress=progress, desc=desc)
     return tap
+
+
+def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequence[int]]], *, batch_size: int = 1,
+                  pad_id: int = 0, token_budget: int | None = None, progress: bool = False, desc: str = "scan",
+                  refusal: str = "a streamed scan") -> list[RoutingTap]:
+    """:func:`scan`'s tap of every sample set in ``datasets``, with one decoder layer's weights in memory at a
+    time: all sets' hidden states are carried together through the layers by
+    :class:`mlx_fun.model.layered.LayerDriver` (the same length-bucketed, right-padded batches, each set batched
+    apart), each layer run once on every batch through the hooks and then released (a lazily loaded model reads
+    each layer's weights from its files once for all the sets). Counts equal the in-memory scans' exactly, sums
+    within float rounding (they are added per layer rather than per forward). A family whose layers read state
+    other layers hand on is refused in one line (``refusal`` names the run)."""
+    from ..errors import param
+    from ..model.layered import LayerDriver
+
+    check_streamable(adapter, run=refusal, instead=f"run it without {param('stream_layers')}")
+    first, *more = datasets
+    driver = LayerDriver(model, adapter, first, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget,
+                         more=more)
+    taps = [RoutingTap(adapter) for _ in datasets]
+    for group, tap in enumerate(taps):
+        tap.acc.total_tokens = driver.group_tokens(group)
+    recorder = RoutingTap(adapter)  # the hook: each batch's layer call, added to its own set's tap
+
+    def after_batch(i, batch, out):  # the layer's routing, evaluated with its output
+        recorder.flush(None if batch.valid.all() else batch.valid, evaluate=lambda *a: mx.eval(out, *a),
+                       into=taps[batch.group], count_tokens=False)
+        return ()
+
+    with moe_hook.hooked(adapter, [recorder]):
+        driver.run(release=True, after_batch=after_batch, progress=progress, desc=desc)
+    return taps
 
 
 def _scaled(x: np.ndarray) -> np.ndarray:
@@ -110,13 +149,14 @@ def classify(diff: dict[str, np.ndarray], moe_layer_indices: list[int], percenti
 
 def report(kind: str, a: RoutingTap, b: RoutingTap, adapter: MoEAdapter, *, percentile: float,
            datasets: dict, extra: dict | None = None) -> dict:
-    """The ``safety_report.json`` (kind ``safety``) or ``domain_report.json`` (``domain``) document."""
+    """The ``safety_report.json`` (kind ``safety``) or ``domain_report.json`` (``domain``) document (the expert
+    count is the taps', which a streamed scan's emptied layers no longer tell)."""
     layers = adapter.moe_layers()
     diff = differential(a, b)
     g = classify(diff, layers, percentile)
     names = ("harmful", "benign") if kind == "safety" else ("domain", "general")
     out = {"format": f"mlx-fun {kind} report", "version": REPORT_VERSION, "model_type": adapter.model_type,
-           "num_experts": adapter.num_experts, "top_k": adapter.top_k, "moe_layer_indices": layers,
+           "num_experts": int(a.count.shape[1]), "top_k": adapter.top_k, "moe_layer_indices": layers,
            "threshold_percentile": percentile, **(extra or {}), "datasets": datasets}
     if kind == "safety":
         critical = {k: sorted(set(g.a.get(k, [])) | set(g.b.get(k, []))) for k in sorted(set(g.a) | set(g.b), key=int)}
