@@ -12,7 +12,8 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
-from .common import DATASET, FORCE, MODEL, Loaded, Log, check_moe, job, model_job, quiet, warn_past_context
+from .common import (DATASET, FORCE, MODEL, Loaded, Log, check_moe, job, model_job, quiet, stream_choice, streaming,
+                     warn_past_context)
 
 
 @dataclass
@@ -44,11 +45,9 @@ def run(
     pipeline: Annotated[bool, Opt("Under mlx.launch: split the model's layers across the ranks (each loads only "
                                   "its own), for a model no single machine holds; without it the ranks split the "
                                   "samples.")] = False,
-    stream_layers: Annotated[bool | None, Opt(
-        "Run the model one decoder layer at a time, each layer's weights read from its files for its one visit and "
-        "then released, for a model larger than memory (same statistics: counts exactly, sums to float rounding); "
-        "a killed run resumes at the next layer when rerun. Default: stream when the model's weights exceed the "
-        "memory this process can use.", flag="--stream-layers/--no-stream-layers")] = None,
+    stream_layers: Annotated[bool | None, streaming(
+        "same statistics: counts exactly, sums to float rounding; a killed run resumes at the next layer when "
+        "rerun")] = None,
     log: Log = quiet,
 ) -> CollectResult:
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
@@ -102,10 +101,9 @@ def run(
 
 
 def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter_cls, say: Log) -> bool:
-    """Whether to stream the layers: as asked, else when the weights exceed the memory left (a note says so);
-    refused with ``pipeline``, and under mlx.launch when asked."""
+    """Whether to stream the layers (:func:`mlx_fun.jobs.common.stream_choice`); refused with ``pipeline``, and
+    under mlx.launch when asked."""
     from ..errors import UserError, param
-    from ..runtime.memory import available_bytes, weight_bytes
 
     if stream_layers and pipeline:
         raise UserError(f"{param('stream_layers')} and {param('pipeline')} are two ways to run a model larger than "
@@ -113,21 +111,9 @@ def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter
     if stream_layers and w.size > 1:
         raise UserError(f"{param('stream_layers')} runs in one process; under mlx.launch pass {param('pipeline')} "
                         f"to split the model's layers across the ranks.")
-    if stream_layers is not None or pipeline or w.size > 1:
+    if pipeline or w.size > 1:
         return bool(stream_layers)
-    need, room = weight_bytes(model), available_bytes()
-    if room is None or need <= room:
-        return False
-    from ..core.sizes import format_bytes
-
-    if adapter_cls.layerwise_reason:
-        say(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}), but "
-            f"{adapter_cls.model_types[0]} cannot run one layer at a time: collecting in memory.")
-        return False
-    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
-    say(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}): streaming the "
-        f"layers (one decoder layer's weights in memory at a time; {off} loads them all).")
-    return True
+    return stream_choice(stream_layers, [(model, adapter_cls)], doing="collecting", log=say)
 
 
 def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,

@@ -186,6 +186,48 @@ FORCE = force()
 FORCE_DIR = force("a non-empty --output directory")
 
 
+def streaming(same: str) -> Opt:
+    """``--stream-layers/--no-stream-layers`` (a tri-state: None lets :func:`stream_choice` decide); ``same``: what
+    the streamed run gives that the in-memory one gives."""
+    return Opt("Run the model one decoder layer at a time, each layer's weights read from its files for its one visit "
+               f"and then released, for a model larger than memory ({same}). Default: stream when the model's weights "
+               "exceed the memory this process can use.", flag="--stream-layers/--no-stream-layers")
+
+
+def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type | None]], *, doing: str,
+                  log: Log) -> bool:
+    """Whether a job streams its ``models`` (``(directory, adapter class or None)`` each: the model, then a
+    reference) one decoder layer at a time: as asked (refused in one line for a model without an adapter: a dense
+    one), else when their weights together exceed the memory left, with a one-line note (``doing``: what the job
+    does instead, "collecting"); a model without an adapter, or whose family cannot run one layer at a time, is
+    then run in memory (a note says so)."""
+    from ..errors import UserError
+    from ..runtime.memory import available_bytes, weight_bytes
+
+    dense = [(path, flag) for (path, cls), flag in zip(models, ("model", "reference")) if cls is None]
+    if stream_layers and dense:
+        path, flag = dense[0]
+        raise UserError(f"{param('stream_layers')} runs the decoder layers of a Mixture-of-Experts family mlx-fun "
+                        f"knows, and {param(flag)} {path} is not one; run it without {param('stream_layers')}.")
+    if stream_layers is not None:
+        return stream_layers
+    need, room = sum(weight_bytes(path) for path, _ in models), available_bytes()
+    if room is None or need <= room:
+        return False
+    from ..core.sizes import format_bytes
+
+    over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
+    for path, cls in models:
+        if cls is None or cls.layerwise_reason:
+            what = (f"{path} is not a Mixture-of-Experts family mlx-fun knows" if cls is None else
+                    f"{cls.model_types[0]} cannot run one layer at a time")
+            log(f"{over}, but {what}: {doing} in memory.")
+            return False
+    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
+    log(f"{over}: streaming the layers (one decoder layer's weights in memory at a time; {off} loads them all).")
+    return True
+
+
 def folding(run: Callable) -> Callable:
     """Wrap ``run`` so a Python caller may also give an option group's fields by name (``max_samples=32`` for
     ``calibration=Calibration(max_samples=32)``): they are folded into the group (:func:`mlx_fun.settings.grouped`)."""
