@@ -207,8 +207,8 @@ def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type |
     dense = [(path, flag) for (path, cls), flag in zip(models, ("model", "reference")) if cls is None]
     if stream_layers and dense:
         path, flag = dense[0]
-        raise UserError(f"{param('stream_layers')} runs the decoder layers of a Mixture-of-Experts family mlx-fun "
-                        f"knows, and {param(flag)} {path} is not one; run it without {param('stream_layers')}.")
+        raise UserError(f"{param('stream_layers')} runs the decoder layers of a supported Mixture-of-Experts "
+                        f"family, and {param(flag)} {path} is not one (a dense model?); run it without {param('stream_layers')}.")
     if stream_layers is not None:
         return stream_layers
     need, room = sum(weight_bytes(path) for path, _ in models), available_bytes()
@@ -219,7 +219,7 @@ def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type |
     over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
     for path, cls in models:
         if cls is None or cls.layerwise_reason:
-            what = (f"{path} is not a Mixture-of-Experts family mlx-fun knows" if cls is None else
+            what = (f"{path} is not of a supported Mixture-of-Experts family" if cls is None else
                     f"{cls.model_types[0]} cannot run one layer at a time")
             log(f"{over}, but {what}: {doing} in memory.")
             return False

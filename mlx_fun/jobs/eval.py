@@ -62,7 +62,7 @@ def run(
     settings: RunSettings = RunSettings(),
     stream_layers: Annotated[bool | None, streaming(
         "same numbers: token counts exactly, ppl, KL and top-1 agreement to float rounding; with --reference both "
-        "models, layer by layer side by side; MoE families mlx-fun knows")] = None,
+        "models, layer by layer side by side; supported Mixture-of-Experts families only")] = None,
     log: Log = quiet,
 ) -> EvalResult:
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
