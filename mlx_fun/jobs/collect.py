@@ -100,8 +100,8 @@ def run(
 
 
 def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter_cls, say: Log) -> bool:
-    """Whether to stream the layers: as asked, else when the weights exceed the memory left (a note says so);
-    refused with ``pipeline``, and under mlx.launch when asked."""
+    """Whether to stream the layers (:func:`mlx_fun.jobs.common.stream_choice`); refused with ``pipeline``, and
+    under mlx.launch when asked."""
     from ..errors import UserError, param
 
     if stream_layers and pipeline:
@@ -112,7 +112,7 @@ def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter
                         f"to split the model's layers across the ranks.")
     if pipeline or w.size > 1:
         return bool(stream_layers)
-    return stream_choice(model, stream_layers, adapter_cls, say, in_memory="collecting in memory")
+    return stream_choice(stream_layers, [(model, adapter_cls)], doing="collecting", log=say)
 
 
 def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,

@@ -94,28 +94,6 @@ def stream_layers_opt(*, same: str = "the same results: counts exactly, sums to 
 STREAM_LAYERS = stream_layers_opt()
 
 
-def stream_choice(model, stream_layers: bool | None, adapter_cls: type, log: Log, *, in_memory: str) -> bool:
-    """Whether a job streams ``model``'s layers: as asked (``stream_layers`` True / False), else (None) when the
-    weights exceed :func:`mlx_fun.runtime.memory.available_bytes`, with a one-line note (``in_memory``: what the
-    job does instead where the family cannot stream, ``collecting in memory``)."""
-    if stream_layers is not None:
-        return bool(stream_layers)
-    from ..core.sizes import format_bytes
-    from ..runtime.memory import available_bytes, weight_bytes
-
-    need, room = weight_bytes(model), available_bytes()
-    if room is None or need <= room:
-        return False
-    if adapter_cls.layerwise_reason:
-        log(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}), but "
-            f"{adapter_cls.model_types[0]} cannot run one layer at a time: {in_memory}.")
-        return False
-    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
-    log(f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}): streaming the "
-        f"layers (one decoder layer's weights in memory at a time; {off} loads them all).")
-    return True
-
-
 #: the options of a differential scan (``safety-scan`` / ``domain-scan``) besides its two datasets
 SCAN_OUTPUT = Opt("The report to write (JSON).", type=click.Path(dir_okay=False))
 PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus which) experts are classified.",
@@ -137,7 +115,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
 
     check_value("threshold_percentile", threshold_percentile, PERCENTILE)
     checked = check_moe(model)
-    stream = stream_choice(model, stream_layers, checked[1], log, in_memory="scanning in memory")
+    stream = stream_choice(stream_layers, [(model, checked[1])], doing="scanning", log=log)
     with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
                    lazy=stream) as job_:
         names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
@@ -228,6 +206,41 @@ def force(what: str = "an existing --output file") -> Opt:
 
 FORCE = force()
 FORCE_DIR = force("a non-empty --output directory")
+
+
+def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type | None]], *, doing: str,
+                  log: Log) -> bool:
+    """Whether a job streams its ``models`` (``(directory, adapter class or None)`` each: the model, then a
+    reference) one decoder layer at a time: as asked (refused in one line for a model without an adapter: a dense
+    one), else when their weights together exceed the memory left, with a one-line note (``doing``: what the job
+    does instead, "collecting"); a model without an adapter, or whose family cannot run one layer at a time, is
+    then run in memory (a note says so)."""
+    from ..errors import UserError
+    from ..runtime.memory import available_bytes, weight_bytes
+
+    dense = [(path, flag) for (path, cls), flag in zip(models, ("model", "reference")) if cls is None]
+    if stream_layers and dense:
+        path, flag = dense[0]
+        raise UserError(f"{param('stream_layers')} runs the decoder layers of a supported Mixture-of-Experts "
+                        f"family, and {param(flag)} {path} is not one (a dense model?); run it without "
+                        f"{param('stream_layers')}.")
+    if stream_layers is not None:
+        return stream_layers
+    need, room = sum(weight_bytes(path) for path, _ in models), available_bytes()
+    if room is None or need <= room:
+        return False
+    from ..core.sizes import format_bytes
+
+    over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
+    for path, cls in models:
+        if cls is None or cls.layerwise_reason:
+            what = (f"{path} is not of a supported Mixture-of-Experts family" if cls is None else
+                    f"{cls.model_types[0]} cannot run one layer at a time")
+            log(f"{over}, but {what}: {doing} in memory.")
+            return False
+    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
+    log(f"{over}: streaming the layers (one decoder layer's weights in memory at a time; {off} loads them all).")
+    return True
 
 
 def folding(run: Callable) -> Callable:

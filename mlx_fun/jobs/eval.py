@@ -12,11 +12,12 @@ from typing import Annotated, Sequence
 import click
 
 from .. import __version__
+from ..adapters import REGISTRY
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..settings import RunSettings
-from .common import FORCE, MODEL, Loaded, Log, job, model_job, quiet, warn_past_context
+from .common import FORCE, MODEL, Loaded, Log, job, model_job, quiet, stream_choice, stream_layers_opt, warn_past_context
 
 
 @dataclass
@@ -59,6 +60,9 @@ def run(
     output: Annotated[str | Path | None, Opt("Also write the results as JSON to this file.")] = None,
     force: Annotated[bool, FORCE] = False,
     settings: RunSettings = RunSettings(),
+    stream_layers: Annotated[bool | None, stream_layers_opt(
+        same="same numbers: token counts exactly, ppl, KL and top-1 agreement to float rounding; with --reference both "
+        "models, layer by layer side by side; supported Mixture-of-Experts families only")] = None,
     log: Log = quiet,
 ) -> EvalResult:
     """Score ``model`` on each ``dataset`` (paths, or ``NAME=PATH``); with ``reference``, also the reference's
@@ -66,7 +70,12 @@ def run(
     before loading and written atomically (an existing file only with ``force``). Float and quantized models of any
     family mlx-lm loads. ``calibration``: which samples are scored (``max_tokens`` at least 2: one token is
     predicted from another; the seed is fixed, 0, so repeated runs score the same samples) and how many a forward
-    takes (its fields may be given by name)."""
+    takes (its fields may be given by name).
+
+    ``stream_layers`` (None: when the weights of the model and the reference together exceed
+    :func:`mlx_fun.runtime.memory.available_bytes`): each model runs one decoder layer at a time, each layer released
+    after its visit (:func:`mlx_fun.observe.evaluate_streamed.evaluate_streamed`); refused for a model without an
+    adapter (dense), which the automatic choice evaluates in memory."""
     from ..core import writer
     from ..observe.evaluate import check_compatible, resolve_datasets
     from ..model.io import load_model
@@ -78,6 +87,9 @@ def run(
     paths = resolve_datasets(dataset)
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
+    stream = stream_choice(stream_layers, [(model, REGISTRY.get(model_config["model_type"]))] + (
+        [] if ref_config is None else [(reference, REGISTRY.get(ref_config["model_type"]))]), doing="evaluating",
+        log=log)
     if output:  # a NAME=PATH dataset is checked by its path (job_inputs names the values as given)
         writer.check_output_path(output, kind="file", inputs={param("dataset"): [str(p) for p in paths.values()]},
                                  force=force)
@@ -96,11 +108,11 @@ def run(
             settings.apply(ref, log=log)
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
         return _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
-                      ref_config=ref_config, output=output, log=log)
+                      ref_config=ref_config, output=output, log=log, stream=stream)
 
 
 def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
-           reference, ref_config: dict | None, output, log: Log) -> EvalResult:
+           reference, ref_config: dict | None, output, log: Log, stream: bool = False) -> EvalResult:
     """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
     from ..datasets.samples import pad_id as batch_pad_id
     from ..observe.evaluate import evaluate, load_eval_datasets
@@ -113,8 +125,16 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
     pad_id = batch_pad_id(job_.tokenizer)
     budget = settings.budget(model_config, dispatch_mode=mode)
     start = time.perf_counter()
-    results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
-                       token_budget=budget, progress=settings.progress)
+    if stream:
+        from ..adapters import get_adapter
+        from ..observe.evaluate_streamed import evaluate_streamed
+
+        results = evaluate_streamed(job_.model, get_adapter(job_.model, model_config), data, ref,
+                                    None if ref is None else get_adapter(ref, ref_config), batch_size=c.batch_size,
+                                    pad_id=pad_id, token_budget=budget, progress=settings.progress)
+    else:
+        results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
+                           token_budget=budget, progress=settings.progress)
     seconds = time.perf_counter() - start
     out = {
         "model": str(model),

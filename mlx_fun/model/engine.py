@@ -108,7 +108,7 @@ def run(
     try:
         for sub, sub_len, rows in batches(fed, batch_size, pad_id=pad_id, budget=budget):
             width = min(sub.shape[1], budget)
-            targets = _targets(full, rows, sub.shape, pad_id) if full is not None else None
+            targets = next_tokens(full, rows, sub.shape, pad_id) if full is not None else None
             caches = [make_prompt_cache(m) for m in models] if sub.shape[1] > width else None
             for s0 in range(0, sub.shape[1], width):
                 x = mx.array(sub[:, s0:s0 + width])
@@ -150,7 +150,8 @@ def budget_for(requested: int | None, *, top_k: int | None = None, dispatched: b
     return budget
 
 
-def _targets(full: list[np.ndarray], rows: np.ndarray, shape: tuple[int, int], pad_id: int) -> np.ndarray:
+def next_tokens(full: list[np.ndarray], rows: np.ndarray, shape: tuple[int, int], pad_id: int) -> np.ndarray:
+    """(B, T) the next token of each fed position of the samples ``full[rows]`` (``pad_id`` past their ends)."""
     out = np.full(shape, pad_id, dtype=np.int32)
     for r, i in enumerate(rows):
         nxt = full[i][1:]

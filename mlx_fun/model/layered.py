@@ -50,6 +50,8 @@ class LayerBatch:
     calls: layerwise.LayerCalls
     valid: np.ndarray  # (B, L) True for real (not padding) tokens
     group: int = 0  # which of the driver's sample sets the batch's samples come from
+    tokens: np.ndarray | None = None  # (B, L) the token ids fed (right-padded)
+    rows: np.ndarray | None = None  # (B,) each row's index in its sample set
 
 
 class LayerDriver:
@@ -65,12 +67,12 @@ class LayerDriver:
         self.layers = adapter.decoder_layers()
         self.batches: list[LayerBatch] = []
         for group, sample_set in enumerate([samples, *more]):
-            for tokens, lengths, _rows in engine.batches(sample_set, batch_size, pad_id=pad_id, budget=token_budget):
+            for tokens, lengths, rows in engine.batches(sample_set, batch_size, pad_id=pad_id, budget=token_budget):
                 calls = layerwise.record_layer_calls(model, self.layers, mx.array(tokens), adapter.layer_passthrough)
                 mx.eval(calls.h)
                 h, calls.h = calls.h, None  # one reference only: replaced layer after layer
                 valid = np.arange(tokens.shape[1])[None, :] < np.asarray(lengths)[:, None]
-                self.batches.append(LayerBatch(len(self.batches), h, calls, valid, group))
+                self.batches.append(LayerBatch(len(self.batches), h, calls, valid, group, tokens, rows))
         self.seconds: dict[int, float] = {}
 
     @property
@@ -111,11 +113,7 @@ class LayerDriver:
                 if on_layer is not None:
                     on_layer(i)
                 if i < last or after_batch is not None:  # nothing after the last layer is needed
-                    for b in self.batches:
-                        out = layerwise.run_layer(self.layers[i], b.h, b.calls, i)
-                        keep = after_batch(i, b, out) if after_batch is not None else ()
-                        mx.eval(out, *keep)
-                        b.h = out if i < last else None
+                    self.step(i, keep=i < last, after_batch=after_batch)
                 if release:
                     release_layer(self.layers[i])
                 self.seconds[i] = round(time.perf_counter() - t0, 4)
@@ -128,6 +126,18 @@ class LayerDriver:
                 bar.close()
             for b in self.batches:  # free the hidden states
                 b.h = None
+
+    def step(self, i: int, *, keep: bool = True,
+             after_batch: Callable[[int, LayerBatch, mx.array], Sequence[mx.array]] | None = None) -> None:
+        """Push every batch's hidden state through layer ``i`` (through the installed hooks), each batch's output
+        evaluated (with what ``after_batch`` returns, as in :meth:`run`) and, with ``keep``, its new hidden state
+        (else dropped). :meth:`run` is this over the layers; several drivers may be stepped side by side (a model
+        and its reference, layer by layer)."""
+        for b in self.batches:
+            out = layerwise.run_layer(self.layers[i], b.h, b.calls, i)
+            arrays = after_batch(i, b, out) if after_batch is not None else ()
+            mx.eval(out, *arrays)
+            b.h = out if keep else None
 
     def hidden_states(self) -> dict[str, mx.array]:
         """Every batch's current hidden state by name (``"b<index>"``), for a checkpoint."""

@@ -402,8 +402,7 @@ def evaluate(
     are NaN for a dataset with nothing to score. ``progress`` shows a tqdm bar (tokens/s) per dataset. Forwards
     run on :func:`mlx_fun.model.engine.run` with at most ``token_budget`` tokens each.
     """
-    if batch_size < 1:
-        raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
+    check_batch_size(batch_size)
     cache = reference if isinstance(reference, ReferenceCache) else None
     if cache is not None and (cache.batch_size, cache.pad_id, cache.budget) != (batch_size, pad_id, token_budget):
         raise ValueError(
@@ -418,8 +417,13 @@ def evaluate(
     return results
 
 
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise UserError(f"batch size must be at least 1, got {batch_size}; pass --batch-size 1 or more")
+
+
 @dataclass
-class _Sums:
+class Sums:
     nll: float = 0.0
     ref_nll: float = 0.0
     kl: float = 0.0
@@ -427,7 +431,7 @@ class _Sums:
     count: int = 0
 
 
-def _score(flat: mx.array, batch: _Batch, chunk, ref_flat: mx.array | None, ref_chunks, sums: _Sums) -> None:
+def _score(flat: mx.array, batch: _Batch, chunk, ref_flat: mx.array | None, ref_chunks, sums: Sums) -> None:
     """Add one forward's NLL (and KL, top-1 agreement, reference NLL) to ``sums``, in vocabulary chunks."""
     vocab = int(flat.shape[-1])
     with_ref = ref_flat is not None or ref_chunks is not None
@@ -450,6 +454,24 @@ def _score(flat: mx.array, batch: _Batch, chunk, ref_flat: mx.array | None, ref_
     sums.count += batch.n
 
 
+def score_chunk(logits: mx.array, chunk, sums: Sums, ref_logits: mx.array | None = None) -> None:
+    """Add one forward's scores to ``sums``: the model's ``(B, L, V)`` logits of the engine chunk ``chunk``
+    (:class:`mlx_fun.model.engine.Chunk` with its targets) and, when given, the reference's."""
+    batch = _Batch.of(chunk)
+    flat = _flat_logits(logits, batch.inputs, "model")
+    ref_flat = None
+    if ref_logits is not None:
+        ref_flat = _flat_logits(ref_logits, batch.inputs, "reference")
+        same_vocab(int(flat.shape[-1]), int(ref_flat.shape[-1]))
+    _score(flat, batch, chunk, ref_flat, None, sums)
+
+
+def same_vocab(vocab: int, ref_vocab: int) -> None:
+    if ref_vocab != vocab:
+        raise UserError(f"the model predicts {vocab} token ids but the reference {ref_vocab}; "
+                        f"compare a model only with a reference that uses the same tokenizer")
+
+
 def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, budget, progress) -> dict[str, Any]:
     with_ref = reference is not None
     cached = None
@@ -458,7 +480,7 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
             raise ValueError(f"the reference cache has no dataset '{name}' (it has: {', '.join(cache.batches)})")
         cached = cache.batches[name]
     two = with_ref and cached is None and reference is not model  # the reference runs beside the model
-    sums = _Sums()
+    sums = Sums()
 
     def step(i, batch, chunk, outputs):
         flat = _flat_logits(outputs[0] if two else outputs, batch.inputs, "model")
@@ -468,14 +490,10 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
             if i >= len(cached) or not np.array_equal(cached[i][0], batch.inputs):
                 raise ValueError(f"dataset '{name}': the samples differ from those the reference cache was built with")
             ref_chunks = cached[i][1]
-            if cache.vocab != vocab:
-                raise UserError(f"the model predicts {vocab} token ids but the reference {cache.vocab}; "
-                                f"compare a model only with a reference that uses the same tokenizer")
+            same_vocab(vocab, cache.vocab)
         elif with_ref:
             ref_flat = _flat_logits(outputs[1], batch.inputs, "reference") if two else flat
-            if int(ref_flat.shape[-1]) != vocab:
-                raise UserError(f"the model predicts {vocab} token ids but the reference {ref_flat.shape[-1]}; "
-                                f"compare a model only with a reference that uses the same tokenizer")
+            same_vocab(vocab, int(ref_flat.shape[-1]))
         _score(flat, batch, chunk, ref_flat, ref_chunks, sums)
 
     n_forwards = _run((model, reference) if two else model, samples, batch_size, pad_id, budget, step, progress,
@@ -483,6 +501,11 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
     if cached is not None and n_forwards != len(cached):
         raise ValueError(f"dataset '{name}': the samples differ from those the reference cache was built with")
 
+    return summary(samples, sums, with_ref, ref_nll=cache.stats[name]["ref_nll"] if cache is not None else None)
+
+
+def summary(samples, sums: Sums, with_ref: bool, *, ref_nll: float | None = None) -> dict[str, Any]:
+    """One dataset's result (see :func:`evaluate`) from its sums (``ref_nll``: the cache's, else from ``sums``)."""
     nll = _mean(sums.nll, sums.count)
     out: dict[str, Any] = {
         "samples": sum(1 for s in samples if len(s) >= 2),
@@ -491,7 +514,7 @@ def _evaluate_one(model, samples, reference, cache, name, batch_size, pad_id, bu
         "ppl": _exp(nll),
     }
     if with_ref:
-        ref_nll = cache.stats[name]["ref_nll"] if cache is not None else _mean(sums.ref_nll, sums.count)
+        ref_nll = _mean(sums.ref_nll, sums.count) if ref_nll is None else ref_nll
         out.update(ref_nll=ref_nll, ref_ppl=_exp(ref_nll), kl=_mean(sums.kl, sums.count),
                    top1_agreement=_mean(float(sums.agree), sums.count))
     return out
