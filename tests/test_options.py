@@ -146,3 +146,15 @@ def test_every_job_is_wrapped_where_it_is_defined():
         assert hasattr(module.run, "reads") and module.run.any_model == (module in jobs.ANY_MODEL)
     assert {m.__name__.rsplit(".", 1)[1] for m in jobs.ANY_MODEL} == {"eval", "smoke_test", "tune_dispatch"}
     assert "_resolving(" not in (PKG / "jobs" / "__init__.py").read_text()
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if "stream_layers" in {p.name for p in main.commands[c].params}])
+def test_a_tri_state_flag_given_neither_way_leaves_the_choice_to_the_job(command, tmp_path):
+    """``--stream-layers/--no-stream-layers`` parses to True / False, and to None when neither is given (the job's
+    automatic choice): click made an unset flag False, so the automatic choice never ran from the command line."""
+    cmd = main.commands[command]
+    required = [p for p in cmd.params if isinstance(p, click.Option) and p.required]
+    base = [arg for p in required for arg in (p.opts[0], str(tmp_path / p.name))]
+    for extra, want in (([], None), (["--stream-layers"], True), (["--no-stream-layers"], False)):
+        ctx = cmd.make_context(command, base + extra, resilient_parsing=True)
+        assert ctx.params["stream_layers"] is want, (command, extra)

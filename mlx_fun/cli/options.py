@@ -57,8 +57,9 @@ def click_option(name: str, opt: Opt, default, annotation):
     required = opt.required or default is inspect.Parameter.empty
     shown = f"  [default: {opt.default_text}]" if opt.default_text else ""
     kw = {"help": opt.help + shown, "metavar": opt.metavar, "multiple": opt.multiple}
-    if base <= {bool, type(None)} and not required and default is None and opt.flag and "/" in opt.flag:
-        kw.update(default=None)  # a tri-state --x/--no-x: None (neither given) leaves the choice to the job
+    tri_state = base <= {bool, type(None)} and not required and default is None and "/" in (opt.flag or "")
+    if tri_state:
+        pass  # --x/--no-x with default None (set below): neither given leaves the choice to the job
     elif base <= {bool, type(None)} and not required:
         kw.update(is_flag=True, default=bool(default))
     else:
@@ -71,7 +72,10 @@ def click_option(name: str, opt: Opt, default, annotation):
             kw["default"] = () if opt.multiple and default is None else default
             kw["show_default"] = not opt.default_text and default is not None and default != ()
     flag = opt.flag or "--" + name.replace("_", "-")
-    return click.option(flag, name, **{k: v for k, v in kw.items() if v is not None})
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if tri_state:
+        kw["default"] = None  # kept: without it click makes the flag's default False
+    return click.option(flag, name, **kw)
 
 
 def job_options(run, *, skip: tuple[str, ...] = ()):

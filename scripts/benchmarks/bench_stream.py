@@ -7,9 +7,13 @@ Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the
 ~0.6 GB), then runs ``mlx-fun collect`` on the bundled calibration text three times:
 
 1. in memory, without a limit: the reference statistics, wall time and peak RSS;
-2. in memory, in a memory cgroup of ``--limit``: killed by the limit (shown, not assumed);
-3. streamed (``--stream-layers``), in the same cgroup: completes; peak memory of the cgroup, wall time, and
-   ``streamed_equal`` (counts bit-identical, sums within float rounding of run 1).
+2. in memory (``--no-stream-layers``), in a memory cgroup of ``--limit``: killed by the limit (shown, not assumed);
+3. in the same cgroup with no flag: collect sees the limit and streams the layers by itself (its note is printed);
+   completes; peak memory of the cgroup, wall time, and ``streamed_equal`` (counts bit-identical, sums within
+   float rounding of run 1).
+
+Then ``mlx-fun eval`` of the model against itself as ``--reference`` the same way (in memory unlimited; in the
+cgroup, streamed by itself): ``eval_streamed_equal`` compares perplexity, KL and top-1 agreement.
 
 Needs root for the cgroup (v1 ``/sys/fs/cgroup/memory``, or v2). Prints one ``key=value`` line per figure.
 """
@@ -101,6 +105,31 @@ def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | No
     return proc.returncode, seconds, peak, proc.stderr
 
 
+def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+    """``(returncode, seconds, peak bytes, stderr)`` of one ``mlx-fun eval`` child (the model against itself)."""
+    cmd = [MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(CALIBRATION),
+           "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--output", str(out), *extra]
+    if cgroup is not None:
+        cgroup.reset()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=root_env(), capture_output=True, text=True,
+                          preexec_fn=cgroup.join if cgroup is not None else None)
+    seconds = time.perf_counter() - t0
+    peak = cgroup.peak() if cgroup is not None else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return proc.returncode, seconds, peak, proc.stderr
+
+
+def eval_equal(a: Path, b: Path) -> bool:
+    import json
+    import math
+
+    x, y = json.loads(a.read_text())["datasets"], json.loads(b.read_text())["datasets"]
+    return x.keys() == y.keys() and all(
+        x[d].get("tokens") == y[d].get("tokens") and all(math.isclose(x[d][k], y[d][k], rel_tol=1e-5, abs_tol=1e-7)
+                                                for k in x[d] if isinstance(x[d][k], float))
+        for d in x)
+
+
 def equal(a: Path, b: Path) -> bool:
     import numpy as np
 
@@ -148,9 +177,17 @@ def main() -> None:
             notes = [line for line in err.splitlines() if "stream" in line.lower()]
             print(f"streamed_seconds={s_st:.1f} streamed_peak={p_st} streamed_time_ratio={s_st / s_mem:.2f}")
             print(f"streamed_auto_note={notes[:1]}")
+            print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
+            rc, e_mem, ep_mem, err = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
+            assert rc == 0, err
+            rc, e_st, ep_st, err = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
+            assert rc == 0, err
+            print(f"eval_inmem_seconds={e_mem:.1f} eval_inmem_peak_rss={ep_mem} eval_streamed_seconds={e_st:.1f} "
+                  f"eval_streamed_peak={ep_st} eval_time_ratio={e_st / e_mem:.2f}")
+            same = eval_equal(work / "eval-inmem.json", work / "eval-streamed.json")
+            print(f"eval_streamed_equal={str(same).lower()}")
         finally:
             cgroup.remove()
-        print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
