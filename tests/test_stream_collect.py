@@ -89,6 +89,8 @@ def test_collect_stream_layers_writes_the_in_memory_statistics(tmp_path, make_mo
     for name, flag in (("mem", "--no-stream-layers"), ("stream", "--stream-layers")):
         result = _collect_cli(model, tmp_path / f"{name}.npz", flag)
         assert result.exit_code == 0, result.output
+        line = next(ln for ln in result.stdout.splitlines() if ln.startswith("Wrote"))
+        assert "peak memory" in line and ("one decoder layer at a time" in line) == (name == "stream"), line
     a, b = np.load(tmp_path / "mem.npz"), np.load(tmp_path / "stream.npz")
     assert sorted(a.files) == sorted(b.files)
     for key in a.files:

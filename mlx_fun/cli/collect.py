@@ -41,5 +41,9 @@ def command(**kwargs):
 def show(result) -> None:
     if result.rank != 0:  # under mlx.launch: rank 0 wrote the file and reports it
         return
+    from ..core.sizes import format_bytes
+
+    streamed = ", one decoder layer at a time" if result.streamed else ""
     click.echo(f"Wrote {result.output} ({result.tokens:,} tokens in {result.seconds:.1f} s, "
-               f"{result.tokens / max(result.seconds, 1e-9):,.0f} tok/s)")
+               f"{result.tokens / max(result.seconds, 1e-9):,.0f} tok/s; peak memory {format_bytes(result.peak_bytes)}"
+               f"{streamed})")

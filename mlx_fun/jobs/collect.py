@@ -26,6 +26,8 @@ class CollectResult:
     warnings: list[str] = field(default_factory=list)
     rank: int = 0  # under mlx.launch: this process's rank (0 wrote the file) and the number of ranks
     ranks: int = 1
+    streamed: bool = False  # run one decoder layer at a time (--stream-layers)
+    peak_bytes: int = 0  # this process's peak resident memory at the end
 
     @property
     def tokens(self) -> int:
@@ -153,7 +155,10 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
     seconds = time.perf_counter() - start
     if w.writer:
         acc.write_npz(job_.res.tmp)
-    return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size)
+    from ..runtime.memory import peak_rss_bytes
+
+    return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size,
+                         stream, peak_rss_bytes())
 
 
 def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):

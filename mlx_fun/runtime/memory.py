@@ -94,9 +94,17 @@ def available_bytes() -> int | None:
     return min(known) if known else None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``getrusage``: kilobytes on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def weight_bytes(model_dir: str | os.PathLike) -> int:
     """The bytes of a model directory's weights: the sum of its ``*.safetensors`` files."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
-__all__ = ["available_bytes", "cgroup_room", "meminfo_available", "weight_bytes"]
+__all__ = ["available_bytes", "cgroup_room", "meminfo_available", "peak_rss_bytes", "weight_bytes"]
