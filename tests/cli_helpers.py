@@ -37,3 +37,14 @@ def script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", f"scripts.{name}", *map(str, args)], env=env, capture_output=True,
                           text=True, **kwargs)
+
+
+def full_and_lazy(path):
+    """``(model, adapter, lazy model, its adapter)``: ``path`` loaded whole, and loaded lazily (weights read from
+    the files on first use) as a streamed run loads it: the two sides of every streamed == in-memory test."""
+    from mlx_fun.adapters import get_adapter
+    from mlx_fun.model.io import load_model
+
+    model, _, config = load_model(path)
+    lazy, _, lazy_config = load_model(path, lazy=True)
+    return model, get_adapter(model, config), lazy, get_adapter(lazy, lazy_config)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError, cli_names
-from mlx_fun.model.io import load_model
 from mlx_fun.observe.collect import collect, collect_streamed
 from mlx_fun.observe.saliency import ARRAY_KEYS
 
+from .cli_helpers import full_and_lazy
 from .conftest import FAMILIES
 
 SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
@@ -20,10 +19,7 @@ SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 to
 
 def _pair(path, model_type):
     """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy."""
-    model, _, config = load_model(path)
-    adapter = get_adapter(model, config)
-    lazy, _, lconfig = load_model(path, lazy=True)
-    ladapter = get_adapter(lazy, lconfig)
+    model, adapter, lazy, ladapter = full_and_lazy(path)
     if ladapter.layerwise_blocker():
         with cli_names(), pytest.raises(UserError, match=f"which {model_type} does not allow: .*without "
                                                          "--stream-layers.*--pipeline under mlx.launch"):

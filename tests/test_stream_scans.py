@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError, cli_names
-from mlx_fun.model.io import load_model
 from mlx_fun.observe.differential import report, scan, scan_streamed
 
+from .cli_helpers import full_and_lazy
 from .conftest import FAMILIES
 
 HARMFUL = [list(range(5, 21)), list(range(40, 56))]  # 2 samples × 16 tokens per dataset
@@ -25,10 +24,7 @@ KEYS = ("count", "weight_sum", "logit_sum")
 
 def _reports(path, model_type):
     """The in-memory report of a fully loaded model and the streamed one of a lazily loaded copy."""
-    model, _, config = load_model(path)
-    adapter = get_adapter(model, config)
-    lazy, _, lconfig = load_model(path, lazy=True)
-    ladapter = get_adapter(lazy, lconfig)
+    model, adapter, lazy, ladapter = full_and_lazy(path)
     if ladapter.layerwise_blocker():
         with cli_names(), pytest.raises(UserError, match=f"which {model_type} does not allow: .*; run it without "
                                                          "--stream-layers"):

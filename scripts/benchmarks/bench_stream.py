@@ -87,28 +87,9 @@ def build(out: Path, args) -> Path:
                            num_key_value_heads=4, head_dim=args.hidden // 8)
 
 
-def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
-    """``(returncode, seconds, peak bytes, stderr)`` of one ``mlx-fun collect`` child."""
-    cmd = [MLX_FUN, "collect", "--model", str(model), "--dataset", str(CALIBRATION), "--output", str(out),
-           "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if cgroup is not None:
-        cgroup.reset()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=root_env(), capture_output=True, text=True,
-                          preexec_fn=cgroup.join if cgroup is not None else None)
-    seconds = time.perf_counter() - t0
-    if cgroup is not None:
-        peak = cgroup.peak()
-    else:
-        peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
-    return proc.returncode, seconds, peak, proc.stderr
-
-
-def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
-    """``(returncode, seconds, peak bytes, stderr)`` of one ``mlx-fun eval`` child (the model against itself)."""
-    cmd = [MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(CALIBRATION),
-           "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--output", str(out), *extra]
+def run(cmd: list[str], cgroup: MemoryCgroup | None):
+    """``(returncode, seconds, peak bytes, stderr)`` of one child: the cgroup's peak inside it, else the largest
+    resident set of the children so far (each measured run here is larger than the ones before it)."""
     if cgroup is not None:
         cgroup.reset()
     t0 = time.perf_counter()
@@ -117,6 +98,19 @@ def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | N
     seconds = time.perf_counter() - t0
     peak = cgroup.peak() if cgroup is not None else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return proc.returncode, seconds, peak, proc.stderr
+
+
+def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+    """One ``mlx-fun collect`` child (:func:`run`)."""
+    return run([MLX_FUN, "collect", "--model", str(model), "--dataset", str(CALIBRATION), "--output", str(out),
+                "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra], cgroup)
+
+
+def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+    """One ``mlx-fun eval`` child (:func:`run`): the model against itself as ``--reference``."""
+    return run([MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(CALIBRATION),
+                "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--output", str(out), *extra],
+               cgroup)
 
 
 def eval_equal(a: Path, b: Path) -> bool:
