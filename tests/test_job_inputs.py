@@ -23,7 +23,6 @@ from mlx_fun import jobs
 from mlx_fun.jobs import common as job_common
 from mlx_fun.cli import COMMANDS, module_name
 from mlx_fun.errors import UserError, cli_names
-from mlx_fun.settings import option_groups
 
 from .cli_helpers import expect_error, run as cli
 from .test_nothing_lost import tree
@@ -106,7 +105,6 @@ def _cases():
 
 def grouped(run, kwargs: dict) -> dict:
     """``kwargs`` with every ``group.field`` key folded into that option group (its default with the field set)."""
-    groups = option_groups(run)
     out = {k: v for k, v in kwargs.items() if "." not in k}
     fields: dict[str, dict] = {}
     for key, v in kwargs.items():

@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from mlx_fun import jobs
 from mlx_fun.adapters import get_adapter
