@@ -114,6 +114,27 @@ def test_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path, qwe
     assert not any("streaming" in line for line in lines)
 
 
+def test_the_automatic_choice_reads_the_configs_reason_not_to_stream(tmp_path, make_model, monkeypatch):
+    """hunyuan streams, but not with cross-layer attention (``use_cla``, a config option): the automatic choice
+    reads it from the config, before loading, and runs in memory with a note instead of streaming into a refusal."""
+    import json
+
+    from mlx_fun.adapters import REGISTRY
+    from mlx_fun.jobs.common import stream_choice
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    path = Path(make_model("hunyuan"))
+    lines = []
+    assert stream_choice(None, [(path, REGISTRY["hunyuan"])], doing="collecting", log=lines.append) is True
+    cla = tmp_path / "cla"
+    cla.mkdir()
+    (cla / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), "use_cla": True}))
+    (cla / "model.safetensors").write_bytes(b"\0" * 2000)  # weights over the (patched) memory left
+    lines.clear()
+    assert stream_choice(None, [(cla, REGISTRY["hunyuan"])], doing="collecting", log=lines.append) is False
+    assert len(lines) == 1 and "cross-layer attention (use_cla)" in lines[0] and "collecting in memory" in lines[0]
+
+
 def test_memory_left_reads_meminfo_and_the_cgroup(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:     2048 kB\n")
     assert memory.meminfo_available(tmp_path / "meminfo") == 2048 * 1024

@@ -144,7 +144,13 @@ class MoEAdapter:
     def layerwise_blocker(self) -> str | None:
         """Why this model's decoder layers cannot be run one at a time (``layerwise_reason``, or a config option
         of the family), or None: what a layer-by-layer job (merge, a streamed collect) refuses early."""
-        return self.layerwise_reason
+        return self.config_layerwise_blocker(self.config)
+
+    @classmethod
+    def config_layerwise_blocker(cls, config: dict) -> str | None:
+        """:meth:`layerwise_blocker` from the config alone (before a model is loaded: the automatic choice of
+        ``--stream-layers``)."""
+        return cls.layerwise_reason
 
     def layer_passthrough(self, x: mx.array, *args, **kwargs):
         """What a decoder layer that does nothing returns when called as ``layer(x, *args, **kwargs)``

@@ -209,8 +209,9 @@ class HunyuanAdapter(MoEAdapter):
     def top_k(self) -> int:
         return self.config_top_k(self.config)
 
-    def layerwise_blocker(self) -> str | None:
-        if self.text_config.get("use_cla"):
+    @classmethod
+    def config_layerwise_blocker(cls, config: dict) -> str | None:
+        if config.get("text_config", config).get("use_cla"):
             return "its cross-layer attention (use_cla) reads earlier layers' K/V"
         return None
 

@@ -230,12 +230,14 @@ def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type |
     if room is None or need <= room:
         return False
     from ..core.sizes import format_bytes
+    from ..model.io import read_config
 
     over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
     for path, cls in models:
-        if cls is None or cls.layerwise_reason:
+        reason = None if cls is None else cls.config_layerwise_blocker(read_config(path))
+        if cls is None or reason:
             what = (f"{path} is not of a supported Mixture-of-Experts family" if cls is None else
-                    f"{cls.model_types[0]} cannot run one layer at a time")
+                    f"{cls.model_types[0]} cannot run one layer at a time ({reason})")
             log(f"{over}, but {what}: {doing} in memory.")
             return False
     off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
