@@ -180,6 +180,7 @@ def save(self, layer, *a, **k):
     if layer == int(os.environ["KILL_AFTER"]):
         os.kill(os.getpid(), signal.SIGKILL)
 c.StreamCheckpoint.save = save
+c.StreamCheckpoint.EVERY = 0  # a save after every layer, however quick (the policy: test_checkpoint_policy)
 from mlx_fun.cli import main
 main(sys.argv[1:], prog_name="mlx-fun")
 """
@@ -211,3 +212,24 @@ def test_a_killed_streamed_collect_resumes_at_the_next_layer(tmp_path, make_mode
     assert "Resuming at layer 2 of 4" in resumed.stdout + resumed.stderr
     assert _npz_members(out) == _npz_members(tmp_path / "whole.npz")
     assert not ckpt.exists() and sorted(p.name for p in out.parent.iterdir()) == ["o.npz"]
+
+
+def test_checkpoint_policy_saves_when_the_work_since_the_last_save_took_ten_saves(tmp_path):
+    """A save after the first layer, then only once the work since the last save took EVERY times that save: a
+    quick layer beside a slow save is not saved after, a slow one is."""
+    import mlx.core as mx
+
+    from mlx_fun.observe import checkpoint as ck
+    from mlx_fun.observe.saliency import SaliencyAccumulator
+
+    clock = iter([0.0, 2.0, 2.5, 21.9, 22.0, 24.0, 30.0])  # save 0 takes 2 s; then 0.5 s, 19.9 s, 20 s of work
+    cp = ck.StreamCheckpoint(tmp_path / "c", {"run": 1})
+    cp.clock = lambda: next(clock)
+    acc = SaliencyAccumulator(num_layers=1, num_experts=2, top_k=1)
+    assert cp.due()
+    cp.save(0, {"b0": mx.zeros((1, 2))}, acc)  # 0.0 → 2.0
+    assert not cp.due()  # 2.5: 0.5 s of work < 10 × 2 s
+    assert not cp.due()  # 21.9: 19.9 s
+    assert cp.due()  # 22.0: 20 s
+    cp.save(1, {"b0": mx.ones((1, 2))}, acc)  # 24.0 → 30.0: this save took 6 s
+    assert cp.load()[0] == 1

@@ -44,6 +44,8 @@ def show(result) -> None:
     from ..core.sizes import format_bytes
 
     streamed = ", one decoder layer at a time" if result.streamed else ""
+    if result.device_peak_bytes is not None:
+        streamed = f"; GPU peak {format_bytes(result.device_peak_bytes)}{streamed}"
     click.echo(f"Wrote {result.output} ({result.tokens:,} tokens in {result.seconds:.1f} s, "
                f"{result.tokens / max(result.seconds, 1e-9):,.0f} tok/s; peak memory {format_bytes(result.peak_bytes)}"
                f"{streamed})")

@@ -28,6 +28,7 @@ class CollectResult:
     ranks: int = 1
     streamed: bool = False  # run one decoder layer at a time (--stream-layers)
     peak_bytes: int = 0  # this process's peak resident memory at the end
+    device_peak_bytes: int | None = None  # MLX's peak allocation on a GPU (None on the CPU)
 
     @property
     def tokens(self) -> int:
@@ -155,10 +156,10 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
     seconds = time.perf_counter() - start
     if w.writer:
         acc.write_npz(job_.res.tmp)
-    from ..runtime.memory import peak_rss_bytes
+    from ..runtime.memory import device_peak_bytes, peak_rss_bytes
 
     return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size,
-                         stream, peak_rss_bytes())
+                         stream, peak_rss_bytes(), device_peak_bytes())
 
 
 def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):

@@ -9,9 +9,16 @@ written. It holds:
 - ``identity.json``: what the run is (model and the hash of its config.json, dataset and the hash of the sample
   token ids, calibration and batching fields, the output): a run of anything else refuses to resume, in one line
   naming the field that differs;
-- per layer ``k`` done: ``hidden-<k>.safetensors`` (every batch's hidden state entering layer ``k + 1``, in the
+- per layer ``k`` saved: ``hidden-<k>.safetensors`` (every batch's hidden state entering layer ``k + 1``, in the
   model's dtype) and ``acc-<k>.npz`` (the float64 statistics so far), then ``state.json`` naming ``k``, replaced
   atomically last, so a kill at any point leaves the previous layer's complete checkpoint in force.
+
+It is saved after a layer when :meth:`StreamCheckpoint.due`: the first layer, then whenever the work since the last
+save took at least ``EVERY`` (10) times what that save took. On the models streaming is for (a layer of a 235B-480B
+model runs for seconds to minutes) that is every layer; where layers are quick beside writing the carried hidden
+states (measured: a 17 GB 48-layer model on an H200, 0.15 s a layer, 0.13 s a save: saving every layer made the
+streamed collect 1.4x the in-memory one) it bounds what checkpoints cost to about a tenth of the run, and what a
+kill loses to about ten saves' time.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -51,9 +59,19 @@ def checkpoint_dir(output: str | os.PathLike) -> Path:
 class StreamCheckpoint:
     """``path``: the checkpoint directory; ``identity``: a JSON-able dict naming the run (see the module docstring)."""
 
+    EVERY = 10  # the work between two saves takes at least this many times one save
+    clock = staticmethod(time.perf_counter)
+
     def __init__(self, path: str | os.PathLike, identity: dict):
         self.path = Path(path)
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+        self._saved_at: float | None = None  # when the last save ended, and what it took
+        self._cost = 0.0
+
+    def due(self) -> bool:
+        """Whether to save after the layer just done (see the module docstring): the first time, then once the
+        work since the last save took ``EVERY`` times that save."""
+        return self._saved_at is None or self.clock() - self._saved_at >= self.EVERY * self._cost
 
     def load(self) -> tuple[int, dict[str, mx.array], SaliencyAccumulator] | None:
         """``(layer done, hidden states, statistics)`` of a checkpoint of this run, None when there is none; a
@@ -83,6 +101,7 @@ class StreamCheckpoint:
     def save(self, layer: int, states: dict[str, mx.array], acc: SaliencyAccumulator) -> None:
         """The checkpoint after ``layer``: its files first, then ``state.json`` atomically, then the previous
         layer's files removed."""
+        start = self.clock()
         self.path.mkdir(parents=True, exist_ok=True)
         ident = self.path / "identity.json"
         if not ident.exists():
@@ -94,6 +113,8 @@ class StreamCheckpoint:
         for entry in self.path.iterdir():
             if entry.name.startswith(("hidden-", "acc-")) and entry.name not in (hidden, stats):
                 entry.unlink()
+        self._saved_at = self.clock()
+        self._cost = self._saved_at - start
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

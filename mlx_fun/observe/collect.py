@@ -159,8 +159,8 @@ def collect_streamed(
     (a lazily loaded model reads each layer's weights from its files for that one visit). Counts equal the
     in-memory run's exactly, sums within float rounding (they are added per layer rather than per forward).
 
-    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): saved after every layer but the last,
-    and resumed from when it holds a layer (``log`` says where). A family whose layers read state other layers
+    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): saved after a layer (not the last) when
+    it is due (every layer but where layers are quick beside a save: its module docstring), and resumed from when it holds a layer (``log`` says where). A family whose layers read state other layers
     hand on (``adapter.layerwise_blocker()``) is refused in one line naming ``--pipeline``.
     """
     from ..errors import param
@@ -191,7 +191,7 @@ def collect_streamed(
         return ()
 
     def on_done(i):
-        if checkpoint is not None and i < last:
+        if checkpoint is not None and i < last and checkpoint.due():
             checkpoint.save(i, driver.hidden_states(), acc)
 
     with moe_hook.hooked(adapter, [tap]):

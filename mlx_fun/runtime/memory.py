@@ -102,9 +102,20 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def device_peak_bytes() -> int | None:
+    """MLX's peak allocation on a GPU (Metal's unified memory, which the resident set may not count; a CUDA card's
+    memory, which it never does) when arrays run on one, else None (on the CPU they are in the resident set)."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu:
+        return None
+    return int(mx.get_peak_memory())
+
+
 def weight_bytes(model_dir: str | os.PathLike) -> int:
     """The bytes of a model directory's weights: the sum of its ``*.safetensors`` files."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
-__all__ = ["available_bytes", "cgroup_room", "meminfo_available", "peak_rss_bytes", "weight_bytes"]
+__all__ = ["available_bytes", "cgroup_room", "device_peak_bytes", "meminfo_available", "peak_rss_bytes",
+           "weight_bytes"]

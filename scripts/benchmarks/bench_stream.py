@@ -16,6 +16,17 @@ Then ``mlx-fun eval`` of the model against itself as ``--reference`` the same wa
 cgroup, streamed by itself): ``eval_streamed_equal`` compares perplexity, KL and top-1 agreement.
 
 Needs root for the cgroup (v1 ``/sys/fs/cgroup/memory``, or v2). Prints one ``key=value`` line per figure.
+
+``--gpu-shape`` (the GPU row, on a machine with a GPU and room for the model):
+
+    python -m scripts.benchmarks.bench_stream --gpu-shape --layers 48 --samples 16 --tokens 2048 --keep DIR
+
+builds the 4-bit Qwen3-30B-A3B shape of ``scripts/benchmarks/bench_gpu.py`` (:func:`scripts.lib.models.gpu_shape`,
+``--layers`` decoder layers, saved with the bundled tokenizer), writes ``--samples`` texts of at least ``--tokens``
+tokens (the bundled calibration text in a seeded order, repeated), and runs collect in memory and with
+``--stream-layers``, each ``--repeats`` times (no cgroup, no root): the best wall times, ``gpu_time_ratio``
+(streamed / in memory; goal <= 1.3), each run's GPU and host peaks (collect's own line), ``gpu_streamed_equal``.
+``--quick`` builds small shapes instead: a check of the script itself.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ from pathlib import Path
 from scripts.lib.paths import BUNDLED, CALIBRATION
 from scripts.lib.procs import root_env
 
-MLX_FUN = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
+_EXE = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
+#: the command line of the CLI: its script, or ``python -m mlx_fun`` where none is installed (a lent GPU machine)
+MLX_FUN = [_EXE] if Path(_EXE).is_file() else [sys.executable, "-m", "mlx_fun"]
 
 
 class MemoryCgroup:
@@ -88,7 +101,7 @@ def build(out: Path, args) -> Path:
 
 
 def run(cmd: list[str], cgroup: MemoryCgroup | None):
-    """``(returncode, seconds, peak bytes, stderr)`` of one child: the cgroup's peak inside it, else the largest
+    """``(returncode, seconds, peak bytes, stderr then stdout)`` of one child: the cgroup's peak inside it, else the largest
     resident set of the children so far (each measured run here is larger than the ones before it)."""
     if cgroup is not None:
         cgroup.reset()
@@ -97,18 +110,18 @@ def run(cmd: list[str], cgroup: MemoryCgroup | None):
                           preexec_fn=cgroup.join if cgroup is not None else None)
     seconds = time.perf_counter() - t0
     peak = cgroup.peak() if cgroup is not None else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return proc.returncode, seconds, peak, proc.stderr
+    return proc.returncode, seconds, peak, proc.stderr + proc.stdout
 
 
 def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
     """One ``mlx-fun collect`` child (:func:`run`)."""
-    return run([MLX_FUN, "collect", "--model", str(model), "--dataset", str(CALIBRATION), "--output", str(out),
+    return run([*MLX_FUN, "collect", "--model", str(model), "--dataset", str(args.dataset), "--output", str(out),
                 "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra], cgroup)
 
 
 def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
     """One ``mlx-fun eval`` child (:func:`run`): the model against itself as ``--reference``."""
-    return run([MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(CALIBRATION),
+    return run([*MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(args.dataset),
                 "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--output", str(out), *extra],
                cgroup)
 
@@ -136,6 +149,54 @@ def equal(a: Path, b: Path) -> bool:
                         for k in ("weighted_freq_sum", "reap_sum", "ean_sum", "max_activation_norm")))
 
 
+def long_texts(out: Path, *, samples: int, tokens: int) -> Path:
+    """A JSONL of ``samples`` texts, each the bundled calibration texts in a seeded order, repeated until it has at
+    least ``tokens`` tokens (4 characters a token, a safe over-estimate for the bundled tokenizer)."""
+    import json
+    import random
+
+    texts = [row.get("content") or row.get("prompt") or row.get("text") or json.dumps(row)
+             for row in map(json.loads, CALIBRATION.read_text().splitlines())]
+    with open(out, "w") as f:
+        for i in range(samples):
+            rng, parts = random.Random(i), []
+            while sum(len(p) for p in parts) < 4 * tokens:
+                parts += rng.sample(texts, len(texts))
+            f.write(json.dumps({"content": "\n\n".join(parts)}) + "\n")
+    return out
+
+
+def gpu_row(work: Path, args) -> None:
+    """The GPU row (module docstring): collect in memory vs streamed on the Qwen3-30B-A3B shape."""
+    import re
+
+    model = args.keep or work / "model"
+    if not (model / "config.json").exists():  # built in a child: a child's peak RSS starts at its parent's
+        t0 = time.perf_counter()
+        build = ("import sys; from pathlib import Path; from scripts.lib.models import gpu_shape, "
+                 "save_with_bundled_tokenizer as save; m, c, _ = gpu_shape(layers=int(sys.argv[1]), vocab=151936, "
+                 "quick=sys.argv[2] == '1'); save(m, c, Path(sys.argv[3]))")
+        subprocess.run([sys.executable, "-c", build, str(args.layers), str(int(args.quick)), str(model)],
+                       env=root_env(), check=True)
+        print(f"built_seconds={time.perf_counter() - t0:.1f}", flush=True)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    print(f"weights_bytes={weights} layers={args.layers}", flush=True)
+    best = {}
+    for rep in range(args.repeats):
+        for name, flag in (("inmem", "--no-stream-layers"), ("streamed", "--stream-layers")):
+            rc, secs, _peak, err = collect(model, work / f"{name}.npz", args, flag, "--force")
+            assert rc == 0, err[-3000:]
+            line = next((x for x in err.splitlines() if x.startswith("Wrote ")), "")
+            peaks = re.findall(r"peak memory ([\d.,]+ \w+)(?:; GPU peak ([\d.,]+ \w+))?", line)
+            tokens = re.findall(r"\(([\d,]+) tokens", line)
+            print(f"{name}_run{rep}_seconds={secs:.1f} tokens={tokens[0] if tokens else '?'} {name}_host_peak={peaks[0][0] if peaks else '?'} "
+                  f"{name}_gpu_peak={peaks[0][1] if peaks else '?'}", flush=True)
+            best[name] = min(best.get(name, secs), secs)
+    print(f"gpu_inmem_seconds={best['inmem']:.1f} gpu_streamed_seconds={best['streamed']:.1f} "
+          f"gpu_time_ratio={best['streamed'] / best['inmem']:.2f}")
+    print(f"gpu_streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", default="2GiB", help="memory cgroup limit of runs 2 and 3 (default 2GiB)")
@@ -146,7 +207,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--keep", type=Path, default=None, help="build the model here (kept) instead of a temp dir")
+    ap.add_argument("--gpu-shape", action="store_true", help="the GPU row: 4-bit Qwen3-30B-A3B shape, no cgroup")
+    ap.add_argument("--repeats", type=int, default=1, help="--gpu-shape: runs of each, the best kept")
+    ap.add_argument("--quick", action="store_true", help="--gpu-shape with small shapes: a check of the script")
     args = ap.parse_args()
+    args.dataset = CALIBRATION
+    if args.gpu_shape:
+        work = Path(tempfile.mkdtemp(prefix="bench-stream-gpu-"))
+        try:
+            args.dataset = long_texts(work / "texts.jsonl", samples=args.samples, tokens=args.tokens)
+            gpu_row(work, args)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     if os.geteuid() != 0:
         sys.exit("bench_stream needs root for its memory cgroup; run it with sudo.")
     limit = parse_bytes(args.limit)
