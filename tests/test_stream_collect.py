@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError, cli_names
 from mlx_fun.observe.collect import collect, collect_streamed
 from mlx_fun.observe.saliency import ARRAY_KEYS
@@ -15,28 +16,43 @@ from .cli_helpers import full_and_lazy
 from .conftest import FAMILIES
 
 SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
+#: families whose streamed collect is also run with its hidden states spilled to files: plain layers, alternating
+#: sliding-window masks, an array mask with latent attention, tuple-returning layers, linear-attention layers
+SPILLED = ("qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next")
 
 
-def _pair(path, model_type):
-    """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy."""
+def _pair(path, model_type, spill=None):
+    """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy; with
+    ``spill``, also the streamed ones of the full model (released as it goes) with its hidden states spilled there."""
     model, adapter, lazy, ladapter = full_and_lazy(path)
     if ladapter.layerwise_blocker():
         with cli_names(), pytest.raises(UserError, match=f"which {model_type} does not allow: .*without "
                                                          "--stream-layers.*--pipeline under mlx.launch"):
             collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
-        return None, None, None
+        return None, None, None, None
     full = collect(model, adapter, SAMPLES, batch_size=2)
     streamed = collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
-    return full, streamed, ladapter
+    spilled = None if spill is None else collect_streamed(model, adapter, SAMPLES, batch_size=2, spill=spill)
+    return full, streamed, spilled, ladapter
+
+
+def _identical(a, b) -> None:
+    assert a.total_tokens == b.total_tokens
+    for key in ("freq", "reap_count", *ARRAY_KEYS):
+        assert np.array_equal(getattr(a, key), getattr(b, key)), key
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "q4"])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_streamed_collect_equals_the_in_memory_collect(make_model, model_type, bits):
+def test_streamed_collect_equals_the_in_memory_collect(make_model, model_type, bits, tmp_path):
     kw = {"n_group": 1, "topk_group": 1} if model_type in ("deepseek_v3", "deepseek_v32") else {}
-    full, streamed, adapter = _pair(make_model(model_type, bits=bits, **kw), model_type)
+    spill = tmp_path / "spill" if model_type in SPILLED else None
+    full, streamed, spilled, adapter = _pair(make_model(model_type, bits=bits, **kw), model_type, spill)
     if full is None:
         return
+    if spill is not None:  # the hidden states round-tripped through files in their own dtype: bit for bit
+        _identical(spilled, streamed)
+        assert not spill.exists()
     assert streamed.total_tokens == full.total_tokens == 28
     assert np.array_equal(streamed.freq, full.freq)
     assert np.array_equal(streamed.reap_count, full.reap_count)
@@ -133,6 +149,44 @@ def test_the_automatic_choice_reads_the_configs_reason_not_to_stream(tmp_path, m
     lines.clear()
     assert stream_choice(None, [(cla, REGISTRY["hunyuan"])], doing="collecting", log=lines.append) is False
     assert len(lines) == 1 and "cross-layer attention (use_cla)" in lines[0] and "collecting in memory" in lines[0]
+
+
+def test_a_spilled_collect_links_its_checkpoint_resumes_and_leaves_no_files(tmp_path, make_model):
+    """Spilling, each batch alternates between two files; the checkpoint hard-links them (no second copy); a run
+    that fails removes its spill directory, and the rerun resumes from the checkpoint with the statistics of an
+    uninterrupted run, bit for bit."""
+    from mlx_fun.model.io import load_model
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    path = make_model("qwen3_moe", num_hidden_layers=4)
+
+    def lazy():
+        model, _, config = load_model(path, lazy=True)
+        return model, get_adapter(model, config)
+
+    whole = collect_streamed(*lazy(), SAMPLES, batch_size=1)
+    spill, ckpt = tmp_path / "spill", StreamCheckpoint(tmp_path / "ckpt", {"run": 1})
+    seen = {}
+
+    def save(layer, states, acc):  # the real save, then a failure
+        StreamCheckpoint.save(ckpt, layer, states, acc)
+        seen["files"] = sorted(p.name for p in spill.iterdir())
+        seen["linked"] = [os.path.samefile(f, ckpt.path / f"hidden-{layer}" / f"{n}.safetensors")
+                          for n, f in states.items()]
+        raise KeyboardInterrupt
+
+    ckpt.save = save
+    with pytest.raises(KeyboardInterrupt):
+        collect_streamed(*lazy(), SAMPLES, batch_size=1, spill=spill, checkpoint=ckpt)
+    assert seen == {"files": ["b0.0.safetensors", "b0.1.safetensors", "b1.0.safetensors", "b1.1.safetensors"],
+                    "linked": [True, True]}
+    assert not spill.exists() and json.loads((ckpt.path / "state.json").read_text())["layer"] == 0
+    del ckpt.save
+    lines = []
+    resumed = collect_streamed(*lazy(), SAMPLES, batch_size=1, spill=spill, checkpoint=ckpt, log=lines.append)
+    assert lines == [f"Resuming at layer 1 of 4 from {ckpt.path}."]
+    _identical(resumed, whole)
+    assert not spill.exists()
 
 
 def test_memory_left_reads_meminfo_and_the_cgroup(tmp_path):
