@@ -44,6 +44,7 @@ def show(result) -> None:
     from ..core.sizes import format_bytes
 
     streamed = ", one decoder layer at a time" if result.streamed else ""
+    streamed += ", hidden states spilled to disk" if result.spilled else ""
     click.echo(f"Wrote {result.output} ({result.tokens:,} tokens in {result.seconds:.1f} s, "
                f"{result.tokens / max(result.seconds, 1e-9):,.0f} tok/s; peak memory {format_bytes(result.peak_bytes)}"
                f"{streamed})")
