@@ -2,6 +2,8 @@
 
     sudo python -m scripts.benchmarks.bench_stream [--limit 2GiB] [--layers 9] [--experts 32] [--hidden 1536]
                                                    [--width 1024] [--samples 8] [--tokens 256] [--keep DIR]
+    sudo python -m scripts.benchmarks.bench_stream --spill [--limit 448MiB] [--layers 2] [--experts 8]
+                                                   [--hidden 256] [--width 256] [--samples 1024] [--tokens 512]
 
 Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the defaults: 9 decoder layers of
 ~0.6 GB), then runs ``mlx-fun collect`` on the bundled calibration text three times:
@@ -15,14 +17,22 @@ Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the
 Then ``mlx-fun eval`` of the model against itself as ``--reference`` the same way (in memory unlimited; in the
 cgroup, streamed by itself): ``eval_streamed_equal`` compares perplexity, KL and top-1 agreement.
 
+``--spill``: the hidden states rather than the weights are what does not fit. A small float32 ``qwen3_moe`` (the
+defaults: 2 layers of ~7 MB) and many long samples (1,024 × 512 tokens of the bundled text, shuffled: 512 MiB of
+float32 hidden states) go through ``collect --stream-layers`` twice: unlimited, the hidden states carried in
+memory; and in a memory cgroup of ``--limit`` (default 448 MiB), where the automatic choice spills them to files
+(its note is printed). Each run's own peak RSS (``wait4``), the cgroup's peak (page cache of the spill files
+included), wall time, and ``spilled_identical`` (the two files' arrays bit for bit).
+
 Needs root for the cgroup (v1 ``/sys/fs/cgroup/memory``, or v2). Prints one ``key=value`` line per figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import random
 import shutil
 import subprocess
 import sys
@@ -34,6 +44,9 @@ from scripts.lib.paths import BUNDLED, CALIBRATION
 from scripts.lib.procs import root_env
 
 MLX_FUN = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
+#: the model and calibration shape of each mode (what an option not given takes)
+SHAPES = {"stream": dict(limit="2GiB", layers=9, experts=32, hidden=1536, width=1024, samples=8, tokens=256),
+          "spill": dict(limit="448MiB", layers=2, experts=8, hidden=256, width=256, samples=1024, tokens=512)}
 
 
 class MemoryCgroup:
@@ -88,21 +101,27 @@ def build(out: Path, args) -> Path:
 
 
 def run(cmd: list[str], cgroup: MemoryCgroup | None):
-    """``(returncode, seconds, peak bytes, stderr)`` of one child: the cgroup's peak inside it, else the largest
-    resident set of the children so far (each measured run here is larger than the ones before it)."""
+    """``(returncode, seconds, peak bytes, stderr, peak RSS bytes)`` of one child: the peak is the cgroup's inside
+    it (page cache included), else the child's own peak resident set (``wait4``), which is also the last item."""
     if cgroup is not None:
         cgroup.reset()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=root_env(), capture_output=True, text=True,
-                          preexec_fn=cgroup.join if cgroup is not None else None)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, env=root_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=cgroup.join if cgroup is not None else None)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
     seconds = time.perf_counter() - t0
-    peak = cgroup.peak() if cgroup is not None else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return proc.returncode, seconds, peak, proc.stderr
+    rss = usage.ru_maxrss * 1024
+    return proc.returncode, seconds, cgroup.peak() if cgroup is not None else rss, stderr, rss
 
 
-def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None,
+            dataset: Path = CALIBRATION):
     """One ``mlx-fun collect`` child (:func:`run`)."""
-    return run([MLX_FUN, "collect", "--model", str(model), "--dataset", str(CALIBRATION), "--output", str(out),
+    return run([MLX_FUN, "collect", "--model", str(model), "--dataset", str(dataset), "--output", str(out),
                 "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra], cgroup)
 
 
@@ -136,17 +155,63 @@ def equal(a: Path, b: Path) -> bool:
                         for k in ("weighted_freq_sum", "reap_sum", "ean_sum", "max_activation_norm")))
 
 
+def corpus(path: Path, samples: int) -> Path:
+    """``samples`` JSONL lines, each every text of the bundled calibration file twice over in its own shuffled order
+    (seeded): long samples, all distinct."""
+    texts = []
+    for line in CALIBRATION.read_text().splitlines():
+        item = json.loads(line)
+        texts += [m["content"] for m in item["messages"]] if "messages" in item else [
+            item[k] for k in ("content", "prompt", "completion") if k in item]
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(samples):
+            f.write(json.dumps({"content": " ".join(random.Random(i).sample(texts * 2, 2 * len(texts)))}) + "\n")
+    return path
+
+
+def identical(a: Path, b: Path) -> bool:
+    """The two .npz files hold the same arrays, bit for bit."""
+    import numpy as np
+
+    x, y = np.load(a), np.load(b)
+    return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
+
+
+def spill(model: Path, work: Path, args, limit: int) -> None:
+    """The ``--spill`` runs (see the module docstring)."""
+    data = corpus(work / "corpus.jsonl", args.samples)
+    hidden = args.samples * args.tokens * args.hidden * 4
+    print(f"hidden_states_bound_bytes={hidden} limit_bytes={limit}", flush=True)
+    extra = ("--stream-layers", "--batch-size", "8")
+    rc, s_mem, _p, err, rss_mem = collect(model, work / "carried.npz", args, *extra, dataset=data)
+    assert rc == 0, err
+    assert "spilling" not in err, err
+    print(f"carried_seconds={s_mem:.1f} carried_peak_rss={rss_mem}", flush=True)
+    cgroup = MemoryCgroup(limit)
+    try:
+        rc, s_sp, p_sp, err, rss_sp = collect(model, work / "spilled.npz", args, *extra, cgroup=cgroup, dataset=data)
+    finally:
+        cgroup.remove()
+    assert rc == 0, f"returncode {rc}: {err}"
+    notes = [line for line in err.splitlines() if "spilling" in line]
+    print(f"spilled_seconds={s_sp:.1f} spilled_peak_rss={rss_sp} spilled_cgroup_peak={p_sp} "
+          f"spill_time_ratio={s_sp / s_mem:.2f}")
+    print(f"spilled_note={notes[:1]}")
+    print(f"spilled_identical={str(identical(work / 'carried.npz', work / 'spilled.npz')).lower()}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", default="2GiB", help="memory cgroup limit of runs 2 and 3 (default 2GiB)")
-    ap.add_argument("--layers", type=int, default=9)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--width", type=int, default=1024, help="expert width (moe_intermediate_size)")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--spill", action="store_true", help="the hidden states, not the weights, exceed the limit")
+    ap.add_argument("--limit", help="memory cgroup limit (default 2GiB; --spill: 448MiB)")
+    for name in ("layers", "experts", "hidden", "width", "samples", "tokens"):
+        ap.add_argument(f"--{name}", type=int, help=f"default {SHAPES['stream'][name]}; --spill: "
+                        f"{SHAPES['spill'][name]}" + (" (expert width, moe_intermediate_size)" if name == "width" else ""))
     ap.add_argument("--keep", type=Path, default=None, help="build the model here (kept) instead of a temp dir")
     args = ap.parse_args()
+    for name, value in SHAPES["spill" if args.spill else "stream"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if os.geteuid() != 0:
         sys.exit("bench_stream needs root for its memory cgroup; run it with sudo.")
     limit = parse_bytes(args.limit)
@@ -157,24 +222,26 @@ def main() -> None:
             build(model, args)
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"weights_bytes={weights} limit_bytes={limit} ratio={weights / limit:.2f}", flush=True)
-        rc, s_mem, p_mem, err = collect(model, work / "inmem.npz", args, "--no-stream-layers")
+        if args.spill:
+            return spill(model, work, args, limit)
+        rc, s_mem, p_mem, err, _ = collect(model, work / "inmem.npz", args, "--no-stream-layers")
         assert rc == 0, err
         print(f"inmem_seconds={s_mem:.1f} inmem_peak_rss={p_mem}", flush=True)
         cgroup = MemoryCgroup(limit)
         try:
-            rc, s, p, err = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
+            rc, s, p, err, _ = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
             killed = rc in (-9, 137) or rc < 0
             print(f"inmem_limited_returncode={rc} inmem_limited_killed={str(killed).lower()} "
                   f"inmem_limited_peak={p}", flush=True)
-            rc, s_st, p_st, err = collect(model, work / "streamed.npz", args, cgroup=cgroup)
+            rc, s_st, p_st, err, _ = collect(model, work / "streamed.npz", args, cgroup=cgroup)
             assert rc == 0, err
             notes = [line for line in err.splitlines() if "stream" in line.lower()]
             print(f"streamed_seconds={s_st:.1f} streamed_peak={p_st} streamed_time_ratio={s_st / s_mem:.2f}")
             print(f"streamed_auto_note={notes[:1]}")
             print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
-            rc, e_mem, ep_mem, err = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
+            rc, e_mem, ep_mem, err, _ = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
             assert rc == 0, err
-            rc, e_st, ep_st, err = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
+            rc, e_st, ep_st, err, _ = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
             assert rc == 0, err
             print(f"eval_inmem_seconds={e_mem:.1f} eval_inmem_peak_rss={ep_mem} eval_streamed_seconds={e_st:.1f} "
                   f"eval_streamed_peak={ep_st} eval_time_ratio={e_st / e_mem:.2f}")
