@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlx_fun.adapters import get_adapter
+from mlx_fun.core.sizes import format_bytes
 from mlx_fun.errors import UserError, cli_names
+from mlx_fun.jobs.common import StreamPlan
 from mlx_fun.observe.collect import collect, collect_streamed
 from mlx_fun.observe.saliency import ARRAY_KEYS
 
@@ -15,28 +18,43 @@ from .cli_helpers import full_and_lazy
 from .conftest import FAMILIES
 
 SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
+#: families whose streamed collect is also run with its hidden states spilled to files: plain layers, alternating
+#: sliding-window masks, an array mask with latent attention, tuple-returning layers, linear-attention layers
+SPILLED = ("qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next")
 
 
-def _pair(path, model_type):
-    """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy."""
+def _pair(path, model_type, spill=None):
+    """The in-memory statistics of a fully loaded model and the streamed ones of a lazily loaded copy; with
+    ``spill``, also the streamed ones of the full model (released as it goes) with its hidden states spilled there."""
     model, adapter, lazy, ladapter = full_and_lazy(path)
     if ladapter.layerwise_blocker():
         with cli_names(), pytest.raises(UserError, match=f"which {model_type} does not allow: .*without "
                                                          "--stream-layers.*--pipeline under mlx.launch"):
             collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
-        return None, None, None
+        return None, None, None, None
     full = collect(model, adapter, SAMPLES, batch_size=2)
     streamed = collect_streamed(lazy, ladapter, SAMPLES, batch_size=2)
-    return full, streamed, ladapter
+    spilled = None if spill is None else collect_streamed(model, adapter, SAMPLES, batch_size=2, spill=spill)
+    return full, streamed, spilled, ladapter
+
+
+def _identical(a, b) -> None:
+    assert a.total_tokens == b.total_tokens
+    for key in ("freq", "reap_count", *ARRAY_KEYS):
+        assert np.array_equal(getattr(a, key), getattr(b, key)), key
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "q4"])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_streamed_collect_equals_the_in_memory_collect(make_model, model_type, bits):
+def test_streamed_collect_equals_the_in_memory_collect(make_model, model_type, bits, tmp_path):
     kw = {"n_group": 1, "topk_group": 1} if model_type in ("deepseek_v3", "deepseek_v32") else {}
-    full, streamed, adapter = _pair(make_model(model_type, bits=bits, **kw), model_type)
+    spill = tmp_path / "spill" if model_type in SPILLED else None
+    full, streamed, spilled, adapter = _pair(make_model(model_type, bits=bits, **kw), model_type, spill)
     if full is None:
         return
+    if spill is not None:  # the hidden states round-tripped through files in their own dtype: bit for bit
+        _identical(spilled, streamed)
+        assert not spill.exists()
     assert streamed.total_tokens == full.total_tokens == 28
     assert np.array_equal(streamed.freq, full.freq)
     assert np.array_equal(streamed.reap_count, full.reap_count)
@@ -105,9 +123,11 @@ def test_stream_layers_and_pipeline_are_refused_together(tmp_path, qwen_model):
 
 def test_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path, qwen_model, monkeypatch):
     lines = []
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
-    jobs.collect.run(model=qwen_model, dataset=DATA, output=tmp_path / "a.npz", max_samples=2, log=lines.append)
-    assert any("exceed the memory left" in line and "streaming the layers" in line for line in lines), lines
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)  # too little for a layer: the states spill too
+    a = jobs.collect.run(model=qwen_model, dataset=DATA, output=tmp_path / "a.npz", max_samples=2, log=lines.append)
+    assert any("exceed the memory left" in line and "streaming the layers" in line and "spilling them" in line
+               for line in lines), lines
+    assert a.streamed and a.spilled and sorted(p.name for p in tmp_path.iterdir()) == ["a.npz"]
     lines.clear()
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 40)
     jobs.collect.run(model=qwen_model, dataset=DATA, output=tmp_path / "b.npz", max_samples=2, log=lines.append)
@@ -124,15 +144,83 @@ def test_the_automatic_choice_reads_the_configs_reason_not_to_stream(tmp_path, m
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
     path = Path(make_model("hunyuan"))
+    config = json.loads((path / "config.json").read_text())
     lines = []
-    assert stream_choice(None, [(path, REGISTRY["hunyuan"])], doing="collecting", log=lines.append) is True
+    assert stream_choice(None, [(path, REGISTRY["hunyuan"], config)], doing="collecting", log=lines.append,
+                         tokens=1).layers is True
     cla = tmp_path / "cla"
     cla.mkdir()
-    (cla / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), "use_cla": True}))
+    (cla / "config.json").write_text(json.dumps({**config, "use_cla": True}))
     (cla / "model.safetensors").write_bytes(b"\0" * 2000)  # weights over the (patched) memory left
     lines.clear()
-    assert stream_choice(None, [(cla, REGISTRY["hunyuan"])], doing="collecting", log=lines.append) is False
+    assert stream_choice(None, [(cla, REGISTRY["hunyuan"], {**config, "use_cla": True})], doing="collecting",
+                         log=lines.append, tokens=1) == StreamPlan(False)
     assert len(lines) == 1 and "cross-layer attention (use_cla)" in lines[0] and "collecting in memory" in lines[0]
+
+
+def test_the_automatic_choice_spills_the_hidden_states_that_do_not_fit_beside_one_layer(qwen_model, monkeypatch):
+    """Streamed, the hidden states (tokens × hidden size × the model's dtype) and the largest layer are weighed
+    against the memory left; the note says when they spill. A forced stream spills alike, with its own note."""
+    from mlx_fun.adapters import REGISTRY
+    from mlx_fun.jobs.common import STREAM_HEADROOM, stream_choice
+    from mlx_fun.output.streaming import source_tensors
+
+    config = json.loads((qwen_model / "config.json").read_text())
+    models = [(qwen_model, REGISTRY["qwen3_moe"], config)]
+    layer = sum(t.nbytes for name, t in source_tensors(qwen_model).items() if name.startswith("model.layers.0."))
+    per_token = config["hidden_size"] * 4  # float32
+    room = layer + 100 * per_token + STREAM_HEADROOM  # a layer, 100 tokens' hidden states and the run itself
+    monkeypatch.setattr(memory, "weight_bytes", lambda _path: room + 1)  # the weights do not fit: streams
+    monkeypatch.setattr(memory, "available_bytes", lambda: room)
+    for tokens, spills in ((100, False), (101, True)):
+        lines = []
+        assert stream_choice(None, models, doing="collecting", log=lines.append, tokens=tokens) == StreamPlan(True, spills)
+        assert len(lines) == 1 and "streaming the layers" in lines[0]
+        assert ("spilling them to files on disk" in lines[0]) == spills, lines
+    lines = []
+    assert stream_choice(True, models, doing="collecting", log=lines.append, tokens=101) == StreamPlan(True, True)
+    assert lines == [f"Note: the samples' hidden states (up to {format_bytes(101 * per_token)}) do not fit beside one "
+                     f"layer ({format_bytes(layer)}) and {format_bytes(STREAM_HEADROOM)} for the run itself in the memory left "
+                     f"({format_bytes(room)}): spilling them to files on disk."]
+    assert stream_choice(False, models, doing="collecting", log=lines.append, tokens=10**9) == StreamPlan(False)
+
+
+def test_a_spilled_collect_links_its_checkpoint_resumes_and_leaves_no_files(tmp_path, make_model):
+    """Spilling, each batch alternates between two files; the checkpoint hard-links them (no second copy); a run
+    that fails removes its spill directory, and the rerun resumes from the checkpoint with the statistics of an
+    uninterrupted run, bit for bit."""
+    from mlx_fun.model.io import load_model
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    path = make_model("qwen3_moe", num_hidden_layers=4)
+
+    def lazy():
+        model, _, config = load_model(path, lazy=True)
+        return model, get_adapter(model, config)
+
+    whole = collect_streamed(*lazy(), SAMPLES, batch_size=1)
+    spill, ckpt = tmp_path / "spill", StreamCheckpoint(tmp_path / "ckpt", {"run": 1})
+    seen = {}
+
+    def save(layer, states, acc):  # the real save, then a failure
+        StreamCheckpoint.save(ckpt, layer, states, acc)
+        seen["files"] = sorted(p.name for p in spill.iterdir())
+        seen["linked"] = [os.path.samefile(f, ckpt.path / f"hidden-{layer}" / f"{n}.safetensors")
+                          for n, f in states.items()]
+        raise KeyboardInterrupt
+
+    ckpt.save = save
+    with pytest.raises(KeyboardInterrupt):
+        collect_streamed(*lazy(), SAMPLES, batch_size=1, spill=spill, checkpoint=ckpt)
+    assert seen == {"files": ["b0.0.safetensors", "b0.1.safetensors", "b1.0.safetensors", "b1.1.safetensors"],
+                    "linked": [True, True]}
+    assert not spill.exists() and json.loads((ckpt.path / "state.json").read_text())["layer"] == 0
+    del ckpt.save
+    lines = []
+    resumed = collect_streamed(*lazy(), SAMPLES, batch_size=1, spill=spill, checkpoint=ckpt, log=lines.append)
+    assert lines == [f"Resuming at layer 1 of 4 from {ckpt.path}."]
+    _identical(resumed, whole)
+    assert not spill.exists()
 
 
 def test_memory_left_reads_meminfo_and_the_cgroup(tmp_path):
@@ -174,6 +262,9 @@ def test_the_cgroup_limit_is_read_where_this_process_sits(tmp_path):
 CHILD = """
 import os, signal, sys
 import mlx_fun.observe.checkpoint as c
+import mlx_fun.runtime.memory as m
+if os.environ.get("ROOM"):
+    m.available_bytes = lambda: int(os.environ["ROOM"])
 real = c.StreamCheckpoint.save
 def save(self, layer, *a, **k):
     real(self, layer, *a, **k)
@@ -186,27 +277,32 @@ main(sys.argv[1:], prog_name="mlx-fun")
 """
 
 
-def _child(model, out, data=DATA, kill_after=-1):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER=str(kill_after))
+def _child(model, out, data=DATA, kill_after=-1, room=""):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER=str(kill_after), ROOM=str(room))
     return subprocess.run([sys.executable, "-c", CHILD, "collect", "--model", str(model), "--dataset", str(data),
                            "--output", str(out), "--stream-layers", *ARGS], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
 def test_a_killed_streamed_collect_resumes_at_the_next_layer(tmp_path, make_model):
+    """The killed run spills its hidden states (too little memory left, patched): its spill directory is swept by
+    the next run writing the output, and its checkpoint (the spilled files hard-linked) resumes a run that carries
+    them in memory (and checkpoints them from memory)."""
     model = make_model("qwen3_moe", num_hidden_layers=4)
     whole = _child(model, tmp_path / "whole.npz")
     assert whole.returncode == 0, whole.stderr
     out = tmp_path / "out" / "o.npz"
-    killed = _child(model, out, kill_after=1)
-    assert killed.returncode == -signal.SIGKILL
+    killed = _child(model, out, kill_after=1, room=1000)
+    assert killed.returncode == -signal.SIGKILL and "spilling them to files on disk" in killed.stderr
     ckpt = tmp_path / "out" / ".o.npz.stream"
     assert not out.exists() and json.loads((ckpt / "state.json").read_text())["layer"] == 1
+    [left] = out.parent.glob(".o.npz.*.spill")  # SIGKILL: nothing could remove it
     other = tmp_path / "other.jsonl"  # another dataset: refused, the checkpoint kept
     other.write_text("".join(json.dumps({"content": f"other text {i} " * 9}) + "\n" for i in range(6)))
     refused = _child(model, out, data=other)
     assert refused.returncode == 2 and "is of another streamed collect" in refused.stderr
     assert "dataset" in refused.stderr and "samples_sha256" in refused.stderr and ckpt.exists()
+    assert f"Removed {left}, left behind by an interrupted run." in refused.stderr and not left.exists()
     resumed = _child(model, out)
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming at layer 2 of 4" in resumed.stdout + resumed.stderr

@@ -123,11 +123,16 @@ def test_a_dense_model_is_not_streamed(tmp_path, qwen_model, monkeypatch):
 
 
 def test_eval_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path, qwen_model, monkeypatch):
+    import tempfile
+
     lines = []
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)  # too little for a layer: the states spill too
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # without --output: a temporary directory of TMPDIR
     streamed = jobs.eval.run(model=qwen_model, reference=qwen_model, dataset=[SAMPLE], max_samples=2,
                              log=lines.append)
-    assert any("exceed the memory left" in line and "streaming the layers" in line for line in lines), lines
+    assert any("exceed the memory left" in line and "streaming the layers" in line and "spilling them" in line
+               for line in lines), lines
+    assert list(tmp_path.iterdir()) == []
     lines.clear()
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 40)
     full = jobs.eval.run(model=qwen_model, reference=qwen_model, dataset=[SAMPLE], max_samples=2, log=lines.append)

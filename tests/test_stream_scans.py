@@ -102,16 +102,20 @@ def test_safety_scan_stream_layers_writes_the_in_memory_report(tmp_path):
     _assert_same_report(full, streamed)
 
 
-def test_domain_scan_stream_layers_writes_the_in_memory_report(tmp_path, make_model):
+def test_domain_scan_stream_layers_writes_the_in_memory_report(tmp_path, make_model, monkeypatch):
+    """The streamed scan here also spills its hidden states (the memory left too small for them beside a layer)."""
     model = make_model("gpt_oss", bits=4)
     domain = _letters(tmp_path / "domain.jsonl", "abcdefghijklm", 7)
     general = _letters(tmp_path / "general.jsonl", "NOPQRSTUVWXYZ", 5)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
     reports = []
     for name, flag in (("mem", "--no-stream-layers"), ("stream", "--stream-layers")):
         r = cli("domain-scan", "--model", model, "--domain-dataset", domain, "--general-dataset", general,
                 "--domain-name", "letters", "--output", tmp_path / f"{name}.json", "--batch-size", 3, flag)
         assert r.exit_code == 0, r.output
+        assert ("spilling them to files on disk" in r.output) == (name == "stream"), r.output
         reports.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["domain.jsonl", "general.jsonl", "mem.json", "stream.json"]
     assert reports[0]["domain_experts"] and reports[0]["domain_name"] == reports[1]["domain_name"] == "letters"
     _assert_same_report(*reports)
 

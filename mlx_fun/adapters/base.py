@@ -173,7 +173,16 @@ class MoEAdapter:
     @property
     def hidden_size(self) -> int:
         """Width of the residual stream (what the MoE block is called on)."""
-        return int(self.text_config["hidden_size"])
+        return self.config_hidden_size(self.config)
+
+    #: the text config's key of the residual stream's width
+    hidden_size_key: str = "hidden_size"
+
+    @classmethod
+    def config_hidden_size(cls, config: dict) -> int:
+        """:attr:`hidden_size` from the config alone (before a model is loaded: the automatic choice of
+        ``--stream-layers`` sizes the hidden states it would carry)."""
+        return int(config.get("text_config", config)[cls.hidden_size_key])
 
     @property
     def top_k(self) -> int:

@@ -48,10 +48,7 @@ class PhixtralAdapter(MixtralAdapter):
     model_types = ("phixtral",)
     block_attr = "moe"
     expert_type = "gelu_mlp"
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.text_config["model_dim"])
+    hidden_size_key = "model_dim"
 
 
 class Llama4Adapter(MoEAdapter):

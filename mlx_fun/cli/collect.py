@@ -44,6 +44,7 @@ def show(result) -> None:
     from ..core.sizes import format_bytes
 
     streamed = ", one decoder layer at a time" if result.streamed else ""
+    streamed += ", hidden states spilled to disk" if result.spilled else ""
     if result.device_peak_bytes is not None:
         streamed = f"; GPU peak {format_bytes(result.device_peak_bytes)}{streamed}"
     click.echo(f"Wrote {result.output} ({result.tokens:,} tokens in {result.seconds:.1f} s, "

@@ -12,7 +12,7 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
-from .common import (DATASET, FORCE, MODEL, Loaded, Log, check_moe, job, model_job, quiet, stream_choice,
+from .common import (DATASET, FORCE, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet, stream_choice,
                      stream_layers_opt, warn_past_context)
 
 
@@ -29,6 +29,7 @@ class CollectResult:
     streamed: bool = False  # run one decoder layer at a time (--stream-layers)
     peak_bytes: int = 0  # this process's peak resident memory at the end
     device_peak_bytes: int | None = None  # MLX's peak allocation on a GPU (None on the CPU)
+    spilled: bool = False  # streamed with the hidden states carried in files
 
     @property
     def tokens(self) -> int:
@@ -65,7 +66,9 @@ def run(
     model loads lazily and runs one decoder layer at a time (:func:`mlx_fun.observe.collect.collect_streamed`),
     each layer released after its visit; after every layer a checkpoint is kept in ``.<output name>.stream/``
     beside ``output`` (:mod:`mlx_fun.observe.checkpoint`: it survives a kill or Ctrl-C), which rerunning the same
-    command resumes from, and which is removed once ``output`` is written. Not with ``pipeline``.
+    command resumes from, and which is removed once ``output`` is written. The samples' hidden states spill to files
+    beside ``output`` when they do not fit beside one layer (:func:`mlx_fun.jobs.common.stream_choice`). Not with
+    ``pipeline``.
 
     Under ``mlx.launch`` (:mod:`mlx_fun.observe.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
@@ -77,7 +80,8 @@ def run(
     checked = check_moe(model)  # before anything else: a wrong model is the likeliest mistake
     w = world()
     say = log if w.writer else quiet  # one rank speaks
-    stream = _stream_choice(model, stream_layers, pipeline, w, checked[1], say)
+    plan = _stream_choice(model, stream_layers, pipeline, w, checked, say,
+                          tokens=calibration.max_samples * calibration.max_tokens)
     if pipeline:
         check_pipeline(checked[0], w)  # every rank alike, before any collective
     writer.check_output_path(output, kind="file", force=force)  # every rank alike, before any collective
@@ -92,19 +96,20 @@ def run(
         return mdl, tokenizer, config, adapter
 
     with model_job(model, output=output if w.writer else None, suffix=".npz", force=force, settings=settings,
-                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=stream) as job_:
-        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, stream)
+                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=plan.layers) as job_:
+        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, plan)
         target = job_.res.path if job_.res is not None else None
-    if stream and target is not None:  # written: the checkpoint has served
+    if plan.layers and target is not None:  # written: the checkpoint has served
         from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
 
         StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return result
 
 
-def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter_cls, say: Log) -> bool:
-    """Whether to stream the layers (:func:`mlx_fun.jobs.common.stream_choice`); refused with ``pipeline``, and
-    under mlx.launch when asked."""
+def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, checked: tuple[dict, type], say: Log, *,
+                   tokens: int) -> StreamPlan:
+    """Whether to stream the layers, and spill (:func:`mlx_fun.jobs.common.stream_choice`); refused with
+    ``pipeline``, and under mlx.launch when asked."""
     from ..errors import UserError, param
 
     if stream_layers and pipeline:
@@ -114,12 +119,12 @@ def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter
         raise UserError(f"{param('stream_layers')} runs in one process; under mlx.launch pass {param('pipeline')} "
                         f"to split the model's layers across the ranks.")
     if pipeline or w.size > 1:
-        return bool(stream_layers)
-    return stream_choice(stream_layers, [(model, adapter_cls)], doing="collecting", log=say)
+        return StreamPlan(False)
+    return stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="collecting", log=say, tokens=tokens)
 
 
 def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,
-             stream: bool = False):
+             plan: StreamPlan = StreamPlan(False)):
     """The calibration pass of :func:`run` on a loaded model (``split``: with ``pipeline``, the model's MoE layers
     and this rank's positions among them); rank 0 writes ``job_.res``."""
     from ..datasets.samples import pad_id
@@ -140,10 +145,10 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
     if w.writer:
         job_.res.require_space(8 * len(ARRAY_KEYS) * n_layers * adapter.num_experts)
     start = time.perf_counter()
-    if stream:
+    if plan.layers:
         acc = collect_streamed(job_.model, adapter, mine, batch_size=calibration.batch_size,
                                pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
-                               progress=settings.progress and w.writer, log=say,
+                               progress=settings.progress and w.writer, log=say, spill=plan.spill_dir(job_.res),
                                checkpoint=_checkpoint(job_, model, samples, dataset, calibration) if w.size == 1 else None)
     else:
         acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
@@ -159,7 +164,7 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
     from ..runtime.memory import device_peak_bytes, peak_rss_bytes
 
     return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size,
-                         stream, peak_rss_bytes(), device_peak_bytes())
+                         plan.layers, peak_rss_bytes(), device_peak_bytes(), plan.spill)
 
 
 def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):

@@ -9,6 +9,7 @@ import functools
 import inspect
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Callable, Sequence
 
 import click
@@ -88,7 +89,9 @@ def stream_layers_opt(*, same: str = "the same results: counts exactly, sums to 
     resume = "a killed run resumes at the next layer when rerun. " if resumes else ""
     return Opt("Run the model one decoder layer at a time, each layer's weights read from its files for its one visit "
                f"and then released, for a model larger than memory ({same}); {resume}Default: stream when the "
-               "model's weights exceed the memory this process can use.", flag="--stream-layers/--no-stream-layers")
+               "model's weights exceed the memory this process can use. Streamed, the samples' hidden states are "
+               "kept in files on disk (beside the output) when they do not fit in memory beside one layer.",
+               flag="--stream-layers/--no-stream-layers")
 
 
 STREAM_LAYERS = stream_layers_opt()
@@ -115,17 +118,18 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
 
     check_value("threshold_percentile", threshold_percentile, PERCENTILE)
     checked = check_moe(model)
-    stream = stream_choice(stream_layers, [(model, checked[1])], doing="scanning", log=log)
+    plan = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="scanning", log=log,
+                         tokens=2 * calibration.max_samples * calibration.max_tokens)
     with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
-                   lazy=stream) as job_:
+                   lazy=plan.layers) as job_:
         names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
         paths = [path for _name, path in (dataset_a, dataset_b)]
         sets = [calibration.load(path, job_.tokenizer, generation_prompt=True) for path in paths]
         how = dict(batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
                    progress=settings.progress)
-        if stream:
+        if plan.layers:
             taps = scan_streamed(job_.model, job_.adapter, sets, desc=f"{kind}-scan",
-                                 refusal=f"a streamed {kind}-scan", **how)
+                                 refusal=f"a streamed {kind}-scan", spill=plan.spill_dir(job_.res), **how)
         else:
             taps = [scan(job_.model, job_.adapter, samples, desc=name, **how) for name, samples in zip(names, sets)]
         datasets = {name: {"path": str(path), "samples": len(samples), "tokens": tap.tokens}
@@ -208,41 +212,105 @@ FORCE = force()
 FORCE_DIR = force("a non-empty --output directory")
 
 
-def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type | None]], *, doing: str,
-                  log: Log) -> bool:
-    """Whether a job streams its ``models`` (``(directory, adapter class or None)`` each: the model, then a
-    reference) one decoder layer at a time: as asked (refused in one line for a model without an adapter: a dense
-    one), else when their weights together exceed the memory left, with a one-line note (``doing``: what the job
-    does instead, "collecting"); a model without an adapter, or whose family cannot run one layer at a time, is
-    then run in memory (a note says so)."""
+#: what a streamed run needs besides one layer's weights and the carried hidden states, counted when it decides
+#: whether they spill: what it loads after the choice (the tokenizer, the runtime's buffers) and one batch's
+#: activations (a token budget's worth); the choice is made before loading, when this much is not yet in use
+STREAM_HEADROOM = 1 << 30
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What :func:`stream_choice` decided: ``layers``, run the models one decoder layer at a time; ``spill``, carry
+    the samples' hidden states in files rather than in memory (``spill`` of the streamed runs)."""
+
+    layers: bool
+    spill: bool = False
+
+    def spill_dir(self, res) -> Path | None:
+        """Where to spill (None: not spilling): ``<temp>.spill`` beside the output's temporary file (``res``, its
+        reservation: the writer's temp naming, so what a killed run leaves is removed by the next run writing the
+        same output), else a new temporary directory (``TMPDIR``)."""
+        if not self.spill:
+            return None
+        if res is not None:
+            return Path(f"{res.tmp}.spill")
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix="mlx-fun-spill-"))
+
+
+def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type | None, dict]], *, doing: str,
+                  log: Log, tokens: int) -> StreamPlan:
+    """Whether a job streams its ``models`` (``(directory, adapter class or None, its checked config)`` each: the
+    model, then a reference) one decoder layer at a time: as asked (refused in one line for a model without an
+    adapter: a dense one), else when their weights together exceed the memory left, with a one-line note
+    (``doing``: what the job does instead, "collecting"); a model without an adapter, or whose family cannot run
+    one layer at a time, is then run in memory (a note says so).
+
+    Streamed, whether the hidden states spill to files: when one decoder layer of each model (its largest), the
+    hidden states every model carries (``tokens``, the most the job's samples can hold: samples × max tokens of
+    every sample set, × the hidden size × the model's dtype) and :data:`STREAM_HEADROOM` exceed the memory left;
+    the note says so."""
     from ..errors import UserError
     from ..runtime.memory import available_bytes, weight_bytes
 
-    dense = [(path, flag) for (path, cls), flag in zip(models, ("model", "reference")) if cls is None]
+    dense = [(path, flag) for (path, cls, _), flag in zip(models, ("model", "reference")) if cls is None]
     if stream_layers and dense:
         path, flag = dense[0]
         raise UserError(f"{param('stream_layers')} runs the decoder layers of a supported Mixture-of-Experts "
                         f"family, and {param(flag)} {path} is not one (a dense model?); run it without "
                         f"{param('stream_layers')}.")
-    if stream_layers is not None:
-        return stream_layers
-    need, room = sum(weight_bytes(path) for path, _ in models), available_bytes()
-    if room is None or need <= room:
-        return False
+    if stream_layers is False:
+        return StreamPlan(False)
     from ..core.sizes import format_bytes
-    from ..model.io import read_config
 
-    over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
-    for path, cls in models:
-        reason = None if cls is None else cls.config_layerwise_blocker(read_config(path))
-        if cls is None or reason:
-            what = (f"{path} is not of a supported Mixture-of-Experts family" if cls is None else
-                    f"{cls.model_types[0]} cannot run one layer at a time ({reason})")
-            log(f"{over}, but {what}: {doing} in memory.")
-            return False
-    off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
-    log(f"{over}: streaming the layers (one decoder layer's weights in memory at a time; {off} loads them all).")
-    return True
+    room = available_bytes()
+    if stream_layers is None:
+        need = sum(weight_bytes(path) for path, _, _ in models)
+        if room is None or need <= room:
+            return StreamPlan(False)
+        over = f"Note: the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)})"
+        for path, cls, config in models:
+            reason = None if cls is None else cls.config_layerwise_blocker(config)
+            if cls is None or reason:
+                what = (f"{path} is not of a supported Mixture-of-Experts family" if cls is None else
+                        f"{cls.model_types[0]} cannot run one layer at a time ({reason})")
+                log(f"{over}, but {what}: {doing} in memory.")
+                return StreamPlan(False)
+    sizes = [_streamed_bytes(path, cls, config, tokens) for path, cls, config in models]
+    layer, hidden = sum(size[0] for size in sizes), sum(size[1] for size in sizes)
+    spill = room is not None and layer + hidden + STREAM_HEADROOM > room
+    spilled = (f"the samples' hidden states (up to {format_bytes(hidden)}) do not fit beside one layer "
+               f"({format_bytes(layer)}) and {format_bytes(STREAM_HEADROOM)} for the run itself")
+    if stream_layers is None:
+        off = "--no-stream-layers" if param("x").startswith("--") else "stream_layers=False"
+        log(f"{over}: streaming the layers (one decoder layer's weights in memory at a time; {off} loads them all)"
+            + (f"; {spilled}: spilling them to files on disk." if spill else "."))
+    elif spill:
+        log(f"Note: {spilled} in the memory left ({format_bytes(room)}): spilling them to files on disk.")
+    return StreamPlan(True, spill)
+
+
+def _streamed_bytes(model_dir, cls: type, config: dict, tokens: int) -> tuple[int, int]:
+    """``(largest decoder layer, hidden states of tokens)`` in bytes, from the safetensors headers: a layer is the
+    tensors named ``…layers.<n>.…``, the hidden states take the floating dtype that holds most of the weights (a
+    quantized model's scales: the dtype it computes in)."""
+    import re
+
+    from ..output.streaming import source_tensors
+
+    layers: dict[str, int] = {}
+    floats: dict[str, int] = {}
+    for name, t in source_tensors(model_dir).items():
+        if (m := re.match(r"(.*?\blayers\.\d+)\.", name)) is not None:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + t.nbytes
+        if t.dtype in _FLOAT_BYTES:
+            floats[t.dtype] = floats.get(t.dtype, 0) + t.nbytes
+    itemsize = _FLOAT_BYTES[max(floats, key=floats.get)] if floats else 2
+    return max(layers.values(), default=0), tokens * cls.config_hidden_size(config) * itemsize
+
+
+_FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
 def folding(run: Callable) -> Callable:

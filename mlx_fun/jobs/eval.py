@@ -17,7 +17,8 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..settings import RunSettings
-from .common import FORCE, MODEL, Loaded, Log, job, model_job, quiet, stream_choice, stream_layers_opt, warn_past_context
+from .common import (FORCE, MODEL, Loaded, Log, StreamPlan, job, model_job, quiet, stream_choice, stream_layers_opt,
+                     warn_past_context)
 
 
 @dataclass
@@ -87,9 +88,9 @@ def run(
     paths = resolve_datasets(dataset)
     if ref_config is not None:
         check_compatible(None, None, model_config, ref_config)
-    stream = stream_choice(stream_layers, [(model, REGISTRY.get(model_config["model_type"]))] + (
-        [] if ref_config is None else [(reference, REGISTRY.get(ref_config["model_type"]))]), doing="evaluating",
-        log=log)
+    plan = stream_choice(stream_layers, [(model, REGISTRY.get(model_config["model_type"]), model_config)] + (
+        [] if ref_config is None else [(reference, REGISTRY.get(ref_config["model_type"]), ref_config)]),
+        doing="evaluating", log=log, tokens=len(paths) * calibration.max_samples * calibration.max_tokens)
     if output:  # a NAME=PATH dataset is checked by its path (job_inputs names the values as given)
         writer.check_output_path(output, kind="file", inputs={param("dataset"): [str(p) for p in paths.values()]},
                                  force=force)
@@ -108,11 +109,11 @@ def run(
             settings.apply(ref, log=log)
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
         return _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
-                      ref_config=ref_config, output=output, log=log, stream=stream)
+                      ref_config=ref_config, output=output, log=log, plan=plan)
 
 
 def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
-           reference, ref_config: dict | None, output, log: Log, stream: bool = False) -> EvalResult:
+           reference, ref_config: dict | None, output, log: Log, plan: StreamPlan = StreamPlan(False)) -> EvalResult:
     """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
     from ..datasets.samples import pad_id as batch_pad_id
     from ..observe.evaluate import evaluate, load_eval_datasets
@@ -125,13 +126,14 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
     pad_id = batch_pad_id(job_.tokenizer)
     budget = settings.budget(model_config, dispatch_mode=mode)
     start = time.perf_counter()
-    if stream:
+    if plan.layers:
         from ..adapters import get_adapter
         from ..observe.evaluate_streamed import evaluate_streamed
 
         results = evaluate_streamed(job_.model, get_adapter(job_.model, model_config), data, ref,
                                     None if ref is None else get_adapter(ref, ref_config), batch_size=c.batch_size,
-                                    pad_id=pad_id, token_budget=budget, progress=settings.progress)
+                                    pad_id=pad_id, token_budget=budget, progress=settings.progress,
+                                    spill=plan.spill_dir(job_.res))
     else:
         results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
                            token_budget=budget, progress=settings.progress)

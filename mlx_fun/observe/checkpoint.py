@@ -9,9 +9,11 @@ written. It holds:
 - ``identity.json``: what the run is (model and the hash of its config.json, dataset and the hash of the sample
   token ids, calibration and batching fields, the output): a run of anything else refuses to resume, in one line
   naming the field that differs;
-- per layer ``k`` saved: ``hidden-<k>.safetensors`` (every batch's hidden state entering layer ``k + 1``, in the
-  model's dtype) and ``acc-<k>.npz`` (the float64 statistics so far), then ``state.json`` naming ``k``, replaced
-  atomically last, so a kill at any point leaves the previous layer's complete checkpoint in force.
+- per layer ``k`` saved: ``hidden-<k>/b<index>.safetensors`` (each batch's hidden state entering layer ``k + 1``
+  as ``"h"``, in the model's dtype; a run that spills its hidden states to files hard-links them here instead of
+  writing them again, :meth:`mlx_fun.model.layered.LayerDriver.hidden_files`) and ``acc-<k>.npz`` (the float64
+  statistics so far), then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves
+  the previous layer's complete checkpoint in force.
 
 It is saved after a layer when :meth:`StreamCheckpoint.due`: the first layer, then whenever the work since the last
 save took at least ``EVERY`` (10) times what that save took. On the models streaming is for (a layer of a 235B-480B
@@ -29,10 +31,11 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 
+from ..core.paths import link_or_copy
 from ..errors import UserError
 from .saliency import SaliencyAccumulator
 
@@ -73,8 +76,9 @@ class StreamCheckpoint:
         work since the last save took ``EVERY`` times that save."""
         return self._saved_at is None or self.clock() - self._saved_at >= self.EVERY * self._cost
 
-    def load(self) -> tuple[int, dict[str, mx.array], SaliencyAccumulator] | None:
-        """``(layer done, hidden states, statistics)`` of a checkpoint of this run, None when there is none; a
+    def load(self) -> tuple[int, dict[str, mx.array | Path], SaliencyAccumulator] | None:
+        """``(layer done, hidden states, statistics)`` of a checkpoint of this run, None when there is none (the
+        states by batch name: the file holding each, for :meth:`mlx_fun.model.layered.LayerDriver.restore`); a
         checkpoint of another run is refused (``UserError``: the field that differs, and how to start afresh)."""
         state_file = self.path / "state.json"
         if not state_file.is_file():
@@ -92,27 +96,45 @@ class StreamCheckpoint:
             raise UserError(f"the checkpoint {self.path} is of another streamed collect (its {', '.join(differs)} "
                             f"differ from this run's); rerun that command to resume it, or {fresh}.")
         try:
-            states = mx.load(str(self.path / state["hidden"]))
+            hidden = self.path / state["hidden"]
+            if hidden.is_file():  # one file of every batch's state (an earlier mlx-fun's checkpoint)
+                states = mx.load(str(hidden))
+            elif hidden.is_dir():
+                states = {f.name.removesuffix(".safetensors"): f for f in hidden.glob("b*.safetensors")}
+            else:
+                raise OSError(f"{hidden} is missing")
             acc = SaliencyAccumulator.load(self.path / state["acc"])
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise UserError(f"the checkpoint {self.path} is damaged ({e}); {fresh}.") from None
         return layer, states, acc
 
-    def save(self, layer: int, states: dict[str, mx.array], acc: SaliencyAccumulator) -> None:
-        """The checkpoint after ``layer``: its files first, then ``state.json`` atomically, then the previous
-        layer's files removed."""
+    def save(self, layer: int, states: Mapping[str, mx.array | Path], acc: SaliencyAccumulator) -> None:
+        """The checkpoint after ``layer``: its files first (``states``: each batch's hidden state by name, an array
+        written alone, or a file holding it as ``"h"`` hard-linked, copied where links fail), then ``state.json``
+        atomically, then the previous layer's files removed."""
         start = self.clock()
         self.path.mkdir(parents=True, exist_ok=True)
         ident = self.path / "identity.json"
         if not ident.exists():
             _replace_text(ident, json.dumps(self.identity, indent=1, sort_keys=True))
-        hidden, stats = f"hidden-{layer}.safetensors", f"acc-{layer}.npz"
-        mx.save_safetensors(str(self.path / hidden), states)
+        hidden, stats = f"hidden-{layer}", f"acc-{layer}.npz"
+        folder = self.path / hidden
+        shutil.rmtree(folder, ignore_errors=True)  # a kill while this layer was saved before
+        folder.mkdir()
+        for name, state in states.items():
+            target = folder / f"{name}.safetensors"
+            if isinstance(state, mx.array):
+                mx.save_safetensors(str(target), {"h": state})
+            else:
+                link_or_copy(state, target)
         acc.write_npz(self.path / stats)
         _replace_text(self.path / "state.json", json.dumps({"layer": layer, "hidden": hidden, "acc": stats}))
         for entry in self.path.iterdir():
             if entry.name.startswith(("hidden-", "acc-")) and entry.name not in (hidden, stats):
-                entry.unlink()
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         self._saved_at = self.clock()
         self._cost = self._saved_at - start
 

@@ -152,6 +152,7 @@ def collect_streamed(
     progress: bool = False,
     checkpoint=None,
     log=None,
+    spill=None,
 ) -> SaliencyAccumulator:
     """:func:`collect`'s statistics with one decoder layer's weights in memory at a time: the samples' hidden
     states are carried through the layers by :class:`mlx_fun.model.layered.LayerDriver` (the same length-bucketed,
@@ -159,9 +160,12 @@ def collect_streamed(
     (a lazily loaded model reads each layer's weights from its files for that one visit). Counts equal the
     in-memory run's exactly, sums within float rounding (they are added per layer rather than per forward).
 
-    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): saved after a layer (not the last) when
-    it is due (every layer but where layers are quick beside a save: its module docstring), and resumed from when it holds a layer (``log`` says where). A family whose layers read state other layers
-    hand on (``adapter.layerwise_blocker()``) is refused in one line naming ``--pipeline``.
+    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): saved after a layer (not the last)
+    when it is due (every layer but where layers are quick beside a save: its module docstring), and resumed from
+    when it holds a layer (``log`` says where). ``spill``: a directory to carry the hidden states
+    in files instead of memory (the driver's ``spill``: the same statistics, bit for bit; removed at the end; the
+    checkpoint hard-links the files rather than writing them again). A family whose layers read state other
+    layers hand on (``adapter.layerwise_blocker()``) is refused in one line naming ``--pipeline``.
     """
     from ..errors import param
     from ..model.layered import LayerDriver, release_layer
@@ -169,32 +173,33 @@ def collect_streamed(
     check_streamable(adapter, run="a streamed collect", instead=f"collect it without {param('stream_layers')}, or "
                      f"split its layers across machines with {param('pipeline')} under mlx.launch")
     say = log or (lambda _line: None)
-    driver = LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget)
-    acc = SaliencyAccumulator.for_adapter(adapter)
-    acc.total_tokens = driver.n_tokens
-    last = adapter.moe_layers()[-1]
-    start = 0
-    resumed = checkpoint.load() if checkpoint is not None else None
-    if resumed is not None:
-        done, states, acc = resumed
-        driver.restore(states)
-        for i in range(done + 1):
-            release_layer(driver.layers[i])
-        start = done + 1
-        say(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}.")
-    tap = SaliencyTap(norms=norms)
+    with LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget,
+                     spill=spill) as driver:
+        acc = SaliencyAccumulator.for_adapter(adapter)
+        acc.total_tokens = driver.n_tokens
+        last = adapter.moe_layers()[-1]
+        start = 0
+        resumed = checkpoint.load() if checkpoint is not None else None
+        if resumed is not None:
+            done, states, acc = resumed
+            driver.restore(states)
+            for i in range(done + 1):
+                release_layer(driver.layers[i])
+            start = done + 1
+            say(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}.")
+        tap = SaliencyTap(norms=norms)
 
-    def after_batch(i, batch, out):  # the layer's routing, evaluated with its output, counted at once
-        forward = tap.take(None if batch.valid.all() else batch.valid)
-        if forward is not None:
-            accumulate(acc, [forward], evaluate=lambda *arrays: mx.eval(out, *arrays))
-        return ()
+        def after_batch(i, batch, out):  # the layer's routing, evaluated with its output, counted at once
+            forward = tap.take(None if batch.valid.all() else batch.valid)
+            if forward is not None:
+                accumulate(acc, [forward], evaluate=lambda *arrays: mx.eval(out, *arrays))
+            return ()
 
-    def on_done(i):
-        if checkpoint is not None and i < last and checkpoint.due():
-            checkpoint.save(i, driver.hidden_states(), acc)
+        def on_done(i):
+            if checkpoint is not None and i < last and checkpoint.due():
+                checkpoint.save(i, driver.hidden_files() or driver.hidden_states(), acc)
 
-    with moe_hook.hooked(adapter, [tap]):
-        driver.run(last=last, start=start, release=True, after_batch=after_batch, on_done=on_done,
-                   progress=progress, desc="collect")
+        with moe_hook.hooked(adapter, [tap]):
+            driver.run(last=last, start=start, release=True, after_batch=after_batch, on_done=on_done,
+                       progress=progress, desc="collect")
     return acc

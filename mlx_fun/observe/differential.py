@@ -85,24 +85,21 @@ def scan(model, adapter: MoEAdapter, samples, *, batch_size: int = 1, pad_id: in
 
 def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequence[int]]], *, batch_size: int = 1,
                   pad_id: int = 0, token_budget: int | None = None, progress: bool = False, desc: str = "scan",
-                  refusal: str = "a streamed scan") -> list[RoutingTap]:
+                  refusal: str = "a streamed scan", spill=None) -> list[RoutingTap]:
     """:func:`scan`'s tap of every sample set in ``datasets``, with one decoder layer's weights in memory at a
     time: all sets' hidden states are carried together through the layers by
     :class:`mlx_fun.model.layered.LayerDriver` (the same length-bucketed, right-padded batches, each set batched
     apart), each layer run once on every batch through the hooks and then released (a lazily loaded model reads
     each layer's weights from its files once for all the sets). Counts equal the in-memory scans' exactly, sums
     within float rounding (they are added per layer rather than per forward). A family whose layers read state
-    other layers hand on is refused in one line (``refusal`` names the run)."""
+    other layers hand on is refused in one line (``refusal`` names the run). ``spill``: a directory to carry the
+    hidden states in files instead of memory (the driver's ``spill``; removed at the end)."""
     from ..errors import param
     from ..model.layered import LayerDriver
 
     check_streamable(adapter, run=refusal, instead=f"run it without {param('stream_layers')}")
     first, *more = datasets
-    driver = LayerDriver(model, adapter, first, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget,
-                         more=more)
     taps = [RoutingTap(adapter) for _ in datasets]
-    for group, tap in enumerate(taps):
-        tap.acc.total_tokens = driver.group_tokens(group)
     recorder = RoutingTap(adapter)  # the hook: each batch's layer call, added to its own set's tap
 
     def after_batch(i, batch, out):  # the layer's routing, evaluated with its output
@@ -110,8 +107,12 @@ def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequen
                        into=taps[batch.group], count_tokens=False)
         return ()
 
-    with moe_hook.hooked(adapter, [recorder]):
-        driver.run(release=True, after_batch=after_batch, progress=progress, desc=desc)
+    with LayerDriver(model, adapter, first, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget,
+                     more=more, spill=spill) as driver:
+        for group, tap in enumerate(taps):
+            tap.acc.total_tokens = driver.group_tokens(group)
+        with moe_hook.hooked(adapter, [recorder]):
+            driver.run(release=True, after_batch=after_batch, progress=progress, desc=desc)
     return taps
 
 

@@ -10,12 +10,15 @@ beside the model at the same layer (lockstep: both models' hidden states are car
 last layer each batch's logits come from the model's own final norm and LM head
 (:func:`mlx_fun.model.layerwise.final_logits`) and are scored exactly as the in-memory eval scores a forward
 (:func:`mlx_fun.observe.evaluate.score_chunk`). Token counts equal the in-memory eval's exactly, the means within
-float rounding.
+float rounding. ``spill``: the drivers carry their hidden states in files in a directory each under it (see
+:class:`~mlx_fun.model.layered.LayerDriver`), removed at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -37,11 +40,14 @@ def evaluate_streamed(
     pad_id: int = 0,
     token_budget: int | None = None,
     progress: bool = False,
+    spill=None,
 ) -> dict[str, dict[str, Any]]:
     """:func:`mlx_fun.observe.evaluate.evaluate`'s results (per dataset name: samples, tokens, nll, ppl and, with
     ``reference``, ref_nll, ref_ppl, kl, top1_agreement), the models streamed one decoder layer at a time (see
-    the module docstring); ``reference`` needs its adapter, ``ref_adapter``. A family whose layers read state
-    other layers hand on (``adapter.layerwise_blocker()``) is refused in one line."""
+    the module docstring); ``reference`` needs its adapter, ``ref_adapter``; ``spill``: a directory to carry the
+    hidden states in files instead of memory (one folder per driver in it; all removed at the end, the directory
+    too when it is left empty). A family whose layers read state other layers hand on
+    (``adapter.layerwise_blocker()``) is refused in one line."""
     from ..model import engine
     from ..model.layered import LayerDriver
 
@@ -54,21 +60,36 @@ def evaluate_streamed(
                             f"not allow: {blocker}; evaluate it without {param('stream_layers')}.")
     full = {name: [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples if len(s) >= 2]
             for name, samples in samples_by_name.items()}
-    drivers = {name: [LayerDriver(m, a, [s[:-1] for s in full[name]], batch_size=batch_size, pad_id=pad_id,
-                                  token_budget=token_budget) for m, a in streams] for name in full}
-    if any(d.batches for ds in drivers.values() for d in ds):
-        _carry([(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)], progress)
     results: dict[str, dict[str, Any]] = {}
-    for name, samples in samples_by_name.items():
-        sums = Sums()
-        for batches in zip(*(d.batches for d in drivers[name])):
-            b = batches[0]
-            chunk = engine.Chunk(b.tokens, b.valid.sum(axis=1), 0, b.rows, None,
-                                 engine.next_tokens(full[name], b.rows, b.tokens.shape, pad_id))
-            logits = [_logits(m, a, lb) for (m, a), lb in zip(streams, batches)]
-            score_chunk(logits[0], chunk, sums, (logits[1] if two else logits[0]) if reference is not None else None)
-        results[name] = summary(samples, sums, reference is not None)
+    with contextlib.ExitStack() as stack:
+        if spill is not None:
+            stack.callback(_remove_if_empty, Path(spill))  # last: after every driver has removed its own folder
+
+        def driver(k: int, m, a, samples) -> LayerDriver:
+            where = None if spill is None else Path(spill) / f"driver-{k}"
+            return stack.enter_context(LayerDriver(m, a, samples, batch_size=batch_size, pad_id=pad_id,
+                                                   token_budget=token_budget, spill=where))
+
+        drivers = {name: [driver(n * len(streams) + j, m, a, [s[:-1] for s in full[name]])
+                          for j, (m, a) in enumerate(streams)] for n, name in enumerate(full)}
+        if any(d.batches for ds in drivers.values() for d in ds):
+            _carry([(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)], progress)
+        for name, samples in samples_by_name.items():
+            sums = Sums()
+            for batches in zip(*(d.batches for d in drivers[name])):
+                b = batches[0]
+                chunk = engine.Chunk(b.tokens, b.valid.sum(axis=1), 0, b.rows, None,
+                                     engine.next_tokens(full[name], b.rows, b.tokens.shape, pad_id))
+                logits = [_logits(m, a, lb) for (m, a), lb in zip(streams, batches)]
+                score_chunk(logits[0], chunk, sums,
+                            (logits[1] if two else logits[0]) if reference is not None else None)
+            results[name] = summary(samples, sums, reference is not None)
     return results
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool) -> None:

@@ -2,6 +2,8 @@
 
     sudo python -m scripts.benchmarks.bench_stream [--limit 2GiB] [--layers 9] [--experts 32] [--hidden 1536]
                                                    [--width 1024] [--samples 8] [--tokens 256] [--keep DIR]
+    sudo python -m scripts.benchmarks.bench_stream --spill [--limit 448MiB] [--layers 2] [--experts 8]
+                                                   [--hidden 256] [--width 256] [--samples 1024] [--tokens 512]
 
 Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the defaults: 9 decoder layers of
 ~0.6 GB), then runs ``mlx-fun collect`` on the bundled calibration text three times:
@@ -15,25 +17,33 @@ Builds a float32 ``qwen3_moe`` with the bundled tokenizer (about 5.7 GB with the
 Then ``mlx-fun eval`` of the model against itself as ``--reference`` the same way (in memory unlimited; in the
 cgroup, streamed by itself): ``eval_streamed_equal`` compares perplexity, KL and top-1 agreement.
 
+``--spill``: the hidden states rather than the weights are what does not fit. A small float32 ``qwen3_moe`` (the
+defaults: 2 layers of ~7 MB) and many long samples (1,024 × 512 tokens of the bundled text, shuffled: 512 MiB of
+float32 hidden states) go through ``collect --stream-layers`` twice: unlimited, the hidden states carried in
+memory; and in a memory cgroup of ``--limit`` (default 448 MiB), where the automatic choice spills them to files
+(its note is printed). Each run's own peak RSS (``wait4``), the cgroup's peak (page cache of the spill files
+included), wall time, and ``spilled_identical`` (the two files' arrays bit for bit).
+
 Needs root for the cgroup (v1 ``/sys/fs/cgroup/memory``, or v2). Prints one ``key=value`` line per figure.
 
-``--gpu-shape`` (the GPU row, on a machine with a GPU and room for the model):
+``--gpu-shape`` (the GPU row, on a machine with a GPU and room for the model; no cgroup, no root):
 
-    python -m scripts.benchmarks.bench_stream --gpu-shape --layers 48 --samples 16 --tokens 2048 --keep DIR
+    python -m scripts.benchmarks.bench_stream --gpu-shape --layers 48 --samples 16 --tokens 2048 --repeats 3
 
 builds the 4-bit Qwen3-30B-A3B shape of ``scripts/benchmarks/bench_gpu.py`` (:func:`scripts.lib.models.gpu_shape`,
-``--layers`` decoder layers, saved with the bundled tokenizer), writes ``--samples`` texts of at least ``--tokens``
-tokens (the bundled calibration text in a seeded order, repeated), and runs collect in memory and with
-``--stream-layers``, each ``--repeats`` times (no cgroup, no root): the best wall times, ``gpu_time_ratio``
-(streamed / in memory; goal <= 1.3), each run's GPU and host peaks (collect's own line), ``gpu_streamed_equal``.
-``--quick`` builds small shapes instead: a check of the script itself.
+``--layers`` decoder layers, saved with the bundled tokenizer, in a child process of its own), writes ``--samples``
+texts of at least ``--tokens`` tokens (:func:`corpus`), and runs collect in memory and with ``--stream-layers``,
+alternating, ``--repeats`` times each: the best wall times, ``gpu_time_ratio`` (streamed / in memory; goal <= 1.3),
+each run's host and GPU peaks (collect's own line), ``gpu_streamed_equal``. ``--quick``: small shapes, a check of
+the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import random
 import shutil
 import subprocess
 import sys
@@ -47,6 +57,9 @@ from scripts.lib.procs import root_env
 _EXE = shutil.which("mlx-fun") or str(Path(sys.executable).with_name("mlx-fun"))
 #: the command line of the CLI: its script, or ``python -m mlx_fun`` where none is installed (a lent GPU machine)
 MLX_FUN = [_EXE] if Path(_EXE).is_file() else [sys.executable, "-m", "mlx_fun"]
+#: the model and calibration shape of each mode (what an option not given takes)
+SHAPES = {"stream": dict(limit="2GiB", layers=9, experts=32, hidden=1536, width=1024, samples=8, tokens=256),
+          "spill": dict(limit="448MiB", layers=2, experts=8, hidden=256, width=256, samples=1024, tokens=512)}
 
 
 class MemoryCgroup:
@@ -101,27 +114,34 @@ def build(out: Path, args) -> Path:
 
 
 def run(cmd: list[str], cgroup: MemoryCgroup | None):
-    """``(returncode, seconds, peak bytes, stderr then stdout)`` of one child: the cgroup's peak inside it, else the largest
-    resident set of the children so far (each measured run here is larger than the ones before it)."""
+    """``(returncode, seconds, peak bytes, output, peak RSS bytes)`` of one child (``output``: its stderr and stdout
+    together): the peak is the cgroup's inside it (page cache included), else the child's own peak resident set
+    (``wait4``), which is also the last item."""
     if cgroup is not None:
         cgroup.reset()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=root_env(), capture_output=True, text=True,
-                          preexec_fn=cgroup.join if cgroup is not None else None)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, env=root_env(), stdout=err, stderr=err,
+                                preexec_fn=cgroup.join if cgroup is not None else None)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
     seconds = time.perf_counter() - t0
-    peak = cgroup.peak() if cgroup is not None else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return proc.returncode, seconds, peak, proc.stderr + proc.stdout
+    rss = usage.ru_maxrss * 1024
+    return proc.returncode, seconds, cgroup.peak() if cgroup is not None else rss, stderr, rss
 
 
-def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
+def collect(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None,
+            dataset: Path = CALIBRATION):
     """One ``mlx-fun collect`` child (:func:`run`)."""
-    return run([*MLX_FUN, "collect", "--model", str(model), "--dataset", str(args.dataset), "--output", str(out),
+    return run([*MLX_FUN, "collect", "--model", str(model), "--dataset", str(dataset), "--output", str(out),
                 "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--seed", "0", *extra], cgroup)
 
 
 def evaluate(model: Path, out: Path, args, *extra: str, cgroup: MemoryCgroup | None = None):
     """One ``mlx-fun eval`` child (:func:`run`): the model against itself as ``--reference``."""
-    return run([*MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(args.dataset),
+    return run([*MLX_FUN, "eval", "--model", str(model), "--reference", str(model), "--dataset", str(CALIBRATION),
                 "--max-samples", str(args.samples), "--max-tokens", str(args.tokens), "--output", str(out), *extra],
                cgroup)
 
@@ -149,21 +169,53 @@ def equal(a: Path, b: Path) -> bool:
                         for k in ("weighted_freq_sum", "reap_sum", "ean_sum", "max_activation_norm")))
 
 
-def long_texts(out: Path, *, samples: int, tokens: int) -> Path:
-    """A JSONL of ``samples`` texts, each the bundled calibration texts in a seeded order, repeated until it has at
-    least ``tokens`` tokens (4 characters a token, a safe over-estimate for the bundled tokenizer)."""
-    import json
-    import random
-
-    texts = [row.get("content") or row.get("prompt") or row.get("text") or json.dumps(row)
-             for row in map(json.loads, CALIBRATION.read_text().splitlines())]
-    with open(out, "w") as f:
+def corpus(path: Path, samples: int, tokens: int = 0) -> Path:
+    """``samples`` JSONL lines, each every text of the bundled calibration file twice over in its own shuffled order
+    (seeded), repeated until it has at least ``tokens`` tokens (4 characters a token: an over-estimate for the
+    bundled tokenizer): long samples, all distinct."""
+    texts = []
+    for line in CALIBRATION.read_text().splitlines():
+        item = json.loads(line)
+        texts += [m["content"] for m in item["messages"]] if "messages" in item else [
+            item[k] for k in ("content", "prompt", "completion") if k in item]
+    with open(path, "w", encoding="utf-8") as f:
         for i in range(samples):
             rng, parts = random.Random(i), []
-            while sum(len(p) for p in parts) < 4 * tokens:
-                parts += rng.sample(texts, len(texts))
-            f.write(json.dumps({"content": "\n\n".join(parts)}) + "\n")
-    return out
+            while not parts or sum(len(p) for p in parts) < 4 * tokens:
+                parts += rng.sample(texts * 2, 2 * len(texts))
+            f.write(json.dumps({"content": " ".join(parts)}) + "\n")
+    return path
+
+
+def identical(a: Path, b: Path) -> bool:
+    """The two .npz files hold the same arrays, bit for bit."""
+    import numpy as np
+
+    x, y = np.load(a), np.load(b)
+    return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
+
+
+def spill(model: Path, work: Path, args, limit: int) -> None:
+    """The ``--spill`` runs (see the module docstring)."""
+    data = corpus(work / "corpus.jsonl", args.samples)
+    hidden = args.samples * args.tokens * args.hidden * 4
+    print(f"hidden_states_bound_bytes={hidden} limit_bytes={limit}", flush=True)
+    extra = ("--stream-layers", "--batch-size", "8")
+    rc, s_mem, _p, err, rss_mem = collect(model, work / "carried.npz", args, *extra, dataset=data)
+    assert rc == 0, err
+    assert "spilling" not in err, err
+    print(f"carried_seconds={s_mem:.1f} carried_peak_rss={rss_mem}", flush=True)
+    cgroup = MemoryCgroup(limit)
+    try:
+        rc, s_sp, p_sp, err, rss_sp = collect(model, work / "spilled.npz", args, *extra, cgroup=cgroup, dataset=data)
+    finally:
+        cgroup.remove()
+    assert rc == 0, f"returncode {rc}: {err}"
+    notes = [line for line in err.splitlines() if "spilling" in line]
+    print(f"spilled_seconds={s_sp:.1f} spilled_peak_rss={rss_sp} spilled_cgroup_peak={p_sp} "
+          f"spill_time_ratio={s_sp / s_mem:.2f}")
+    print(f"spilled_note={notes[:1]}")
+    print(f"spilled_identical={str(identical(work / 'carried.npz', work / 'spilled.npz')).lower()}", flush=True)
 
 
 def gpu_row(work: Path, args) -> None:
@@ -181,16 +233,18 @@ def gpu_row(work: Path, args) -> None:
         print(f"built_seconds={time.perf_counter() - t0:.1f}", flush=True)
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     print(f"weights_bytes={weights} layers={args.layers}", flush=True)
+    data = corpus(work / "texts.jsonl", args.samples, args.tokens)
     best = {}
     for rep in range(args.repeats):
         for name, flag in (("inmem", "--no-stream-layers"), ("streamed", "--stream-layers")):
-            rc, secs, _peak, err = collect(model, work / f"{name}.npz", args, flag, "--force")
-            assert rc == 0, err[-3000:]
-            line = next((x for x in err.splitlines() if x.startswith("Wrote ")), "")
+            rc, secs, _peak, out, _rss = collect(model, work / f"{name}.npz", args, flag, "--force", dataset=data)
+            assert rc == 0, out[-3000:]
+            line = next((x for x in out.splitlines() if x.startswith("Wrote ")), "")
             peaks = re.findall(r"peak memory ([\d.,]+ \w+)(?:; GPU peak ([\d.,]+ \w+))?", line)
             tokens = re.findall(r"\(([\d,]+) tokens", line)
-            print(f"{name}_run{rep}_seconds={secs:.1f} tokens={tokens[0] if tokens else '?'} {name}_host_peak={peaks[0][0] if peaks else '?'} "
-                  f"{name}_gpu_peak={peaks[0][1] if peaks else '?'}", flush=True)
+            print(f"{name}_run{rep}_seconds={secs:.1f} tokens={tokens[0] if tokens else '?'} "
+                  f"{name}_host_peak={peaks[0][0] if peaks else '?'} {name}_gpu_peak={peaks[0][1] if peaks else '?'}",
+                  flush=True)
             best[name] = min(best.get(name, secs), secs)
     print(f"gpu_inmem_seconds={best['inmem']:.1f} gpu_streamed_seconds={best['streamed']:.1f} "
           f"gpu_time_ratio={best['streamed'] / best['inmem']:.2f}")
@@ -199,27 +253,27 @@ def gpu_row(work: Path, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", default="2GiB", help="memory cgroup limit of runs 2 and 3 (default 2GiB)")
-    ap.add_argument("--layers", type=int, default=9)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--width", type=int, default=1024, help="expert width (moe_intermediate_size)")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--spill", action="store_true", help="the hidden states, not the weights, exceed the limit")
+    ap.add_argument("--limit", help="memory cgroup limit (default 2GiB; --spill: 448MiB)")
+    for name in ("layers", "experts", "hidden", "width", "samples", "tokens"):
+        ap.add_argument(f"--{name}", type=int, help=f"default {SHAPES['stream'][name]}; --spill: "
+                        f"{SHAPES['spill'][name]}" + (" (expert width, moe_intermediate_size)" if name == "width" else ""))
     ap.add_argument("--keep", type=Path, default=None, help="build the model here (kept) instead of a temp dir")
     ap.add_argument("--gpu-shape", action="store_true", help="the GPU row: 4-bit Qwen3-30B-A3B shape, no cgroup")
     ap.add_argument("--repeats", type=int, default=1, help="--gpu-shape: runs of each, the best kept")
     ap.add_argument("--quick", action="store_true", help="--gpu-shape with small shapes: a check of the script")
     args = ap.parse_args()
-    args.dataset = CALIBRATION
     if args.gpu_shape:
+        args.samples, args.tokens = args.samples or 16, args.tokens or 2048
+        args.layers = args.layers or 48
         work = Path(tempfile.mkdtemp(prefix="bench-stream-gpu-"))
         try:
-            args.dataset = long_texts(work / "texts.jsonl", samples=args.samples, tokens=args.tokens)
-            gpu_row(work, args)
+            return gpu_row(work, args)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return
+    for name, value in SHAPES["spill" if args.spill else "stream"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if os.geteuid() != 0:
         sys.exit("bench_stream needs root for its memory cgroup; run it with sudo.")
     limit = parse_bytes(args.limit)
@@ -230,24 +284,26 @@ def main() -> None:
             build(model, args)
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"weights_bytes={weights} limit_bytes={limit} ratio={weights / limit:.2f}", flush=True)
-        rc, s_mem, p_mem, err = collect(model, work / "inmem.npz", args, "--no-stream-layers")
+        if args.spill:
+            return spill(model, work, args, limit)
+        rc, s_mem, p_mem, err, _ = collect(model, work / "inmem.npz", args, "--no-stream-layers")
         assert rc == 0, err
         print(f"inmem_seconds={s_mem:.1f} inmem_peak_rss={p_mem}", flush=True)
         cgroup = MemoryCgroup(limit)
         try:
-            rc, s, p, err = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
+            rc, s, p, err, _ = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
             killed = rc in (-9, 137) or rc < 0
             print(f"inmem_limited_returncode={rc} inmem_limited_killed={str(killed).lower()} "
                   f"inmem_limited_peak={p}", flush=True)
-            rc, s_st, p_st, err = collect(model, work / "streamed.npz", args, cgroup=cgroup)
+            rc, s_st, p_st, err, _ = collect(model, work / "streamed.npz", args, cgroup=cgroup)
             assert rc == 0, err
             notes = [line for line in err.splitlines() if "stream" in line.lower()]
             print(f"streamed_seconds={s_st:.1f} streamed_peak={p_st} streamed_time_ratio={s_st / s_mem:.2f}")
             print(f"streamed_auto_note={notes[:1]}")
             print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
-            rc, e_mem, ep_mem, err = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
+            rc, e_mem, ep_mem, err, _ = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
             assert rc == 0, err
-            rc, e_st, ep_st, err = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
+            rc, e_st, ep_st, err, _ = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
             assert rc == 0, err
             print(f"eval_inmem_seconds={e_mem:.1f} eval_inmem_peak_rss={ep_mem} eval_streamed_seconds={e_st:.1f} "
                   f"eval_streamed_peak={ep_st} eval_time_ratio={e_st / e_mem:.2f}")
