@@ -53,6 +53,9 @@ every family are right). For a MoE layer the layer is run once with its original
 next layer's input from the merged layer. Cost: about one forward pass over the calibration set (plus the
 attention of MoE layers once more) and the per-layer merge work; never a full forward per layer.
 
+**Streamed** (``merge --stream-layers``, :func:`_run_streamed`): the same pass on a lazily loaded model, one decoder
+layer's weights in memory at a time, each layer checkpointed once merged; a killed run resumes at the next layer.
+
 **Quantization kept.** A quantized projection is dequantized one expert at a time for merging and the merged
 expert is re-quantized with the tensor's own bits, group size and mode (affine, mxfp4, nvfp4, with a fresh
 per-expert global scale where the tensor has them). Experts not merged are sliced, never re-quantized. The
@@ -63,7 +66,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -77,6 +80,9 @@ from ..datasets.calibration import Calibration
 from ..experts.selection import Selection
 from .merge_options import ALIGNMENTS, SIMILARITY_MODES, Ream, check_max_group_size  # noqa: F401 - re-exported
 from .prune import check_keep_map, prune_block, pruned_config
+
+if TYPE_CHECKING:
+    from ..observe.checkpoint import StreamCheckpoint
 
 _EPS = 1e-12
 
@@ -410,20 +416,11 @@ def _token_subsets(batches_valid: list[np.ndarray], n_capture: int, rng: np.rand
     return out, len(chosen)
 
 
-def merge_model(
-    model,
-    adapter: MoEAdapter,
-    samples: Sequence[Sequence[int]],
-    *,
-    keep_map: dict[int, list[int]] | None = None,
-    saliency=None,
-    selection: Selection = Selection(),
-    ream: Ream = Ream(),
-    calibration: Calibration = Calibration(max_samples=64, batch_size=8),
-    pad_id: int = 0,
-    token_budget: int | None = None,
-    progress: bool = False,
-) -> dict:
+def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
+                keep_map: dict[int, list[int]] | None = None, saliency=None, selection: Selection = Selection(),
+                ream: Ream = Ream(), calibration: Calibration = Calibration(max_samples=64, batch_size=8),
+                pad_id: int = 0, token_budget: int | None = None, progress: bool = False,
+                checkpoint: StreamCheckpoint | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
 
     Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − selection.n_prune``
@@ -432,6 +429,11 @@ def merge_model(
     the captured calibration tokens is used. ``ream`` (:class:`~mlx_fun.rewrite.merge_options.Ream`): how experts
     are merged; ``calibration``: its ``seed`` draws the token subsets and ``batch_size`` batches the forwards.
     ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
+
+    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): streamed (:func:`_run_streamed`; ``log``
+    says where it resumes): the model's layers up to the last MoE layer are left empty and ``checkpoint.parts(last)``
+    holds them for the writer, equal bit for bit to the in-memory merge's (the same computations run). A family
+    whose layers read state other layers hand on is refused in one line.
     """
     t_start = time.perf_counter()
     n_prune, metric, seed = selection.n_prune, selection.metric, calibration.seed
@@ -461,6 +463,11 @@ def merge_model(
     samples = [list(s) for s in samples if len(s)]
     if not samples:
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
+    if checkpoint is not None:
+        from ..observe.collect import check_streamable
+
+        check_streamable(adapter, run="a streamed merge", instead="use prune (for a model larger than memory, "
+                         f"its saliency collected with {param('pipeline')} across machines under mlx.launch)")
 
     # ---- calibration hidden states, carried through the layers by the layered driver
     driver = LayerDriver(model, adapter, samples, batch_size=calibration.batch_size, pad_id=pad_id,
@@ -501,7 +508,11 @@ def merge_model(
         group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
 
     with moe_hook.hooked(adapter, [tap]):
-        driver.run(on_layer, progress=progress, desc="merge")
+        if checkpoint is None:
+            driver.run(on_layer, progress=progress, desc="merge")
+        else:
+            _run_streamed(driver, on_layer, checkpoint, {"centroid_map": centroid_map, "group_map": group_map},
+                          progress=progress, log=log or (lambda _line: None))
     layer_seconds = {str(i): driver.seconds[i] for i in moe_layers}
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return {
@@ -522,6 +533,45 @@ def merge_model(
         "layer_seconds": layer_seconds,
         "seconds": round(time.perf_counter() - t_start, 3),
     }
+
+
+def _run_streamed(driver: LayerDriver, on_layer, checkpoint, maps: dict[str, dict], *, progress: bool, log) -> None:
+    """``driver.run(on_layer)`` one decoder layer's weights at a time: once ``on_layer`` has rewritten layer ``i``,
+    its tensors (full names, as mlx-lm saves them) are written to ``checkpoint.save_layer``; the driver then pushes
+    the hidden states through it and releases it, and the checkpoint saves the hidden states with ``maps`` (merge's
+    centroid and group maps, filled by ``on_layer``) and the layer times. A checkpoint holding layer ``k`` resumes
+    at ``k + 1``: its hidden states restored, ``maps`` and times refilled, layers ``0..k`` released unread."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import get_total_parameters
+
+    from ..model.layered import release_layer
+
+    last = driver.adapter.moe_layers()[-1]
+    names = {id(m): name for name, m in driver.model.named_modules()}
+    start = 0
+    if (resumed := checkpoint.load()) is not None:
+        driver.restore(resumed.states)
+        for i in range(resumed.layer + 1):
+            release_layer(driver.layers[i])
+        for key, values in maps.items():
+            values.update(resumed.data[key])
+        driver.seconds.update({int(i): s for i, s in resumed.data["layer_seconds"].items()})
+        start = resumed.layer + 1
+        log(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}." if start <= last else
+            f"Resuming from {checkpoint.path}: all {last + 1} layers are merged.")
+
+    def visit(i: int) -> None:
+        on_layer(i)
+        layer = driver.layers[i]
+        base = names[id(layer)]
+        tensors = {f"{base}.{k}" if base else k: v for k, v in tree_flatten(layer.parameters())}
+        checkpoint.save_layer(i, tensors, parameters=get_total_parameters(layer))
+
+    def done(i: int) -> None:
+        seconds = {str(k): v for k, v in sorted(driver.seconds.items())}
+        checkpoint.save(i, driver.hidden_states(), data={**maps, "layer_seconds": seconds})
+
+    driver.run(visit, last=last, start=start, release=True, on_done=done, progress=progress, desc="merge")
 
 
 def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_row, sim_rows, align_rows,
