@@ -213,17 +213,24 @@ CASES = [(mt, None, "affine") for mt in FAMILIES] + [(mt, 4, "affine") for mt in
 
 @pytest.mark.parametrize("model_type,bits,mode", CASES, ids=lambda v: str(v))
 def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make_model, model_type, bits, mode):
+    """Every family, float and 4-bit (and mxfp4 / nvfp4): the merged model loads with plain mlx-lm, has a pruned
+    model's size and differs from it; merged streamed (issue 43) it is the same, bit for bit."""
+    from .test_stream_merge import check_streamed_merge
+
     src = _src(make_model, model_type, bits, mode)
     model, _, config = load_model(src)
     adapter = get_adapter(model, config)
     L, E = len(adapter.moe_layers()), adapter.num_experts
     sal = np.random.default_rng(3).random((L, E))
+    how = dict(saliency=sal, **small(n_prune=2, max_group_size=3))
     if adapter.layerwise_reason:  # layers that cannot be replayed one at a time: one line, nothing merged
         with pytest.raises(UserError, match=f"which {model_type} does not allow: .*; use prune"):
-            merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2, max_group_size=3))
+            merge_model(model, adapter, SAMPLES, **how)
         assert adapter.num_experts == E
+        check_streamed_merge(src, how, tmp_path / "ckpt")  # refused too, naming --pipeline
         return
-    meta = merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2, max_group_size=3))
+    meta = merge_model(model, adapter, SAMPLES, **how)
+    check_streamed_merge(src, how, tmp_path / "ckpt", (model, adapter, meta))  # the same weights, bit for bit
     _check_groups(meta, E, E - 2, 3)
     assert meta["method"] == "ream" and meta["merged_num_experts"] == E - 2 == adapter.num_experts
     merged_logits = _logits(model)

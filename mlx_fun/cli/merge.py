@@ -32,6 +32,11 @@ def command(**kwargs):
     layers (one pass over the calibration data). Quantized models stay quantized (same bits / group size /
     mode); the result is the size of a pruned model with the same expert count and loads with plain
     mlx_lm.load(). ream_metadata.json records centroids and groups.
+
+    With --stream-layers (automatic when the weights exceed the memory left) one decoder layer's weights are in
+    memory at a time: each merged layer is saved to .OUTPUT.stream/ beside OUTPUT with the hidden states after
+    it, so rerunning the same command after a kill resumes at the next layer; the output, assembled from those
+    files, equals the in-memory merge's bit for bit, and the directory is removed once it is written.
     """
     kwargs = job_kwargs(merge.run, kwargs)
     kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)
@@ -48,4 +53,8 @@ def show(result) -> None:
         largest = max(len(m) for m in groups.values())
         click.echo(f"{layer:>6} {result.num_experts:>5} → {result.kept:<4}  {merged:>6}  {largest:>7}  "
                    f"{meta['layer_seconds'][str(layer)]:>6.2f}")
-    echo_size_summary(result.model, result.output, result.num_experts, result.kept, result.seconds)
+    from ..core.sizes import format_bytes
+
+    streamed = ", one decoder layer at a time" if result.streamed else ""
+    echo_size_summary(result.model, result.output, result.num_experts, result.kept, result.seconds,
+                      f"; peak memory {format_bytes(result.peak_bytes)}{streamed}")

@@ -42,12 +42,13 @@ def show(result) -> None:
     echo_size_summary(result.model, result.output, E, result.kept, result.seconds)
 
 
-def echo_size_summary(model, output, n_before: int, n_after: int, elapsed: float) -> None:
-    """The closing lines of prune and merge: size on disk before → after, experts per layer, time."""
+def echo_size_summary(model, output, n_before: int, n_after: int, elapsed: float, note: str = "") -> None:
+    """The closing lines of prune and merge: size on disk before → after, experts per layer, time (and ``note``:
+    merge's peak memory)."""
     from ..output.model_dir import dir_size
     from ..core.writer import fmt_bytes
 
     before, after = dir_size(model), dir_size(output)
     click.echo(f"size on disk: {fmt_bytes(before)} → {fmt_bytes(after)} ({after / max(before, 1):.0%}); "
-               f"{n_before} → {n_after} experts per layer; {elapsed:.1f} s")
+               f"{n_before} → {n_after} experts per layer; {elapsed:.1f} s{note}")
     click.echo(f"Wrote {output}")

@@ -12,8 +12,8 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
-from .common import (DATASET, FORCE, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet, stream_choice,
-                     stream_layers_opt, warn_past_context)
+from .common import (DATASET, FORCE, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet,
+                     stream_checkpoint, stream_choice, stream_layers_opt, warn_past_context)
 
 
 @dataclass
@@ -149,7 +149,9 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
         acc = collect_streamed(job_.model, adapter, mine, batch_size=calibration.batch_size,
                                pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
                                progress=settings.progress and w.writer, log=say, spill=plan.spill_dir(job_.res),
-                               checkpoint=_checkpoint(job_, model, samples, dataset, calibration) if w.size == 1 else None)
+                               checkpoint=stream_checkpoint(job_, "collect", model=model, dataset=dataset,
+                                                            samples=samples, calibration=calibration)
+                               if w.size == 1 else None)
     else:
         acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
                       token_budget=job_.budget, progress=settings.progress and w.writer,
@@ -165,17 +167,3 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
 
     return CollectResult(Path(output), acc, len(samples), seconds, job_.dispatch.mode, warnings, w.rank, w.size,
                          plan.layers, peak_rss_bytes(), device_peak_bytes(), plan.spill)
-
-
-def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):
-    """The streamed collect's checkpoint beside the output, named by what the run reads and how it batches."""
-    import dataclasses
-
-    from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir, file_hash, samples_hash
-
-    model_dir = Path(model)
-    identity = {"model": str(model_dir.resolve()), "config_sha256": file_hash(model_dir / "config.json"),
-                "dataset": str(Path(dataset).resolve()), "samples_sha256": samples_hash(samples),
-                "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
-                "dispatch": job_.dispatch.mode, "output": str(job_.res.path)}
-    return StreamCheckpoint(checkpoint_dir(job_.res.path), identity)

@@ -313,6 +313,24 @@ def _streamed_bytes(model_dir, cls: type, config: dict, tokens: int) -> tuple[in
 _FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
+def stream_checkpoint(job_: "Loaded", job: str, *, model, dataset, samples: Sequence[Sequence[int]],
+                      calibration: Calibration, **options):
+    """A streamed ``job``'s checkpoint beside its output (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`),
+    named by what the run reads (the model and its config's hash, the dataset and its samples' hash), how it
+    batches, the job's own ``options`` (JSON-able values; a file's hash where a run reads one) and the output."""
+    import dataclasses
+    from pathlib import Path
+
+    from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir, file_hash, samples_hash
+
+    model_dir = Path(model)
+    identity = {"job": job, "model": str(model_dir.resolve()), "config_sha256": file_hash(model_dir / "config.json"),
+                "dataset": str(Path(dataset).resolve()), "samples_sha256": samples_hash(samples),
+                "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
+                "dispatch": job_.dispatch.mode, "output": str(job_.res.path), **options}
+    return StreamCheckpoint(checkpoint_dir(job_.res.path), identity, job=job)
+
+
 def folding(run: Callable) -> Callable:
     """Wrap ``run`` so a Python caller may also give an option group's fields by name (``max_samples=32`` for
     ``calibration=Calibration(max_samples=32)``): they are folded into the group (:func:`mlx_fun.settings.grouped`)."""

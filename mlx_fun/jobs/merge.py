@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,8 @@ from ..errors import UserError, param
 from ..experts.selection import Selection
 from ..rewrite.merge_options import Ream
 from ..settings import RunSettings
-from .common import DATASET, FORCE_DIR, MODEL, Loaded, Log, check_moe, job, model_job, quiet, warn_past_context
+from .common import (DATASET, FORCE_DIR, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet,
+                     stream_checkpoint, stream_choice, stream_layers_opt, warn_past_context)
 
 
 @dataclass
@@ -28,6 +30,8 @@ class MergeResult:
     metadata: dict  # ream_metadata.json
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    streamed: bool = False  # run one decoder layer at a time (--stream-layers)
+    peak_bytes: int = 0  # this process's peak resident memory at the end
 
 
 SALIENCY = Opt("Saliency .npz from `mlx-fun collect`: picks the centroids (with --n-prune) and weights the averages "
@@ -51,6 +55,8 @@ def run(
     calibration: Calibration = Calibration(max_samples=64, batch_size=8),
     force: Annotated[bool, FORCE_DIR] = False,
     settings: RunSettings = RunSettings(),
+    stream_layers: Annotated[bool | None, stream_layers_opt(same="the same merged weights, bit for bit",
+                                                            resumes=True)] = None,
     log: Log = quiet,
 ) -> MergeResult:
     """Merge ``model``'s routed experts around the most salient ones (REAM) into ``output``.
@@ -66,27 +72,46 @@ def run(
     the sample and token subsets (its fields may also be given by name: ``max_samples=32``);
     ``settings`` (:class:`mlx_fun.settings.RunSettings`): dispatch, table, token budget and progress of the
     calibration forwards — no ``dequant_cache`` (merging rewrites the expert weights such a cache would hold).
+
+    ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): one
+    decoder layer's weights in memory at a time (:func:`mlx_fun.rewrite.merge.merge_model` with a checkpoint):
+    each layer, once merged, is written to the checkpoint in ``.<output name>.stream/`` beside ``output``
+    (:mod:`mlx_fun.observe.checkpoint`, with the hidden states after it: it survives a kill or Ctrl-C), which
+    rerunning the same command resumes from; the output is assembled from those files (their bytes copied) and the
+    checkpoint removed once it is written. The merged weights equal the in-memory merge's bit for bit.
     """
     checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
     _check(saliency, expert_list, selection, settings)
+    plan = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="merging", log=log,
+                         tokens=calibration.max_samples * calibration.max_tokens)
+    stream = plan.layers
     start = time.perf_counter()
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
                    lazy=True) as job_:  # dequant_cache is 0 (checked): merging rewrites the experts
-        return _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset, output=output,
-                      selection=selection, ream=ream, calibration=calibration, settings=settings, log=log,
-                      start=start)
+        result = _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset,
+                        output=output, selection=selection, ream=ream, calibration=calibration, settings=settings,
+                        log=log, start=start, plan=plan)
+        target = job_.res.path
+    if stream:  # written: the checkpoint has served
+        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
+
+        StreamCheckpoint(checkpoint_dir(target), {}).remove()
+    return result
 
 
 def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selection: Selection, ream: Ream,
-           calibration: Calibration, settings: RunSettings, log: Log, start: float) -> MergeResult:
-    """The merge of :func:`run` on the loaded model, written into ``job_.res`` with ``ream_metadata.json``."""
+           calibration: Calibration, settings: RunSettings, log: Log, start: float, plan: StreamPlan) -> MergeResult:
+    """The merge of :func:`run` on the loaded model, written into ``job_.res`` with ``ream_metadata.json``
+    (``plan.layers``: one decoder layer at a time, resumable, the output assembled from the checkpoint's layers;
+    ``plan.spill``: the hidden states carried in files)."""
     from ..datasets.samples import pad_id
     from ..model import engine
-    from ..output.model_dir import write_model_dir
+    from ..output.model_dir import dir_size, write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
+    from ..runtime.memory import peak_rss_bytes
 
-    adapter = job_.adapter
+    adapter, stream = job_.adapter, plan.layers
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
     keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection)
     n_kept = len(keep_map[0])
@@ -98,17 +123,33 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
         f"{len(samples)} samples, {engine.total_tokens(samples):,} tokens; similarity {ream.similarity_mode}, "
         f"alignment {ream.alignment}")
     warnings += warn_past_context(samples, job_.config, log)
-    job_.res.require_space(pruned_nbytes(adapter, n_kept))
+    nbytes, checkpoint = pruned_nbytes(adapter, n_kept), None
+    if stream:  # the merged layers are written twice: to the checkpoint, then copied into the output
+        checkpoint = stream_checkpoint(job_, "merge", model=model, dataset=dataset, samples=samples,
+                                       calibration=calibration, selection=dataclasses.asdict(selection),
+                                       ream=dataclasses.asdict(ream), **_read_hashes(saliency, expert_list))
+        nbytes += max(0, nbytes - (dir_size(checkpoint.path) if checkpoint.path.is_dir() else 0))
+    job_.res.require_space(nbytes)
     metadata = merge_model(job_.model, adapter, samples, keep_map=keep_map, saliency=scores, selection=selection,
                            ream=ream, calibration=calibration, pad_id=pad_id(job_.tokenizer),
-                           token_budget=job_.budget, progress=settings.progress)
+                           token_budget=job_.budget, progress=settings.progress, checkpoint=checkpoint, log=log,
+                           spill=plan.spill_dir(job_.res) if stream else None)
     metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list),
                     expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
                     mlx_fun_version=__version__)
     log(f"Saving merged model to {output} ...")
-    write_model_dir(job_.res, job_.model, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
+    write_model_dir(job_.res, job_.model, adapter.config, source=model, metadata={"ream_metadata.json": metadata},
+                    parts=checkpoint.parts(moe_layers[-1]) if stream else None, donate=stream)
     return MergeResult(Path(output), Path(model), moe_layers, E, n_kept, metadata, time.perf_counter() - start,
-                       warnings)
+                       warnings, stream, peak_rss_bytes())
+
+
+def _read_hashes(saliency, expert_list) -> dict:
+    """The files a merge reads besides the model and the dataset, and their hashes: a streamed merge's identity."""
+    from ..observe.checkpoint import file_hash
+
+    return {name: None if path is None else {"path": str(Path(path).resolve()), "sha256": file_hash(path)}
+            for name, path in (("saliency", saliency), ("expert_list", expert_list))}
 
 
 def _check(saliency, expert_list, selection: Selection, settings: RunSettings) -> None:

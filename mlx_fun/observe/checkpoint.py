@@ -1,26 +1,30 @@
-"""The checkpoint of a streamed collect (:func:`mlx_fun.observe.collect.collect_streamed`), so a killed run
-resumes at the next layer.
+"""The checkpoint of a layer-streamed run (a streamed collect, :func:`mlx_fun.observe.collect.collect_streamed`; a
+streamed merge, :func:`mlx_fun.rewrite.merge.merge_model`), so a killed run resumes at the next layer.
 
 It lives in ``.<output name>.stream/`` beside the output: not in the writer's reservation, which is removed on
 every failure and on Ctrl-C (:mod:`mlx_fun.core.writer`), and not of the writer's temp naming, which the next
 run's stale sweep removes. It survives SIGKILL, SIGTERM and Ctrl-C alike; the job removes it once the output is
 written. It holds:
 
-- ``identity.json``: what the run is (model and the hash of its config.json, dataset and the hash of the sample
-  token ids, calibration and batching fields, the output): a run of anything else refuses to resume, in one line
-  naming the field that differs;
+- ``identity.json``: what the run is (the job, model and the hash of its config.json, dataset and the hash of the
+  sample token ids, calibration, batching and the job's own options, the output): a run of anything else refuses
+  to resume, in one line naming the field that differs;
 - per layer ``k`` saved: ``hidden-<k>/b<index>.safetensors`` (each batch's hidden state entering layer ``k + 1``
   as ``"h"``, in the model's dtype; a run that spills its hidden states to files hard-links them here instead of
-  writing them again, :meth:`mlx_fun.model.layered.LayerDriver.hidden_files`) and ``acc-<k>.npz`` (the float64
-  statistics so far), then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves
-  the previous layer's complete checkpoint in force.
+  writing them again, :meth:`mlx_fun.model.layered.LayerDriver.hidden_files`), the job's payload — ``acc-<k>.npz``
+  (a collect's float64 statistics so far) and ``data`` in ``state.json`` (JSON: a merge's centroid and group maps,
+  per-layer times) — then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves the
+  previous layer's complete checkpoint in force;
+- a rewriting job's rewritten layers, ``layer-<k>.safetensors`` (:meth:`StreamCheckpoint.save_layer`: the layer's
+  tensors by their full names, :func:`mlx_fun.output.streaming.save_part`), written after every layer and kept
+  until the checkpoint is removed: the output is assembled from them (:meth:`StreamCheckpoint.parts`).
 
-It is saved after a layer when :meth:`StreamCheckpoint.due`: the first layer, then whenever the work since the last
-save took at least ``EVERY`` (10) times what that save took. On the models streaming is for (a layer of a 235B-480B
-model runs for seconds to minutes) that is every layer; where layers are quick beside writing the carried hidden
-states (measured: a 17 GB 48-layer model on an H200, 0.15 s a layer, 0.13 s a save: saving every layer made the
-streamed collect 1.4x the in-memory one) it bounds what checkpoints cost to about a tenth of the run, and what a
-kill loses to about ten saves' time.
+The state is saved after a layer when :meth:`StreamCheckpoint.due`: the first layer, then whenever the work since
+the last save took at least ``EVERY`` (10) times what that save took. On the models streaming is for (a layer of a
+235B-480B model runs for seconds to minutes) that is every layer; where layers are quick beside writing the carried
+hidden states (measured: a 17 GB 48-layer model on an H200, 0.15 s a layer, 0.13 s a save: saving every layer made
+the streamed collect 1.4x the in-memory one) it bounds what checkpoints cost to about a tenth of the run, and what a
+kill loses to about ten saves' time (a rerun recomputes the layers after the last save, rewriting their files).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -54,20 +59,33 @@ def file_hash(path: str | os.PathLike) -> str:
 
 
 def checkpoint_dir(output: str | os.PathLike) -> Path:
-    """Where the checkpoint of a streamed collect writing ``output`` lives: ``.<name>.stream`` beside it."""
+    """Where the checkpoint of a streamed run writing ``output`` lives: ``.<name>.stream`` beside it."""
     output = Path(output)
     return output.parent / f".{output.name}.stream"
 
 
+@dataclass
+class Resumed:
+    """A checkpoint's state: the last layer done, every batch's hidden state entering the next, the statistics so
+    far (a collect's; None where the run keeps none) and the job's JSON payload."""
+
+    layer: int
+    states: dict[str, mx.array | Path]
+    acc: SaliencyAccumulator | None
+    data: dict
+
+
 class StreamCheckpoint:
-    """``path``: the checkpoint directory; ``identity``: a JSON-able dict naming the run (see the module docstring)."""
+    """``path``: the checkpoint directory; ``identity``: a JSON-able dict naming the run (see the module docstring);
+    ``job``: the job's name in messages (``collect``, ``merge``)."""
 
     EVERY = 10  # the work between two saves takes at least this many times one save
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, path: str | os.PathLike, identity: dict):
+    def __init__(self, path: str | os.PathLike, identity: dict, *, job: str = "collect"):
         self.path = Path(path)
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+        self.job = job
         self._saved_at: float | None = None  # when the last save ended, and what it took
         self._cost = 0.0
 
@@ -76,10 +94,10 @@ class StreamCheckpoint:
         work since the last save took ``EVERY`` times that save."""
         return self._saved_at is None or self.clock() - self._saved_at >= self.EVERY * self._cost
 
-    def load(self) -> tuple[int, dict[str, mx.array | Path], SaliencyAccumulator] | None:
-        """``(layer done, hidden states, statistics)`` of a checkpoint of this run, None when there is none (the
-        states by batch name: the file holding each, for :meth:`mlx_fun.model.layered.LayerDriver.restore`); a
-        checkpoint of another run is refused (``UserError``: the field that differs, and how to start afresh)."""
+    def load(self) -> Resumed | None:
+        """The state of a checkpoint of this run, None when there is none (the hidden states by batch name: the
+        file holding each, for :meth:`mlx_fun.model.layered.LayerDriver.restore`); a checkpoint of another run is
+        refused (``UserError``: the field that differs, and how to start afresh)."""
         state_file = self.path / "state.json"
         if not state_file.is_file():
             return None
@@ -89,12 +107,13 @@ class StreamCheckpoint:
             state = json.loads(state_file.read_text())
             layer = int(state["layer"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"the checkpoint {self.path} of an interrupted streamed collect is unreadable ({e}); "
+            raise UserError(f"the checkpoint {self.path} of an interrupted streamed {self.job} is unreadable ({e}); "
                             f"{fresh}.") from None
         differs = sorted(k for k in set(theirs) | set(self.identity) if theirs.get(k) != self.identity.get(k))
         if differs:
-            raise UserError(f"the checkpoint {self.path} is of another streamed collect (its {', '.join(differs)} "
-                            f"differ from this run's); rerun that command to resume it, or {fresh}.")
+            raise UserError(f"the checkpoint {self.path} is of another streamed {self.job} (its "
+                            f"{', '.join(differs)} differ from this run's); rerun that command to resume it, or "
+                            f"{fresh}.")
         try:
             hidden = self.path / state["hidden"]
             if hidden.is_file():  # one file of every batch's state (an earlier mlx-fun's checkpoint)
@@ -103,21 +122,27 @@ class StreamCheckpoint:
                 states = {f.name.removesuffix(".safetensors"): f for f in hidden.glob("b*.safetensors")}
             else:
                 raise OSError(f"{hidden} is missing")
-            acc = SaliencyAccumulator.load(self.path / state["acc"])
+            acc = SaliencyAccumulator.load(self.path / state["acc"]) if state.get("acc") else None
+            for k in range(layer + 1) if state.get("layers") else ():
+                if not self.layer_file(k).is_file():
+                    raise OSError(f"{self.layer_file(k).name} is missing")
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise UserError(f"the checkpoint {self.path} is damaged ({e}); {fresh}.") from None
-        return layer, states, acc
+        return Resumed(layer, states, acc, state.get("data") or {})
 
-    def save(self, layer: int, states: Mapping[str, mx.array | Path], acc: SaliencyAccumulator) -> None:
+    def save(self, layer: int, states: Mapping[str, mx.array | Path], acc: SaliencyAccumulator | None = None, *,
+             data: dict | None = None) -> None:
         """The checkpoint after ``layer``: its files first (``states``: each batch's hidden state by name, an array
-        written alone, or a file holding it as ``"h"`` hard-linked, copied where links fail), then ``state.json``
-        atomically, then the previous layer's files removed."""
+        written alone, or a file holding it as ``"h"`` hard-linked, copied where links fail; ``acc``), then
+        ``state.json`` (with the JSON ``data``) atomically, then the previous layer's files removed. A rewriting
+        job has saved the rewritten layers up to ``layer`` (:meth:`save_layer`) before."""
         start = self.clock()
         self.path.mkdir(parents=True, exist_ok=True)
         ident = self.path / "identity.json"
         if not ident.exists():
             _replace_text(ident, json.dumps(self.identity, indent=1, sort_keys=True))
-        hidden, stats = f"hidden-{layer}", f"acc-{layer}.npz"
+        hidden = f"hidden-{layer}"
+        stats = f"acc-{layer}.npz" if acc is not None else None
         folder = self.path / hidden
         shutil.rmtree(folder, ignore_errors=True)  # a kill while this layer was saved before
         folder.mkdir()
@@ -127,8 +152,11 @@ class StreamCheckpoint:
                 mx.save_safetensors(str(target), {"h": state})
             else:
                 link_or_copy(state, target)
-        acc.write_npz(self.path / stats)
-        _replace_text(self.path / "state.json", json.dumps({"layer": layer, "hidden": hidden, "acc": stats}))
+        if acc is not None:
+            acc.write_npz(self.path / stats)
+        layers = self.layer_file(layer).is_file()
+        _replace_text(self.path / "state.json", json.dumps({"layer": layer, "hidden": hidden, "acc": stats,
+                                                            "layers": layers, "data": data or {}}))
         for entry in self.path.iterdir():
             if entry.name.startswith(("hidden-", "acc-")) and entry.name not in (hidden, stats):
                 if entry.is_dir():
@@ -137,6 +165,24 @@ class StreamCheckpoint:
                     entry.unlink()
         self._saved_at = self.clock()
         self._cost = self._saved_at - start
+
+    def layer_file(self, layer: int) -> Path:
+        """Where :meth:`save_layer` writes decoder layer ``layer``'s rewritten tensors."""
+        return self.path / f"layer-{layer}.safetensors"
+
+    def save_layer(self, layer: int, tensors: dict[str, mx.array], *, parameters: int) -> None:
+        """Decoder layer ``layer``'s tensors (full names, as mlx-lm saves them) and their parameter count, into
+        :meth:`layer_file` atomically (:func:`mlx_fun.output.streaming.save_part`)."""
+        from ..output.streaming import save_part
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        save_part(self.layer_file(layer), tensors, parameters=parameters)
+
+    def parts(self, last: int):
+        """The rewritten layers ``0..last`` (:class:`mlx_fun.output.streaming.Parts`), for the writer."""
+        from ..output.streaming import Parts
+
+        return Parts.read([self.layer_file(k) for k in range(last + 1)])
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -181,11 +181,11 @@ def collect_streamed(
         start = 0
         resumed = checkpoint.load() if checkpoint is not None else None
         if resumed is not None:
-            done, states, acc = resumed
-            driver.restore(states)
-            for i in range(done + 1):
+            driver.restore(resumed.states)
+            acc = resumed.acc
+            for i in range(resumed.layer + 1):
                 release_layer(driver.layers[i])
-            start = done + 1
+            start = resumed.layer + 1
             say(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}.")
         tap = SaliencyTap(norms=norms)
 

@@ -29,14 +29,15 @@ def params_nbytes(model) -> int:
 
 
 def write_model_dir(res, model, config: dict, *, source, metadata: dict | None = None, snapshot=None,
-                    rows: dict | None = None, max_shard_bytes: int | None = None, donate: bool = False,
+                    rows: dict | None = None, parts=None, max_shard_bytes: int | None = None, donate: bool = False,
                     progress: bool = False):
     """Write ``model`` as an mlx-lm directory into a :func:`mlx_fun.core.writer.output` reservation (``res.tmp``);
     returns the :class:`mlx_fun.output.streaming.WriteStats`.
 
     Weights are written tensor by tensor (:func:`mlx_fun.output.streaming.write_weights`: what ``snapshot`` proves
-    untouched is copied from the source files, ``rows`` are kept rows of them, the rest is evaluated one tensor
-    at a time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
+    untouched is copied from the source files, ``rows`` are kept rows of them, ``parts`` are copied from a streamed
+    rewrite's per-layer files (:class:`mlx_fun.output.streaming.Parts`), the rest is evaluated one tensor at a
+    time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied but its
     ``README.md``; ``metadata`` maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written
     beside them (a ``str`` is written as it is; a JSON object gets ``base_model``, the repo id, revision and commit
@@ -55,7 +56,7 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
 
     dest, src = Path(res.tmp), Path(source)
     try:
-        stats = write_weights(dest, model, snapshot=snapshot, rows=rows, donate=donate, progress=progress,
+        stats = write_weights(dest, model, snapshot=snapshot, rows=rows, parts=parts, donate=donate, progress=progress,
                               max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
         save_config(_copy.deepcopy(config), config_path=dest / "config.json")
         for f in src.iterdir():

@@ -5,8 +5,9 @@ cannot hold it once. For each output tensor, in mlx-lm's order (``tree_flatten(m
 mlx-lm's sharding rule (``make_shards``: a new shard when the next tensor would pass the limit; ``model.safetensors``
 for one shard, ``model-0000i-of-0000n.safetensors`` otherwise, always an index), one of:
 
-- **copy**: the tensor is the source file's, untouched by the rewrite → its bytes are copied (``copy_file_range``
-  where the kernel has it), never decoded;
+- **copy**: the tensor is the source file's, untouched by the rewrite, or one a streamed rewrite has already
+  written to a part file of its decoder layer (:class:`Parts`) → its bytes are copied (``copy_file_range`` where
+  the kernel has it), never decoded;
 - **rows**: the rewrite kept some rows of a source tensor along axis 0 (prune's expert axis: router rows, every
   routed projection's weight / scales / biases) → the kept rows' byte ranges are copied, never decoded;
 - **evaluate**: anything else (a patched bias, a merged expert, a tensor mlx-lm's ``sanitize`` rebuilt) →
@@ -67,6 +68,19 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def file_tensors(files) -> dict[str, SourceTensor]:
+    """Every tensor of the safetensors ``files`` (a later file's tensor of the same name wins), with where its bytes
+    are."""
+    out: dict[str, SourceTensor] = {}
+    for wf in files:
+        header, base = read_header(wf)
+        for name, t in header.items():
+            if name != "__metadata__":
+                b, e = t["data_offsets"]
+                out[name] = SourceTensor(str(wf), t["dtype"], tuple(t["shape"]), base + b, e - b)
+    return out
+
+
 def weight_files(model_dir: str | os.PathLike) -> list[str]:
     """The safetensors files mlx-lm's loader reads from ``model_dir``, in its order (``model*.safetensors``)."""
     return glob.glob(str(Path(model_dir) / "model*.safetensors"))
@@ -75,14 +89,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[str]:
 def source_tensors(model_dir: str | os.PathLike) -> dict[str, SourceTensor]:
     """Every tensor of the files mlx-lm loads from ``model_dir`` (later files win, as in mlx-lm), with where its
     bytes are."""
-    out: dict[str, SourceTensor] = {}
-    for wf in weight_files(model_dir):
-        header, base = read_header(wf)
-        for name, t in header.items():
-            if name != "__metadata__":
-                b, e = t["data_offsets"]
-                out[name] = SourceTensor(wf, t["dtype"], tuple(t["shape"]), base + b, e - b)
-    return out
+    return file_tensors(weight_files(model_dir))
 
 
 class Snapshot:
@@ -116,6 +123,38 @@ def _matches(src: SourceTensor, arr) -> bool:
     return src.shape == tuple(arr.shape) and src.dtype == _DTYPES.get(arr.dtype)
 
 
+@dataclass
+class Parts:
+    """Tensors a streamed rewrite has already written, decoder layer by decoder layer, to safetensors files of their
+    own (:func:`save_part`), which the model handed to :func:`write_weights` no longer holds (its visited layers were
+    released): the writer copies their bytes, never decodes them. ``parameters``: mlx-lm's count of them
+    (``get_total_parameters``' rule: a quantized weight counts its unpacked elements), which the model's own count
+    then misses."""
+
+    tensors: dict[str, SourceTensor]
+    parameters: int = 0
+
+    @classmethod
+    def read(cls, files) -> "Parts":
+        """The parts in ``files`` (each written by :func:`save_part`)."""
+        parameters = 0
+        for f in files:
+            header, _ = read_header(f)
+            parameters += int((header.get("__metadata__") or {}).get("parameters", 0))
+        return cls(file_tensors(files), parameters)
+
+
+def save_part(path: str | os.PathLike, tensors: dict[str, mx.array], *, parameters: int) -> None:
+    """Write ``tensors`` (full parameter names, as mlx-lm saves them) and their ``parameters`` count to the
+    safetensors file ``path`` (a ``.safetensors`` name), atomically: a kill leaves the previous file or none."""
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".part.safetensors")
+    mx.save_safetensors(str(tmp), tensors, metadata={"format": "mlx", "parameters": str(int(parameters))})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def shard_bytes(text: str | int) -> int:
     """``--max-shard-size`` (``5GB``, ``500MB``, ``64MiB``, a byte count; powers of 1024 like mlx-lm's GB) → bytes."""
     from ..errors import param
@@ -141,13 +180,20 @@ class _Out:
     rows: list[int] | None = None
 
 
-def plan(model, snapshot: Snapshot | None, rows: dict[str, list[int]] | None = None) -> list[_Out]:
+def plan(model, snapshot: Snapshot | None, rows: dict[str, list[int]] | None = None,
+         parts: Parts | None = None) -> list[_Out]:
     """What to do for each output tensor, in mlx-lm's order. ``rows`` maps a parameter to the source rows (axis 0)
-    it keeps; it is used only when that parameter's snapshot tensor is a verbatim file tensor."""
+    it keeps; it is used only when that parameter's snapshot tensor is a verbatim file tensor. A tensor of ``parts``
+    is copied from its part file, whatever the model holds under its name (an emptied array)."""
     from mlx.utils import tree_flatten
 
     out = []
+    written = parts.tensors if parts is not None else {}
     for name, arr in tree_flatten(model.parameters()):
+        if name in written:
+            src = written[name]
+            out.append(_Out(name, src.dtype, src.shape, src.nbytes, "copy", src))
+            continue
         dtype = _DTYPES.get(arr.dtype)
         if dtype is None:
             raise UserError(f"parameter {name} has dtype {arr.dtype}, which safetensors cannot store.")
@@ -262,18 +308,21 @@ class WriteStats:
 
 
 def write_weights(dest: str | os.PathLike, model, *, snapshot: Snapshot | None = None,
-                  rows: dict[str, list[int]] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                  donate: bool = False, progress: bool = False) -> WriteStats:
+                  rows: dict[str, list[int]] | None = None, parts: Parts | None = None,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, donate: bool = False,
+                  progress: bool = False) -> WriteStats:
     """Write ``model``'s weights into the directory ``dest`` as mlx-lm's ``save_model`` would (same names, values,
-    shard rule, index), tensor by tensor (module docstring). ``donate`` empties the model's parameters first, so
-    each evaluated tensor is freed once written (the model is unusable afterwards)."""
+    shard rule, index), tensor by tensor (module docstring). ``parts``: tensors already written to part files by a
+    streamed rewrite (:class:`Parts`), copied in the model's order in place of its emptied arrays. ``donate``
+    empties the model's parameters first, so each evaluated tensor is freed once written (the model is unusable
+    afterwards)."""
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import get_total_parameters
 
-    items = plan(model, snapshot, rows)
+    items = plan(model, snapshot, rows, parts)
     if snapshot is not None and donate:
         snapshot.params.clear()  # the loaded arrays: freed as their tensors are written
-    total_parameters = get_total_parameters(model)
+    total_parameters = get_total_parameters(model) + (parts.parameters if parts is not None else 0)
     params = dict(tree_flatten(model.parameters()))
     if donate:
         model.update(tree_map(lambda _: mx.array([]), model.parameters()))

@@ -53,6 +53,10 @@ every family are right). For a MoE layer the layer is run once with its original
 next layer's input from the merged layer. Cost: about one forward pass over the calibration set (plus the
 attention of MoE layers once more) and the per-layer merge work; never a full forward per layer.
 
+**Streamed** (``merge --stream-layers``, :func:`mlx_fun.rewrite.merge_stream.run_streamed`): the same pass on a
+lazily loaded model, one decoder layer's weights in memory at a time, each layer written to the checkpoint once
+merged; a killed run resumes after the last checkpointed layer.
+
 **Quantization kept.** A quantized projection is dequantized one expert at a time for merging and the merged
 expert is re-quantized with the tensor's own bits, group size and mode (affine, mxfp4, nvfp4, with a fresh
 per-expert global scale where the tensor has them). Experts not merged are sliced, never re-quantized. The
@@ -63,7 +67,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -77,6 +81,9 @@ from ..datasets.calibration import Calibration
 from ..experts.selection import Selection
 from .merge_options import ALIGNMENTS, SIMILARITY_MODES, Ream, check_max_group_size  # noqa: F401 - re-exported
 from .prune import check_keep_map, prune_block, pruned_config
+
+if TYPE_CHECKING:
+    from ..observe.checkpoint import StreamCheckpoint
 
 _EPS = 1e-12
 
@@ -410,20 +417,12 @@ def _token_subsets(batches_valid: list[np.ndarray], n_capture: int, rng: np.rand
     return out, len(chosen)
 
 
-def merge_model(
-    model,
-    adapter: MoEAdapter,
-    samples: Sequence[Sequence[int]],
-    *,
-    keep_map: dict[int, list[int]] | None = None,
-    saliency=None,
-    selection: Selection = Selection(),
-    ream: Ream = Ream(),
-    calibration: Calibration = Calibration(max_samples=64, batch_size=8),
-    pad_id: int = 0,
-    token_budget: int | None = None,
-    progress: bool = False,
-) -> dict:
+def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
+                keep_map: dict[int, list[int]] | None = None, saliency=None, selection: Selection = Selection(),
+                ream: Ream = Ream(), calibration: Calibration = Calibration(max_samples=64, batch_size=8),
+                pad_id: int = 0, token_budget: int | None = None, progress: bool = False,
+                checkpoint: StreamCheckpoint | None = None, log: Callable[[str], None] | None = None,
+                spill=None) -> dict:
     """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
 
     Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − selection.n_prune``
@@ -432,6 +431,13 @@ def merge_model(
     the captured calibration tokens is used. ``ream`` (:class:`~mlx_fun.rewrite.merge_options.Ream`): how experts
     are merged; ``calibration``: its ``seed`` draws the token subsets and ``batch_size`` batches the forwards.
     ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
+
+    ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): streamed
+    (:func:`mlx_fun.rewrite.merge_stream.run_streamed`; ``log``
+    says where it resumes): the model's layers up to the last MoE layer are left empty and ``checkpoint.parts(last)``
+    holds them for the writer, equal bit for bit to the in-memory merge's (the same computations run). A family
+    whose layers read state other layers hand on is refused in one line. ``spill``: the driver's (hidden states
+    carried in files in that directory, removed at the end).
     """
     t_start = time.perf_counter()
     n_prune, metric, seed = selection.n_prune, selection.metric, calibration.seed
@@ -461,10 +467,15 @@ def merge_model(
     samples = [list(s) for s in samples if len(s)]
     if not samples:
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
+    if checkpoint is not None:
+        from ..observe.collect import check_streamable
+
+        check_streamable(adapter, run="a streamed merge", instead="use prune (for a model larger than memory, "
+                         f"its saliency collected with {param('pipeline')} across machines under mlx.launch)")
 
     # ---- calibration hidden states, carried through the layers by the layered driver
     driver = LayerDriver(model, adapter, samples, batch_size=calibration.batch_size, pad_id=pad_id,
-                         token_budget=token_budget)
+                         token_budget=token_budget, spill=spill)
     n_capture = max(max_similarity_tokens, max_alignment_tokens)
     rng = np.random.default_rng(seed)
     selects, n_cap = _token_subsets([b.valid for b in driver.batches], n_capture, rng)
@@ -500,8 +511,14 @@ def merge_model(
         centroid_map[str(i)] = keep_map[pos]
         group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
 
-    with moe_hook.hooked(adapter, [tap]):
-        driver.run(on_layer, progress=progress, desc="merge")
+    with driver, moe_hook.hooked(adapter, [tap]):
+        if checkpoint is None:
+            driver.run(on_layer, progress=progress, desc="merge")
+        else:
+            from .merge_stream import run_streamed
+
+            run_streamed(driver, on_layer, checkpoint, {"centroid_map": centroid_map, "group_map": group_map},
+                          progress=progress, log=log or (lambda _line: None))
     layer_seconds = {str(i): driver.seconds[i] for i in moe_layers}
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return {
@@ -522,6 +539,7 @@ def merge_model(
         "layer_seconds": layer_seconds,
         "seconds": round(time.perf_counter() - t_start, 3),
     }
+
 
 
 def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_row, sim_rows, align_rows,
