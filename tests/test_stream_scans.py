@@ -146,3 +146,38 @@ def test_a_scan_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_pa
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 40)
     assert scan("qwen3_moe", "c.json") == ""
     assert json.loads((tmp_path / "a.json").read_text())["scores"] == json.loads((tmp_path / "c.json").read_text())["scores"]
+
+
+def test_a_streamed_scan_interrupted_after_a_layer_resumes_there_with_the_same_sums(tmp_path, make_model):
+    """A checkpoint after every layer (``EVERY = 0``); interrupted once layer 1 is saved, a second run with the
+    same checkpoint resumes at layer 2 and ends with the uninterrupted run's sums, bit for bit."""
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    path = make_model("qwen3_moe", num_hidden_layers=4)
+
+    def lazy():
+        return full_and_lazy(path)[2:]
+
+    whole = scan_streamed(*lazy(), [HARMFUL, BENIGN], batch_size=2)
+
+    def checkpoint(stop_after=None):
+        ck = StreamCheckpoint(tmp_path / "ck", {"run": 1}, job="safety-scan")
+        ck.EVERY, real = 0, ck.save
+
+        def save(layer, *a, **k):
+            real(layer, *a, **k)
+            if layer == stop_after:
+                raise KeyboardInterrupt
+
+        ck.save = save
+        return ck
+
+    with pytest.raises(KeyboardInterrupt):
+        scan_streamed(*lazy(), [HARMFUL, BENIGN], batch_size=2, checkpoint=checkpoint(stop_after=1))
+    said = []
+    resumed = scan_streamed(*lazy(), [HARMFUL, BENIGN], batch_size=2, checkpoint=checkpoint(), log=said.append)
+    assert said == [f"Resuming at layer 2 of 4 from {tmp_path / 'ck'}."]
+    for a, b in zip(whole, resumed):
+        assert a.tokens == b.tokens == 32
+        for key in KEYS:  # the counts, the router-weight and gate-logit sums
+            assert np.array_equal(getattr(a, key), getattr(b, key)), key

@@ -111,7 +111,8 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general, each read under
     ``calibration`` (chats with their generation prompt). The job's ``@job`` wrapper has checked that both exist.
     ``stream_layers`` (None: :func:`stream_choice`): the model loads lazily and both datasets run together through
-    one streamed forward, each layer's weights read once (:func:`mlx_fun.observe.differential.scan_streamed`).
+    one streamed forward, each layer's weights read once (:func:`mlx_fun.observe.differential.scan_streamed`),
+    resumable: its checkpoint in ``.<output name>.stream/`` beside ``output``, removed once the report is written.
     """
     from ..datasets.samples import pad_id
     from ..observe.differential import report, scan, scan_streamed
@@ -128,8 +129,13 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
         how = dict(batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
                    progress=settings.progress)
         if plan.layers:
-            taps = scan_streamed(job_.model, job_.adapter, sets, desc=f"{kind}-scan",
-                                 refusal=f"a streamed {kind}-scan", spill=plan.spill_dir(job_.res), **how)
+            from ..observe.checkpoint import samples_hash
+
+            checkpoint = stream_checkpoint(job_, f"{kind}-scan", model=model, dataset=paths[0], samples=sets[0],
+                                           calibration=calibration, dataset_b=str(Path(paths[1]).resolve()),
+                                           samples_b_sha256=samples_hash(sets[1]))
+            taps = scan_streamed(job_.model, job_.adapter, sets, desc=f"{kind}-scan", refusal=f"a streamed {kind}-scan",
+                                 spill=plan.spill_dir(job_.res), checkpoint=checkpoint, log=log, **how)
         else:
             taps = [scan(job_.model, job_.adapter, samples, desc=name, **how) for name, samples in zip(names, sets)]
         datasets = {name: {"path": str(path), "samples": len(samples), "tokens": tap.tokens}
@@ -137,6 +143,11 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
         out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
                      datasets=datasets, extra={"model": str(model), **(extra or {})})
         job_.res.write_json(out)
+        target = job_.res.path
+    if plan.layers:  # written: the checkpoint has served
+        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
+
+        StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return out
 
 

@@ -13,7 +13,7 @@ written. It holds:
   as ``"h"``, in the model's dtype; a run that spills its hidden states to files hard-links them here instead of
   writing them again, :meth:`mlx_fun.model.layered.LayerDriver.hidden_files`), the job's payload — ``acc-<k>.npz``
   (a collect's float64 statistics so far) and ``data`` in ``state.json`` (JSON: a merge's centroid and group maps,
-  per-layer times) — then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves the
+  per-layer times) and ``arrays-<k>.npz`` (any other arrays: a scan's routing sums) — then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves the
   previous layer's complete checkpoint in force;
 - a rewriting job's rewritten layers, ``layer-<k>.safetensors`` (:meth:`StreamCheckpoint.save_layer`: the layer's
   tensors by their full names, :func:`mlx_fun.output.streaming.save_part`), written after every layer and kept
@@ -34,11 +34,12 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..core.paths import link_or_copy
 from ..errors import UserError
@@ -73,6 +74,7 @@ class Resumed:
     states: dict[str, mx.array | Path]
     acc: SaliencyAccumulator | None
     data: dict
+    arrays: dict = field(default_factory=dict)  # name → numpy array (``save(arrays=)``)
 
 
 class StreamCheckpoint:
@@ -119,21 +121,25 @@ class StreamCheckpoint:
             if hidden.is_file():  # one file of every batch's state (an earlier mlx-fun's checkpoint)
                 states = mx.load(str(hidden))
             elif hidden.is_dir():
-                states = {f.name.removesuffix(".safetensors"): f for f in hidden.glob("b*.safetensors")}
+                states = {f.name.removesuffix(".safetensors"): f for f in hidden.glob("*.safetensors")}
             else:
                 raise OSError(f"{hidden} is missing")
             acc = SaliencyAccumulator.load(self.path / state["acc"]) if state.get("acc") else None
+            arrays = {}
+            if state.get("arrays"):
+                with np.load(self.path / state["arrays"]) as npz:
+                    arrays = {k: npz[k] for k in npz.files}
             for k in range(layer + 1) if state.get("layers") else ():
                 if not self.layer_file(k).is_file():
                     raise OSError(f"{self.layer_file(k).name} is missing")
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise UserError(f"the checkpoint {self.path} is damaged ({e}); {fresh}.") from None
-        return Resumed(layer, states, acc, state.get("data") or {})
+        return Resumed(layer, states, acc, state.get("data") or {}, arrays)
 
     def save(self, layer: int, states: Mapping[str, mx.array | Path], acc: SaliencyAccumulator | None = None, *,
-             data: dict | None = None) -> None:
+             data: dict | None = None, arrays: Mapping[str, np.ndarray] | None = None) -> None:
         """The checkpoint after ``layer``: its files first (``states``: each batch's hidden state by name, an array
-        written alone, or a file holding it as ``"h"`` hard-linked, copied where links fail; ``acc``), then
+        written alone, or a file holding it as ``"h"`` hard-linked, copied where links fail; ``acc``; ``arrays``), then
         ``state.json`` (with the JSON ``data``) atomically, then the previous layer's files removed. A rewriting
         job has saved the rewritten layers up to ``layer`` (:meth:`save_layer`) before."""
         start = self.clock()
@@ -154,11 +160,14 @@ class StreamCheckpoint:
                 link_or_copy(state, target)
         if acc is not None:
             acc.write_npz(self.path / stats)
+        extra = f"arrays-{layer}.npz" if arrays else None
+        if extra:
+            np.savez(self.path / extra, **arrays)
         layers = self.layer_file(layer).is_file()
         _replace_text(self.path / "state.json", json.dumps({"layer": layer, "hidden": hidden, "acc": stats,
-                                                            "layers": layers, "data": data or {}}))
+                                                            "arrays": extra, "layers": layers, "data": data or {}}))
         for entry in self.path.iterdir():
-            if entry.name.startswith(("hidden-", "acc-")) and entry.name not in (hidden, stats):
+            if entry.name.startswith(("hidden-", "acc-", "arrays-")) and entry.name not in (hidden, stats, extra):
                 if entry.is_dir():
                     shutil.rmtree(entry)
                 else:

@@ -85,7 +85,7 @@ def scan(model, adapter: MoEAdapter, samples, *, batch_size: int = 1, pad_id: in
 
 def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequence[int]]], *, batch_size: int = 1,
                   pad_id: int = 0, token_budget: int | None = None, progress: bool = False, desc: str = "scan",
-                  refusal: str = "a streamed scan", spill=None) -> list[RoutingTap]:
+                  refusal: str = "a streamed scan", spill=None, checkpoint=None, log=None) -> list[RoutingTap]:
     """:func:`scan`'s tap of every sample set in ``datasets``, with one decoder layer's weights in memory at a
     time: all sets' hidden states are carried together through the layers by
     :class:`mlx_fun.model.layered.LayerDriver` (the same length-bucketed, right-padded batches, each set batched
@@ -93,7 +93,9 @@ def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequen
     each layer's weights from its files once for all the sets). Counts equal the in-memory scans' exactly, sums
     within float rounding (they are added per layer rather than per forward). A family whose layers read state
     other layers hand on is refused in one line (``refusal`` names the run). ``spill``: a directory to carry the
-    hidden states in files instead of memory (the driver's ``spill``; removed at the end)."""
+    hidden states in files instead of memory (the driver's ``spill``; removed at the end). ``checkpoint``
+    (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): the hidden states and every set's sums saved after a
+    layer when due, and resumed from when it holds a layer (``log`` says where)."""
     from ..errors import param
     from ..model.layered import LayerDriver
 
@@ -111,9 +113,49 @@ def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequen
                      more=more, spill=spill) as driver:
         for group, tap in enumerate(taps):
             tap.acc.total_tokens = driver.group_tokens(group)
+        last, start = adapter.moe_layers()[-1], _resume(driver, taps, checkpoint, log)
+
+        def on_done(i):
+            if checkpoint is not None and i < last and checkpoint.due():
+                checkpoint.save(i, driver.hidden_files() or driver.hidden_states(), arrays=_sums(taps))
+
         with moe_hook.hooked(adapter, [recorder]):
-            driver.run(release=True, after_batch=after_batch, progress=progress, desc=desc)
+            driver.run(release=True, start=start, after_batch=after_batch, on_done=on_done, progress=progress,
+                       desc=desc)
     return taps
+
+
+def _sums(taps: Sequence[RoutingTap]) -> dict[str, np.ndarray]:
+    """Every set's routing sums by name (``t<set>.<key>``), for a checkpoint."""
+    from .saliency import ARRAY_KEYS
+
+    out = {}
+    for g, tap in enumerate(taps):
+        out.update({f"t{g}.{key}": getattr(tap.acc, key) for key in ARRAY_KEYS})
+        out[f"t{g}.logit_sum"] = tap.logit_sum
+    return out
+
+
+def _resume(driver, taps: Sequence[RoutingTap], checkpoint, log) -> int:
+    """The layer a streamed scan starts at: after the checkpoint's layer (its hidden states and sums restored,
+    the layers it covers released unread), else 0."""
+    from ..model.layered import release_layer
+    from .saliency import ARRAY_KEYS
+
+    resumed = checkpoint.load() if checkpoint is not None else None
+    if resumed is None:
+        return 0
+    driver.restore(resumed.states)
+    for g, tap in enumerate(taps):
+        for key in ARRAY_KEYS:
+            setattr(tap.acc, key, resumed.arrays[f"t{g}.{key}"])
+        tap.logit_sum = resumed.arrays[f"t{g}.logit_sum"]
+    for i in range(resumed.layer + 1):
+        release_layer(driver.layers[i])
+    if log is not None:
+        log(f"Resuming at layer {resumed.layer + 1} of {driver.adapter.moe_layers()[-1] + 1} from "
+            f"{checkpoint.path}.")
+    return resumed.layer + 1
 
 
 def _scaled(x: np.ndarray) -> np.ndarray:
