@@ -85,6 +85,7 @@ def test_eval_stream_layers_writes_the_in_memory_numbers(tmp_path, make_model):
     mem, stream = _json(tmp_path / "mem.json"), _json(tmp_path / "stream.json")
     assert mem["calibration_sample"]["tokens"] > 0 and 0 < mem["calibration_sample"]["kl"]
     _same(stream, mem)
+    assert not (tmp_path / ".stream.json.stream").exists()  # the checkpoint, removed once the output is written
 
 
 def _dense(tmp_path, qwen_model):
@@ -139,3 +140,35 @@ def test_eval_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path
     assert not any("streaming" in line for line in lines)
     _same(streamed.results, full.results)
     assert streamed.results["calibration_sample"]["top1_agreement"] == 1.0
+
+
+def test_a_streamed_eval_interrupted_after_a_layer_resumes_there_with_the_same_numbers(tmp_path, make_model):
+    """Both models' drivers of every dataset saved after each layer (``EVERY = 0``); interrupted once layer 1 is
+    saved, a second run with the same checkpoint resumes at layer 2 and gives the uninterrupted run's numbers."""
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    model, ref = make_model("qwen3_moe", num_hidden_layers=4), make_model("qwen3_moe", num_hidden_layers=4, bits=4)
+
+    def streamed(**kw):
+        (m, a), (r, ra) = _lazy(model), _lazy(ref)
+        return evaluate_streamed(m, a, SAMPLES, r, ra, batch_size=2, **kw)
+
+    def checkpoint(stop_after=None):
+        ck = StreamCheckpoint(tmp_path / "ck", {"run": 1}, job="eval")
+        ck.EVERY, real = 0, ck.save
+
+        def save(layer, *a, **k):
+            real(layer, *a, **k)
+            if layer == stop_after:
+                raise KeyboardInterrupt
+
+        ck.save = save
+        return ck
+
+    whole = streamed()
+    with pytest.raises(KeyboardInterrupt):
+        streamed(checkpoint=checkpoint(stop_after=1))
+    said = []
+    resumed = streamed(checkpoint=checkpoint(), log=said.append)
+    assert said == [f"Resuming at layer 2 of 4 from {tmp_path / 'ck'}."]
+    assert resumed == whole and whole["a"]["kl"] > 0

@@ -338,7 +338,8 @@ def stream_checkpoint(job_: "Loaded", job: str, *, model, dataset, samples: Sequ
     identity = {"job": job, "model": str(model_dir.resolve()), "config_sha256": file_hash(model_dir / "config.json"),
                 "dataset": str(Path(dataset).resolve()), "samples_sha256": samples_hash(samples),
                 "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
-                "dispatch": job_.dispatch.mode, "output": str(job_.res.path), **options}
+                "dispatch": None if job_.dispatch is None else job_.dispatch.mode, "output": str(job_.res.path),
+                **options}
     return StreamCheckpoint(checkpoint_dir(job_.res.path), identity, job=job)
 
 

@@ -108,8 +108,14 @@ def run(
             ref, ref_tokenizer, _ = load_model(reference, lazy=True, flag=param("reference"))
             settings.apply(ref, log=log)
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
-        return _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
-                      ref_config=ref_config, output=output, log=log, plan=plan)
+        result = _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
+                        ref_config=ref_config, output=output, log=log, plan=plan)
+        target = None if job_.res is None else job_.res.path
+    if plan.layers and target is not None:  # written: the checkpoint has served
+        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
+
+        StreamCheckpoint(checkpoint_dir(target), {}).remove()
+    return result
 
 
 def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
@@ -133,7 +139,9 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
         results = evaluate_streamed(job_.model, get_adapter(job_.model, model_config), data, ref,
                                     None if ref is None else get_adapter(ref, ref_config), batch_size=c.batch_size,
                                     pad_id=pad_id, token_budget=budget, progress=settings.progress,
-                                    spill=plan.spill_dir(job_.res))
+                                    spill=plan.spill_dir(job_.res), log=log,
+                                    checkpoint=_checkpoint(job_, model, reference, paths, data, calibration,
+                                                           dispatch=mode, token_budget=budget))
     else:
         results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
                            token_budget=budget, progress=settings.progress)
@@ -154,6 +162,22 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
     if job_.res is not None:
         job_.res.write_json(json_safe(out))
     return EvalResult(results, out, seconds, Path(output) if output else None, warnings)
+
+
+def _checkpoint(job_: Loaded, model, reference, paths: dict, data: dict, calibration: Calibration, **how):
+    """A streamed eval's checkpoint beside its ``--output`` (None without one): named by the model, the
+    reference, every dataset and their samples, and ``how`` it runs (dispatch, token budget)."""
+    if job_.res is None:
+        return None
+    from ..observe.checkpoint import file_hash
+    from .common import stream_checkpoint
+
+    first = next(iter(paths.values()))
+    ref = {} if reference is None else {"reference": str(Path(reference).resolve()),
+                                        "reference_config_sha256": file_hash(Path(reference) / "config.json")}
+    return stream_checkpoint(job_, "eval", model=model, dataset=first, calibration=calibration,
+                             samples=[s for samples in data.values() for s in samples],
+                             datasets={name: str(Path(p).resolve()) for name, p in paths.items()}, **ref, **how)
 
 
 def json_safe(value):

@@ -11,7 +11,8 @@ last layer each batch's logits come from the model's own final norm and LM head
 (:func:`mlx_fun.model.layerwise.final_logits`) and are scored exactly as the in-memory eval scores a forward
 (:func:`mlx_fun.observe.evaluate.score_chunk`). Token counts equal the in-memory eval's exactly, the means within
 float rounding. ``spill``: the drivers carry their hidden states in files in a directory each under it (see
-:class:`~mlx_fun.model.layered.LayerDriver`), removed at the end.
+:class:`~mlx_fun.model.layered.LayerDriver`), removed at the end. ``checkpoint``: every driver's hidden states saved
+after a layer when due (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`), and resumed from.
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ def evaluate_streamed(
     token_budget: int | None = None,
     progress: bool = False,
     spill=None,
+    checkpoint=None,
+    log=None,
 ) -> dict[str, dict[str, Any]]:
     """:func:`mlx_fun.observe.evaluate.evaluate`'s results (per dataset name: samples, tokens, nll, ppl and, with
     ``reference``, ref_nll, ref_ppl, kl, top1_agreement), the models streamed one decoder layer at a time (see
     the module docstring); ``reference`` needs its adapter, ``ref_adapter``; ``spill``: a directory to carry the
     hidden states in files instead of memory (one folder per driver in it; all removed at the end, the directory
-    too when it is left empty). A family whose layers read state other layers hand on
-    (``adapter.layerwise_blocker()``) is refused in one line."""
+    too when it is left empty); ``checkpoint``: resumed from when it holds a layer (``log`` says where), saved after
+    a layer when due. A family whose layers read state other layers hand on (``adapter.layerwise_blocker()``) is
+    refused in one line."""
     from ..model import engine
     from ..model.layered import LayerDriver
 
@@ -73,7 +77,8 @@ def evaluate_streamed(
         drivers = {name: [driver(n * len(streams) + j, m, a, [s[:-1] for s in full[name]])
                           for j, (m, a) in enumerate(streams)] for n, name in enumerate(full)}
         if any(d.batches for ds in drivers.values() for d in ds):
-            _carry([(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)], progress)
+            carried = [(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)]
+            _carry(carried, progress, start=_resume(carried, checkpoint, log), checkpoint=checkpoint)
         for name, samples in samples_by_name.items():
             sums = Sums()
             for batches in zip(*(d.batches for d in drivers[name])):
@@ -92,9 +97,36 @@ def _remove_if_empty(path: Path) -> None:
         path.rmdir()
 
 
-def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool) -> None:
-    """Step every driver through its model's decoder layers, the models side by side (layer ``i`` of each, then
-    ``i + 1``), each layer released once all its model's drivers have passed it; the last hidden states stay."""
+def _states(streams: list[tuple[MoEAdapter, list]]) -> dict:
+    """Every driver's hidden states by name (``d<n>.b<i>``: driver ``n`` in ``streams`` order), for a checkpoint."""
+    drivers = [d for _, ds in streams for d in ds]
+    return {f"d{n}.{k}": v for n, d in enumerate(drivers) for k, v in (d.hidden_files() or d.hidden_states()).items()}
+
+
+def _resume(streams: list[tuple[MoEAdapter, list]], checkpoint, log) -> int:
+    """The layer to start at: after the checkpoint's (every driver's hidden states restored, the layers it covers
+    released unread), else 0."""
+    from ..model.layered import release_layer
+
+    resumed = checkpoint.load() if checkpoint is not None else None
+    if resumed is None:
+        return 0
+    drivers = [d for _, ds in streams for d in ds]
+    for n, d in enumerate(drivers):
+        d.restore({k.split(".", 1)[1]: v for k, v in resumed.states.items() if k.split(".", 1)[0] == f"d{n}"})
+    for adapter, _ in streams:
+        for layer in adapter.decoder_layers()[: resumed.layer + 1]:
+            release_layer(layer)
+    depth = max(len(a.decoder_layers()) for a, _ in streams)
+    if log is not None:
+        log(f"Resuming at layer {resumed.layer + 1} of {depth} from {checkpoint.path}.")
+    return resumed.layer + 1
+
+
+def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool, *, start: int = 0, checkpoint=None) -> None:
+    """Step every driver through its model's decoder layers from ``start``, the models side by side (layer ``i``
+    of each, then ``i + 1``), each layer released once all its model's drivers have passed it, the ``checkpoint``
+    saved after a layer when due; the last hidden states stay."""
     from ..model.layered import release_layer
 
     depth = max(len(a.decoder_layers()) for a, _ in streams)
@@ -102,15 +134,17 @@ def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool) -> None:
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=depth, unit="layer", desc="eval", dynamic_ncols=True)
+        bar = tqdm(total=depth, initial=start, unit="layer", desc="eval", dynamic_ncols=True)
     try:
-        for i in range(depth):
+        for i in range(start, depth):
             for adapter, drivers in streams:
                 layers = adapter.decoder_layers()
                 if i < len(layers):
                     for d in drivers:
                         d.step(i)
                     release_layer(layers[i])
+            if checkpoint is not None and i < depth - 1 and checkpoint.due():
+                checkpoint.save(i, _states(streams))
             if bar is not None:
                 bar.update(1)
     finally:
