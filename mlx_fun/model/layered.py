@@ -173,7 +173,8 @@ class LayerDriver:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=last + 1, initial=start, unit="layer", desc=desc, dynamic_ncols=True)
+            bar = tqdm(total=last + 1, initial=start, unit="layer", desc=desc, dynamic_ncols=True,
+                       postfix=f"{self.n_tokens:,} tokens a layer")
         try:
             for i in range(start, last + 1):
                 t0 = time.perf_counter()

@@ -134,7 +134,9 @@ def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool, *, start: int
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=depth, initial=start, unit="layer", desc="eval", dynamic_ncols=True)
+        tokens = sum(d.n_tokens for _, ds in streams for d in ds)
+        bar = tqdm(total=depth, initial=start, unit="layer", desc="eval", dynamic_ncols=True,
+                   postfix=f"{tokens:,} tokens a layer")
     try:
         for i in range(start, depth):
             for adapter, drivers in streams:
