@@ -177,5 +177,5 @@ def test_the_help_says_what_streaming_rereads():
     text = cli("abliterate", "--help").output
     flat = " ".join(text.split())
     assert "--stream-layers / --no-stream-layers" in flat
-    assert "one per reply token: reading every layer again per token is the price" in flat
+    assert "per reply token of the greedy replies: reading every layer again per token is the price" in flat
 

@@ -67,8 +67,9 @@ class AbliterateResult:
 #: ``--stream-layers`` of abliterate: its layers are read once per pass over the model, not once
 STREAM_LAYERS = stream_layers_opt(
     same="the same directions, refusal and KL measurements and written weights",
-    visits="for each pass over the model (one per capture or log-prob pass over a set of prompts, and for the greedy "
-           "replies one for the prefill and one per reply token: reading every layer again per token is the price)")
+    visits="for each pass over the model (one per capture or log-prob pass over a set of prompts, per prefill step "
+           "and per reply token of the greedy replies: reading every layer again per token is the price, and one "
+           "per round's projection)")
 
 
 def _check_distinct(harmful, benign) -> None:
