@@ -184,9 +184,14 @@ def _prompts(tmp_path):
 HYPER_CONNECTED = {"deepseek_v41"}  # several residual streams per layer: refused
 
 
-@pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("deepseek_v3", 4)])
+@pytest.mark.parametrize("family,bits", [(f, None) for f in FAMILIES] + [("qwen3_moe", 4), ("deepseek_v3", 4),
+                                                                        ("gpt_oss", 4)])
 def test_every_family_abliterates_and_reloads(make_model, tmp_path, family, bits):
+    """... and, for one model type of every routing family (adapter class) and the quantized ones, the streamed run
+    (``stream_layers=True``) gives the same directions, measurements and written weights, bit for bit."""
     from mlx_lm import load
+
+    from .test_stream_abliterate import STREAMED_FAMILIES, assert_streamed_equal
 
     harmful, benign = _prompts(tmp_path)
     out = tmp_path / "abl"
@@ -196,11 +201,13 @@ def test_every_family_abliterates_and_reloads(make_model, tmp_path, family, bits
                      "hyper-connections")
         assert not out.exists()
         return
-    got = jobs.abliterate.run(model=make_model(family, bits=bits), harmful_dataset=harmful, benign_dataset=benign,
-                              output=out, projection=Projection(layers="all"), max_samples=4,
-                              evaluation=Evaluation(eval_samples=2, reply_tokens=2), seed=0,
-                              estimate=Estimate(refusal_filter=False))
+    how = dict(model=make_model(family, bits=bits), harmful_dataset=harmful, benign_dataset=benign,
+               projection=Projection(layers="all"), max_samples=4, seed=0,
+               evaluation=Evaluation(eval_samples=2, reply_tokens=2), estimate=Estimate(refusal_filter=False))
+    got = jobs.abliterate.run(output=out, **how)
     assert got.modified and got.layers == list(range(len(got.direction_norms)))
+    if bits is not None or family in STREAMED_FAMILIES:
+        assert_streamed_equal(got, jobs.abliterate.run(output=tmp_path / "streamed", stream_layers=True, **how))
     meta = json.loads((out / "abliteration_metadata.json").read_text())
     assert meta["abliterated_layers"] == got.layers and meta["target"] == "all"
     model, _ = load(str(out))

@@ -46,12 +46,16 @@ def show(result) -> None:
         click.echo(f"round {n}: {len(r.dirs)} direction(s) ({said}), norm {r.norm:.3f}, from the {r.refused} of "
                    f"{r.harmful} harmful prompts the model refused and the {r.answered} of {r.benign} benign prompts "
                    "it answered")
+    from ..core.sizes import format_bytes
+
     b, a = result.before, result.after
+    streamed = ", one decoder layer at a time" if result.streamed else ""
     click.echo(f"Wrote {result.output} (layers {','.join(map(str, result.layers))}, weight {result.weight:g}, "
                f"direction {_source(result.direction_layer)}, {len(result.rounds)} round(s); "
                f"harmful refusal {b.harmful_refusal:.1%} -> {a.harmful_refusal:.1%}, benign refusal "
                f"{b.benign_refusal:.1%} -> {a.benign_refusal:.1%}, benign first-token KL {a.benign_kl:.4f}; "
-               "abliteration_metadata.json beside the weights)")
+               f"abliteration_metadata.json beside the weights; peak memory {format_bytes(result.peak_bytes)}"
+               f"{streamed})")
 
 
 def _source(layer: int | None) -> str:

@@ -19,7 +19,9 @@ the model replies). Every phase logs what it does and, with ``settings.progress`
 and search live in :mod:`mlx_fun.rewrite.abliterate_rounds`, the option groups (``estimate``, ``projection``,
 ``evaluation``) in :mod:`mlx_fun.rewrite.abliterate_options`; this job checks the inputs, loads the model with the
 expert dispatch and the token budget every forward keeps to (``settings``: :class:`mlx_fun.settings.RunSettings`),
-and writes.
+and writes. With ``stream_layers`` (chosen by itself for a model larger than the memory left) the model loads lazily
+and the same rounds run with one decoder layer's weights in memory at a time
+(:mod:`mlx_fun.rewrite.abliterate_streamed`), giving the same directions, measurements and written model.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..errors import UserError, param
 from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
 from ..rewrite.abliterate_rounds import Abliteration, Prompts, Round, Trial, candidates
 from ..settings import RunSettings
-from .common import FORCE_DIR, MODEL, Log, job, model_job, quiet
+from .common import FORCE_DIR, MODEL, Log, check_moe, job, model_job, quiet, stream_choice, stream_layers_opt
 from .safety_scan import BENIGN_DATASET, HARMFUL_DATASET
 
 __all__ = ["DIRECTIONS", "AbliterateResult", "Estimate", "Evaluation", "Projection", "run"]
@@ -58,6 +60,16 @@ class AbliterateResult:
     direction: str = "single"
     direction_layer: int | None = None
     rounds: list[Round] = field(default_factory=list)
+    streamed: bool = False  # run one decoder layer at a time (--stream-layers)
+    peak_bytes: int = 0  # this process's peak resident memory at the end
+
+
+#: ``--stream-layers`` of abliterate: its layers are read once per pass over the model, not once
+STREAM_LAYERS = stream_layers_opt(
+    same="the same directions, refusal and KL measurements and written weights",
+    visits="for each pass over the model (one per capture or log-prob pass over a set of prompts, per prefill step "
+           "and per reply token of the greedy replies: reading every layer again per token is the price, and one "
+           "per round's projection)")
 
 
 def _check_distinct(harmful, benign) -> None:
@@ -102,6 +114,7 @@ def run(
     calibration: Calibration = Calibration(batch_size=4),
     settings: RunSettings = RunSettings(),
     force: Annotated[bool, FORCE_DIR] = False,
+    stream_layers: Annotated[bool | None, STREAM_LAYERS] = None,
     log: Log = quiet,
 ) -> AbliterateResult:
     """Abliterate ``model`` (see the module docstring) and write it to ``output``. ``estimate``: how the directions
@@ -111,17 +124,32 @@ def run(
     (:mod:`mlx_fun.rewrite.abliterate_options`); ``calibration``: the capture prompts drawn (``max_samples`` per
     dataset; ``max_tokens``, ``text_key`` and ``seed`` for the evaluation prompts too) and ``batch_size`` (its fields
     may be given by name); ``settings``: how the model runs (:class:`mlx_fun.settings.RunSettings`: dispatch, token
-    budget, progress bars). Every group checked itself when built, the paths were checked by ``@job``."""
-    from ..output.model_dir import params_nbytes, write_model_dir
+    budget, progress bars). Every group checked itself when built, the paths were checked by ``@job``.
 
-    with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log,
-                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset)) as job_:
+    ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): the
+    model loads lazily and every forward runs one decoder layer at a time, each layer read from the model's files
+    for each pass and released after it, the rewritten layers kept in the output's temporary directory
+    (:mod:`mlx_fun.rewrite.abliterate_streamed`); the written model is read and written one tensor at a time. No
+    dequantized experts are kept (``settings.dequant_cache``) while streaming."""
+    from ..output.model_dir import params_nbytes, write_model_dir
+    from ..runtime.memory import peak_rss_bytes
+
+    checked = check_moe(model)
+    # tokens=0: abliterate's streamed passes carry their prompts' hidden states in memory (no spilling)
+    stream = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="abliterating", log=log,
+                           tokens=0).layers
+    if stream and settings.dequant_bytes():
+        log(f"Note: {param('dequant_cache')} is off while streaming (it would keep dequantized experts of every "
+            "layer in memory).")
+        settings = dataclasses.replace(settings, dequant_cache="0")
+    with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
+                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset), lazy=stream) as job_:
         n_layers = _check_layers(job_.adapter, estimate, projection)
         warnings = []
-        abl = Abliteration(job_, _load_prompts(job_.tokenizer, harmful_dataset, benign_dataset, evaluation,
-                                               calibration),
-                           estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
-                           settings=settings, warnings=warnings, log=log)
+        how = dict(estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
+                   settings=settings, warnings=warnings, log=log)
+        prompts = _load_prompts(job_.tokenizer, harmful_dataset, benign_dataset, evaluation, calibration)
+        abl = _streamed(job_, model, prompts, how) if stream else Abliteration(job_, prompts, **how)
         if not evaluation.held_out:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
@@ -129,15 +157,38 @@ def run(
         for w in warnings:
             log(f"Warning: {w}")
         meta = _metadata(got, abl, estimate, projection, evaluation, n_layers)
+        if stream:
+            abl.load_for_writing()
         job_.res.require_space(params_nbytes(job_.model))
         log(f"Writing {output} ...")
         write_model_dir(job_.res, job_.model, job_.config, source=model,
-                        metadata={"abliteration_metadata.json": meta})
+                        metadata={"abliteration_metadata.json": meta}, donate=stream)
+        if stream:
+            abl.files.remove_scratch()
     norms = got["norms"]
     return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
                             {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],
                             {str(k): v for k, v in got["modified"].items()}, got["trials"], warnings,
-                            estimate.direction, got["source"], got["done"])
+                            estimate.direction, got["source"], got["done"], stream, peak_rss_bytes())
+
+
+def _streamed(job_, model, prompts: Prompts, how: dict):
+    """The streamed abliteration (:mod:`mlx_fun.rewrite.abliterate_streamed`) of the lazily loaded ``job_``: a
+    family whose layers hand state on is refused in one line; the output's filesystem must hold the written model
+    and the rewritten layers kept while abliterating."""
+    from ..model.layer_files import LayerFiles
+    from ..observe.collect import check_streamable
+    from ..output.model_dir import params_nbytes
+    from ..rewrite.abliterate_streamed import SCRATCH, StreamedAbliteration, scratch_bytes
+
+    check_streamable(job_.adapter, run="a streamed abliterate",
+                     instead=f"abliterate it without {param('stream_layers')} on a machine that holds it (abliterate "
+                     f"has no {param('pipeline')} across machines, as collect has)")
+    files = LayerFiles(job_.model, job_.adapter, model, scratch=Path(job_.res.tmp) / SCRATCH)
+    target = how["projection"].target
+    job_.res.require_space(params_nbytes(job_.model) + scratch_bytes(job_.adapter, target),
+                           what="the output and the rewritten layers kept while abliterating")
+    return StreamedAbliteration(job_, prompts, files=files, **how)
 
 
 def _check_layers(adapter, estimate: Estimate, projection: Projection) -> int:

@@ -83,11 +83,12 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
 
 
 def stream_layers_opt(*, same: str = "the same results: counts exactly, sums to float rounding",
-                  resumes: bool = False) -> Opt:
+                  resumes: bool = False, visits: str = "for its one visit") -> Opt:
     """``--stream-layers/--no-stream-layers`` (a tri-state: None, neither given, is :func:`stream_choice`'s
-    automatic choice); ``same``: what the streamed run gives alike, ``resumes``: a killed run resumes."""
+    automatic choice); ``same``: what the streamed run gives alike, ``resumes``: a killed run resumes, ``visits``:
+    when a layer's weights are read (a job that runs the model more than once reads them again)."""
     resume = "a killed run resumes at the next layer when rerun. " if resumes else ""
-    return Opt("Run the model one decoder layer at a time, each layer's weights read from its files for its one visit "
+    return Opt(f"Run the model one decoder layer at a time, each layer's weights read from its files {visits} "
                f"and then released, for a model larger than memory ({same}); {resume}Default: stream when the "
                "model's weights exceed the memory this process can use. Streamed, the samples' hidden states are "
                "kept in files on disk (beside the output) when they do not fit in memory beside one layer.",

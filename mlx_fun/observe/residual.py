@@ -5,7 +5,8 @@ samples in chunks through the KV cache) with every decoder layer's call wrapped 
 the residual stream after that layer, and accumulates per layer, in float64, either the hidden state at each
 sample's **last** real token (``position="last"``: where a chat prompt ends, right before the reply) or the
 **mean** over its real tokens (``"mean"``: each sample weighs the same). Padding is never read. One forward per
-batch; only the per-layer sums are kept.
+batch; only the per-layer sums are kept. :func:`capture_streamed` gives the same means with one decoder layer's
+weights in memory at a time (a streamed ``abliterate``).
 
 :func:`directions` turns the harmful and benign means into per-layer unit directions
 ``normalise(mean_harmful − mean_benign)`` and keeps the un-normalised norms (what ``--layers auto`` ranks by).
@@ -49,10 +50,7 @@ def capture(model, adapter, samples: Sequence[Sequence[int]], *, position: str =
     def on_chunk(chunk, _out):
         valid = chunk.valid
         for i, o in enumerate(outs):
-            if o.ndim != 3 or o.shape[-1] != sums.shape[1]:
-                raise UserError(f"model_type '{adapter.model_type}': decoder layer {i} hands on a residual state of "
-                                f"shape {tuple(o.shape)}, not (batch, tokens, hidden) (several residual streams, "
-                                "hyper-connections); one refusal direction per layer is not defined for it.")
+            _check_residual(adapter, i, o, sums.shape[1])
         if position == "last":
             pick = (chunk.lengths - 1 - chunk.start)
             rows = np.flatnonzero((pick >= 0) & (pick < valid.shape[1]))
@@ -78,6 +76,49 @@ def capture(model, adapter, samples: Sequence[Sequence[int]], *, position: str =
         engine.run(model, samples, on_chunk, batch_size=batch_size, pad_id=pad_id, budget=budget,
                    progress=progress, desc=desc)
     return sums / max(len(samples), 1)
+
+
+def _check_residual(adapter, i: int, o, hidden: int) -> None:
+    if o.ndim != 3 or o.shape[-1] != hidden:
+        raise UserError(f"model_type '{adapter.model_type}': decoder layer {i} hands on a residual state of "
+                        f"shape {tuple(o.shape)}, not (batch, tokens, hidden) (several residual streams, "
+                        "hyper-connections); one refusal direction per layer is not defined for it.")
+
+
+def capture_streamed(model, adapter, samples: Sequence[Sequence[int]], *, load, position: str = "last",
+                     batch_size: int = 4, pad_id: int = 0, budget: int | None = None, progress: bool = False,
+                     desc: str = "residual") -> np.ndarray:
+    """:func:`capture`'s means with one decoder layer's weights in memory at a time: the samples' hidden states are
+    carried through the layers by :class:`mlx_fun.model.layered.LayerDriver` (the engine's batches; a sample is
+    never split into chunks), ``load(i)`` puts layer ``i``'s weights in before its visit
+    (:meth:`mlx_fun.model.layer_files.LayerFiles.load`) and the layer is released after it. Each layer's output is
+    read at the same positions and summed in the same order as :func:`capture` reads and sums it."""
+    from ..model.layered import LayerDriver
+
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
+    layers = adapter.decoder_layers()
+    sums = np.zeros((len(layers), adapter.hidden_size), dtype=np.float64)
+    if not samples:
+        return sums
+    driver = LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=budget)
+
+    def after_batch(i, batch, out):
+        _check_residual(adapter, i, out, sums.shape[1])
+        lengths = batch.valid.sum(axis=1)
+        if position == "last":
+            picked = out[mx.array(np.arange(len(lengths))), mx.array(lengths - 1)].astype(mx.float32)
+            mx.eval(out, picked)
+            sums[i] += np.asarray(picked, dtype=np.float64).sum(axis=0)
+        else:
+            w = batch.valid / np.maximum(lengths, 1)[:, None]
+            pooled = (out.astype(mx.float32) * mx.array(w.astype(np.float32))[..., None]).sum(axis=(0, 1))
+            mx.eval(out, pooled)
+            sums[i] += np.asarray(pooled, dtype=np.float64)
+        return ()
+
+    driver.run(load, last=len(layers) - 1, release=True, after_batch=after_batch, progress=progress, desc=desc)
+    return sums / len(samples)
 
 
 def directions(harmful_mean: np.ndarray, benign_mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

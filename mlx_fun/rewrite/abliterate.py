@@ -162,7 +162,6 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
     layer → routed experts for ``target="safety-experts"``; ``embed``: a unit direction (H,) or an orthonormal
     stack (k, H) to remove from the token embedding too (:func:`embedding`; skipped for ``safety-experts``).
     Returns ``(touched: {layer or "embedding": [module paths, experts noted]}, undo)``."""
-    kinds = KINDS_OF[target]
     touched, undo = {}, []
     dirs = np.asarray(dirs)
     stack = dirs[None] if dirs.ndim == 2 else dirs
@@ -175,21 +174,29 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
         undo.append((found[1], project_rows(found[1], f32(embed), weight)))
         touched["embedding"] = [found[0]]
     for i in layers:
-        d = f32(stack[:, i])
-        names = []
-        for w in writers(adapter, i):
-            if w.kind not in kinds:
-                continue
-            experts = None
-            if target == "safety-experts":
-                experts = sorted((safety or {}).get(i, []))
-                if not experts:
-                    continue
-            undo.append((w.module, project_out(w.module, d, weight, experts)))
-            names.append(w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]")
+        names, saved = apply_layer(adapter, i, f32(stack[:, i]), target=target, weight=weight, safety=safety)
+        undo += [(w.module, s) for w, s in saved]
         if names:
             touched[i] = names
     return touched, undo
+
+
+def apply_layer(adapter: MoEAdapter, i: int, d: mx.array, *, target: str = "all", weight: float = 1.0,
+                safety: dict[int, list[int]] | None = None) -> tuple[list[str], list[tuple[Writer, dict]]]:
+    """:func:`apply` for decoder layer ``i`` alone, with its (k, H) orthonormal directions ``d`` (or one (H,)):
+    ``(module paths touched, with the experts noted; [(writer, the tensors it replaced)]``)."""
+    names, saved = [], []
+    for w in writers(adapter, i):
+        if w.kind not in KINDS_OF[target]:
+            continue
+        experts = None
+        if target == "safety-experts":
+            experts = sorted((safety or {}).get(i, []))
+            if not experts:
+                continue
+        saved.append((w, project_out(w.module, d, weight, experts)))
+        names.append(w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]")
+    return names, saved
 
 
 def restore(undo: list) -> None:

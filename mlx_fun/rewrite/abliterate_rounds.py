@@ -192,14 +192,17 @@ class Abliteration:
     def _replies(self, samples, desc: str, logprobs: bool = False):
         """Greedy replies; with ``logprobs`` also the first-token log-probabilities, ``(replies, (N, vocab))``:
         the generation's own where it computes in float32, else one engine pass."""
-        from ..observe.refusal import greedy_replies
-
-        out = greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
-                             first_logprobs=logprobs, budget=self.budget, until_decided=True)
+        out = self._greedy(samples, desc, logprobs)
         if not logprobs:
             return out
         replies, lp = out
         return replies, lp if lp is not None else self._logprobs(samples, desc.replace("replies", "log-probs"))
+
+    def _greedy(self, samples, desc: str, logprobs: bool):
+        from ..observe.refusal import greedy_replies
+
+        return greedy_replies(self.model, self.tok, samples, self.reply_tokens, progress=self.progress, desc=desc,
+                              first_logprobs=logprobs, budget=self.budget, until_decided=True)
 
     def _logprobs(self, samples, desc: str):
         from ..observe.refusal import first_token_logprobs
@@ -248,8 +251,6 @@ class Abliteration:
         direction, the embedding). A later round that takes the capture benign prompts' first-token KL over
         ``max_kl`` is undone and ends the rounds. Returns ``(rounds done, touched, undo)``; ``on_round(rounds done
         so far)`` after each."""
-        from .abliterate import restore
-
         done, touched, undo = [], {}, []
         self.over_kl = self.fallback = None
         for r in range(1, rounds + 1):
@@ -259,7 +260,7 @@ class Abliteration:
             dirs, names = self._directions(stats, done, source)
             norm = float(stats.norms.max() if source is None else stats.norms[source])
             done.append(Round(stats.refused, stats.harmful, stats.answered, stats.benign, norm, dirs, names))
-            restore(undo)
+            self.restore(undo)
             touched, undo = self.apply(done, layers, weight, source)
             if r == 1 and len(dirs) > 1:
                 touched, undo = self._one_direction_if_over(stats, done, layers, weight, source, undo) or (
@@ -270,7 +271,7 @@ class Abliteration:
                     self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
                     done.pop()
-                    restore(undo)
+                    self.restore(undo)
                     touched, undo = self.apply(done, layers, weight, source)
                     break
             if on_round is not None:
@@ -283,15 +284,13 @@ class Abliteration:
         can remove more than refusing). Returns ``(touched, undo)`` where it replaced, else ``None``."""
         from dataclasses import replace
 
-        from .abliterate import restore
-
         kl = self._capture_kl(1)
         if kl <= self.max_kl:
             return None
         one = replace(stats, groups=[("all", stats.refused, stats.dirs)])
         dirs, names = self._directions(one, [], source)
         done[0] = replace(done[0], dirs=dirs, phrasings=names)
-        restore(undo)
+        self.restore(undo)
         self.fallback = (f"round 1's {len(stats.groups)} directions (one per refusal phrasing) took the capture "
                          f"benign prompts' KL to {kl:.3f}, over {param('max_kl')} {self.max_kl:g}; one direction from "
                          "all refused prompts was removed instead.")
@@ -316,6 +315,12 @@ class Abliteration:
             self.redispatch()
         return out
 
+    def restore(self, undo: list) -> None:
+        """Put back what :meth:`apply` replaced (:func:`mlx_fun.rewrite.abliterate.restore`)."""
+        from .abliterate import restore
+
+        restore(undo)
+
     def measure(self, layers, weight, rounds=0, source=None, original: bool = False) -> Trial:
         from ..observe.refusal import mean_kl, refusal_rate
 
@@ -332,8 +337,6 @@ class Abliteration:
     def search(self, first: Stats, candidates, rounds: int, progress: bool):
         """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial
         and one progress step each), the model restored in between. Returns ``(trials, the rounds behind each)``."""
-        from .abliterate import restore
-
         bar = None
         if progress:
             from tqdm import tqdm
@@ -351,7 +354,7 @@ class Abliteration:
                         bar.set_postfix(refusal=f"{trials[-1].harmful_refusal:.0%}", kl=f"{trials[-1].benign_kl:.3f}")
 
                 _, _, undo = self.abliterate(first, lay, w, src, rounds, on_round=measured)
-                restore(undo)
+                self.restore(undo)
         finally:
             self.log = log
             if bar is not None:
