@@ -255,7 +255,7 @@ def test_doctor_names_moe_types_of_a_newer_mlx_lm(monkeypatch):
     """A type the installed mlx-lm ships but the registry lacks (as after an mlx-lm upgrade) is named by doctor."""
     from mlx_fun.jobs.doctor import model_types
 
-    assert model_types() == f"{len(REGISTRY)} supported, 4 unsupported (see the README's table)"
+    assert model_types() == f"{len(REGISTRY)} supported, 4 unsupported (see docs/guide/architectures.md)"
     monkeypatch.delitem(REGISTRY, "mellum")
     assert model_types().endswith("; MoE types of this mlx-lm that mlx-fun does not know yet: mellum")
 

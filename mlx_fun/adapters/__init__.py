@@ -90,7 +90,7 @@ ALIASES: dict[str, str] = {
 }
 REGISTRY.update({alias: REGISTRY[target] for alias, target in ALIASES.items()})
 
-#: MoE model types of the installed mlx-lm that no adapter serves, each with the reason (README table, errors)
+#: MoE model types of the installed mlx-lm that no adapter serves, each with the reason (docs/guide/architectures.md, errors)
 UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "the router also picks zero-computation identity experts beyond the routed ones, which saliency "
     "and pruning have no slot for",

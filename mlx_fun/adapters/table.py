@@ -1,7 +1,8 @@
-"""The README's architecture table, generated from the registry (a test keeps the README equal to it).
+"""The architecture table of docs/guide/architectures.md, generated from the registry (a test keeps the page equal
+to it).
 
-``python -m mlx_fun.adapters.table`` prints it; ``--write README.md`` replaces the table between the
-``<!-- architectures:start -->`` / ``<!-- architectures:end -->`` markers.
+``python -m mlx_fun.adapters.table`` prints it; ``--write docs/guide/architectures.md`` replaces the table between
+the ``<!-- architectures:start -->`` / ``<!-- architectures:end -->`` markers of that file (or of any other).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def replace_in(text: str) -> str:
     head, sep, rest = text.partition(START)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise ValueError(f"the README has no {START} ... {END} section")
+        raise ValueError(f"the text has no {START} ... {END} section")
     return f"{head}{START}\n{markdown()}{END}{tail}"
 
 

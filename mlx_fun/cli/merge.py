@@ -19,7 +19,7 @@ def command(**kwargs):
     """Merge MODEL's routed experts around the most salient ones (REAM) and write an mlx-lm directory to OUTPUT.
 
     \b
-    Examples (on the bundled model; filtered_experts.json is the README's expert-list example):
+    Examples (on the bundled model; filtered_experts.json: docs/guide/commands.md):
       mlx-fun merge --model data/tiny-moe --saliency code.npz --n-prune 8 --dataset corpus/code/train.jsonl \\
           --output merged --max-samples 16 --max-tokens 512 --seed 42
       mlx-fun merge --model data/tiny-moe --expert-list filtered_experts.json --dataset corpus/code/train.jsonl \\

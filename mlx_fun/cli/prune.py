@@ -16,7 +16,7 @@ def command(**kwargs):
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.
 
     \b
-    Examples (on the bundled model; filtered_experts.json is the README's expert-list example):
+    Examples (on the bundled model; filtered_experts.json: docs/guide/commands.md):
       mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --output pruned
       mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --model-wide \\
           --ignore-experts "0,1,30..31" --output pruned-wide

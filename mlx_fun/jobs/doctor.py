@@ -86,7 +86,7 @@ def model_types() -> str:
     from ..adapters import REGISTRY, UNSUPPORTED
     from ..adapters.coverage import unknown_moe_types
 
-    text = f"{len(REGISTRY)} supported, {len(UNSUPPORTED)} unsupported (see the README's table)"
+    text = f"{len(REGISTRY)} supported, {len(UNSUPPORTED)} unsupported (see docs/guide/architectures.md)"
     unknown = unknown_moe_types()
     if unknown:
         text += f"; MoE types of this mlx-lm that mlx-fun does not know yet: {', '.join(unknown)}"

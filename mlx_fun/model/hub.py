@@ -264,8 +264,8 @@ def _check_config(snapshot: Path, repo_id: str, commit: str, flag: str, needs_mo
     except UserError as e:
         if not _names_experts(config):
             raise UserError(f"{where} is a dense {config.get('model_type', 'unknown')} model (its config.json names no "
-                            f"experts), not a Mixture-of-Experts model; pass an MoE of a type mlx-fun supports (the "
-                            f"README's table \"Supported architectures\" lists them).") from None
+                            f"experts), not a Mixture-of-Experts model; pass an MoE of a type mlx-fun supports ("
+                            f"\"Supported architectures\", docs/guide/architectures.md, lists them).") from None
         raise UserError(f"{where}: {e}") from None
 
 
