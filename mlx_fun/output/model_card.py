@@ -51,12 +51,10 @@ def base_model(source: str | os.PathLike) -> tuple[str, dict | None]:
     ``{"repo_id", "revision", "commit"}`` when :func:`mlx_fun.model.hub.source` knows where the directory came from (a
     repo id the job resolved, a snapshot of the Hugging Face cache), else the local directory's name and ``None`` (a
     card is published: the full path, which names the machine's directories, stays in the metadata JSON)."""
-    from ..model.hub import source as hub_source
+    from ..model.hub import short_name, source as hub_source
 
     found = hub_source(source)
-    if found and found.get("repo_id"):
-        return str(found["repo_id"]), found
-    return Path(os.path.abspath(os.fspath(source))).name, None
+    return short_name(source), (found if found and found.get("repo_id") else None)
 
 
 def _arrow(before, after) -> str | None:
