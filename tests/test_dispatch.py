@@ -299,7 +299,7 @@ def test_smoke_test_cli_dispatch_flag(tiny, tmp_path):
         res = _cli(*common, *extra)
         assert res.exit_code == 0, res.output
         assert res.stdout.split("Prompt:")[0] == text
-        assert "dispatch: auto on" in res.stderr
+        assert "experts: runtime dispatch on" in res.stderr
     assert "dequant cache" in res.stderr and "budget 1.00 GiB" in res.stderr
     bad = _cli(*common, "--dispatch-table", tmp_path / "missing.json")
     assert bad.exit_code == 2 and "does not exist" in bad.stderr
