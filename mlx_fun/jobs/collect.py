@@ -55,12 +55,13 @@ def run(
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
 
     The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
-    written atomically at the end, with where the statistics came from (the model's name and weights fingerprint,
-    the dataset and its samples' hash: :mod:`mlx_fun.observe.provenance`); an existing ``output`` is replaced only with ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
-    statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``settings.token_budget``
-    tokens per forward (:mod:`mlx_fun.model.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`);
-    ``calibration``: how the samples are drawn and batched (:class:`mlx_fun.datasets.calibration.Calibration`; its
-    fields may also be given by name: ``max_samples=32``).
+    written atomically at the end, with where the statistics came from (the model's name and weights fingerprint, the
+    dataset and its samples' hash: :mod:`mlx_fun.observe.provenance`); an existing ``output`` is replaced only with
+    ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the statistics equal mlx-lm's:
+    counts exactly, norms within float rounding), at most ``settings.token_budget`` tokens per forward
+    (:mod:`mlx_fun.model.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`); ``calibration``:
+    how the samples are drawn and batched (:class:`mlx_fun.datasets.calibration.Calibration`; its fields may also be
+    given by name: ``max_samples=32``).
 
     ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): the
     model loads lazily and runs one decoder layer at a time (:func:`mlx_fun.observe.collect.collect_streamed`),

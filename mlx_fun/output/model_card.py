@@ -1,11 +1,11 @@
 """The model card (``README.md``) of every model mlx-fun writes, like the one ``mlx_lm.convert`` writes.
 
-A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds
-the new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``,
-``abliteration_metadata.json``, ``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter
-(``library_name: mlx``, ``base_model`` (the repo id, or a local source's directory name), ``tags: [mlx, mlx-fun, <method>]``, and the source card's ``license`` /
-``pipeline_tag``), what mlx-fun did with which settings, the numbers the run measured, and how to load the output
-with mlx-lm. Nothing is fetched: the source card is read from the source directory, if it has one.
+A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds the
+new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``, ``abliteration_metadata.json``,
+``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter (``library_name: mlx``, ``base_model``
+(the repo id, or a local source's directory name), ``tags: [mlx, mlx-fun, <method>]``, and the source card's
+``license`` / ``pipeline_tag``), what mlx-fun did with which settings, the numbers the run measured, and how to load
+the output with mlx-lm. Nothing is fetched: the source card is read from the source directory, if it has one.
 """
 
 from __future__ import annotations

@@ -7,16 +7,16 @@ thread (and slower than with no fast BLAS at all), while on a quiet machine the 
 (python -m scripts.benchmarks.bench_collect --contended N).
 
 :class:`Governor` watches how much CPU the *other* processes of the machine used in the last interval
-(:mod:`mlx_fun.runtime.cpu_load`: ``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets OpenBLAS's thread count through its
-own ``openblas_set_num_threads``: all cores while the others use less than a quarter of a core, one thread
-once they use half a core or more (in between: as it was). Small forwards run one thread whatever the machine
-does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS` tokens (a decode
-step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a core that
-MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
-(``scripts/benchmarks/bench_decode.py``). It runs on a daemon thread, every
-:data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
-(:func:`mlx_fun.runtime.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` to a thread count (always
-respected; a value OpenBLAS ignores, such as ``abc``, is said on stderr and governed as if unset).
+(:mod:`mlx_fun.runtime.cpu_load`: ``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets
+OpenBLAS's thread count through its own ``openblas_set_num_threads``: all cores while the others use less than a
+quarter of a core, one thread once they use half a core or more (in between: as it was). Small forwards run one thread
+whatever the machine does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS`
+tokens (a decode step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a
+core that MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
+(``scripts/benchmarks/bench_decode.py``). It runs on a daemon thread, every :data:`INTERVAL` seconds, and only in a
+process where mlx-fun preloaded OpenBLAS (:func:`mlx_fun.runtime.blas.maybe_reexec`) and the user did not set
+``OPENBLAS_NUM_THREADS`` to a thread count (always respected; a value OpenBLAS ignores, such as ``abc``, is said on
+stderr and governed as if unset).
 ``MLX_FUN_BLAS_GOVERNOR=0`` turns it off. Linux only (where the preload happens).
 
 This module must not import ``mlx``.
