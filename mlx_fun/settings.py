@@ -67,8 +67,9 @@ class RunSettings(Group):
 
     def apply(self, model, log=None):
         """Install the dispatch on ``model`` (``auto``) or keep mlx-lm's; returns the
-        :class:`mlx_fun.dispatch.experts.DispatchReport` (its summary goes to ``log``, and, the first time on a machine
-        whose backend has no measured entry, a line suggesting ``tune-dispatch``). A bad table is a one-line
+        :class:`mlx_fun.dispatch.experts.DispatchReport` (its line in words, ``brief``, goes to ``log``, and, the first
+        time on a machine whose backend has no measured entry, a line suggesting ``tune-dispatch``; the full line of
+        table entries is ``mlx-fun doctor --model``'s). A bad table is a one-line
         ``UserError`` naming the file, the problem and the fix (:func:`mlx_fun.dispatch.experts.load_table`)."""
         from .dispatch import experts as dispatch
         from .dispatch.table import untuned_notice
@@ -79,7 +80,7 @@ class RunSettings(Group):
         except ValueError as e:
             raise UserError(str(e)) from None
         if log is not None:
-            log(report.summary())
+            log(report.brief())
             untuned = report.mode == "auto" and report.entries and all(
                 how == "default" for _entry, how in report.entries.values())
             if untuned and (line := untuned_notice(report.backend)):

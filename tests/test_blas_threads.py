@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mlx_fun.runtime import blas_threads
+from mlx_fun.runtime import blas_threads, cpu_load
 from mlx_fun.runtime.blas_threads import BUSY, QUIET, Governor
 
 from .test_blas import clean_env, linux_only, needs_openblas
@@ -38,8 +38,8 @@ def test_step_switches_only_on_a_change_and_counts_what_others_used(monkeypatch)
         state["now"] = next(ticks)
         return state["now"][0]
 
-    monkeypatch.setattr(blas_threads, "_machine_ticks", machine)
-    monkeypatch.setattr(blas_threads, "_own_ticks", lambda: state["now"][1])
+    monkeypatch.setattr(cpu_load, "machine_ticks", machine)  # the one reading of the machine's load
+    monkeypatch.setattr(cpu_load, "own_ticks", lambda: state["now"][1])
     monkeypatch.setattr(blas_threads.os, "cpu_count", lambda: 2)
     calls = []
     g = Governor(calls.append, cores=2)

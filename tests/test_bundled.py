@@ -45,11 +45,14 @@ def test_bundled_model_is_a_small_plain_mlx_lm_model():
     assert nll(ids) < nll(shuffled) - 1.0
 
 
-def test_demo_runs_end_to_end_on_the_bundled_model(tmp_path):
-    out = tmp_path / "demo"
-    result = CliRunner().invoke(main, ["demo", "--output", str(out), "--max-samples", "6", "--max-tokens", "64"],
-                                catch_exceptions=False)
+def test_demo_runs_end_to_end_on_the_bundled_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "mlx-fun-demo"  # its default --output: everything it writes lies in that one directory
+    result = CliRunner().invoke(main, ["demo", "--max-samples", "6", "--max-tokens", "64"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["mlx-fun-demo"]
+    assert sorted(p.name for p in out.iterdir()) == [".mlx-fun-demo", "corpus", "eval.json", "pruned", "saliency.npz",
+                                                      "summary.md"]
     for step in ("$ mlx-fun collect", "$ mlx-fun prune", "$ mlx-fun smoke-test", "$ mlx-fun eval", "== summary"):
         assert step in result.output
     assert result.output.splitlines()[0].startswith("blas: ")  # says which BLAS it runs on

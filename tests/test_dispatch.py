@@ -299,7 +299,7 @@ def test_smoke_test_cli_dispatch_flag(tiny, tmp_path):
         res = _cli(*common, *extra)
         assert res.exit_code == 0, res.output
         assert res.stdout.split("Prompt:")[0] == text
-        assert "dispatch: auto on" in res.stderr
+        assert "experts: runtime dispatch on" in res.stderr
     assert "dequant cache" in res.stderr and "budget 1.00 GiB" in res.stderr
     bad = _cli(*common, "--dispatch-table", tmp_path / "missing.json")
     assert bad.exit_code == 2 and "does not exist" in bad.stderr
@@ -330,6 +330,40 @@ def test_tune_dispatch_cli_writes_a_mergeable_table(tiny, tmp_path):
     assert any(e.quant.startswith("affine4") and e.D == 64 for e in dsp.read_table(out).entries)
     json.loads(out.read_text())
     assert _cli("tune-dispatch", "--output", out).exit_code == 2
+
+
+def test_a_busy_machine_is_told_from_an_idle_one():
+    """Issue 44: the decision tune-dispatch takes from the load other processes put on the machine (in cores)."""
+    from mlx_fun.runtime.cpu_load import Load, busy, threshold
+
+    assert (threshold(1), threshold(2), threshold(16)) == (0.5, 0.5, 4.0)
+    assert busy(1.0, 2) and busy(0.6, 1) and busy(4.5, 16) and busy(40, 128)
+    assert not busy(0.4, 2) and not busy(3.0, 16) and not busy(0.0, 1)
+    assert Load(1.26, 2, 3.0).describe() == "other processes used 1.3 of its 2 cores"
+
+
+def test_tune_dispatch_on_a_busy_machine_does_not_install_its_table(tmp_path, monkeypatch):
+    """Issue 44: a table measured beside other work silently became the default. With two processes spinning, the
+    user table stays as it was, the entries go beside it (usable with --dispatch-table) and a warning says why;
+    --force installs them all the same."""
+    from scripts.lib.procs import busy_processes
+
+    from .cli_helpers import run
+
+    user = tmp_path / "user.json"
+    monkeypatch.setenv(dsp.TABLE_ENV, str(user))
+    args = ("tune-dispatch", "--shape", "64,32,8,2", "--quant", "float32", "--ms", "1,8", "--blocks", "8")
+    with busy_processes(2, settle=0.5):
+        res = run(*args)
+        assert res.exit_code == 0, res.output
+        assert not user.exists() and dsp.read_table(tmp_path / "user.busy.json").entries
+        warning = next(ln for ln in res.output.splitlines() if "busy while measuring" in ln)
+        assert "so the noisy table did not become the default" in warning and "--force" in warning
+        assert f"--dispatch-table {tmp_path / 'user.busy.json'}" in warning
+        assert "reads this user table from now on" not in res.output
+        res = run(*args, "--force")
+        assert res.exit_code == 0 and "installed all the same (--force)" in res.output, res.output
+        assert dsp.read_table(user).entries
 
 
 def test_tune_dispatch_refuses_a_top_k_above_the_experts_before_measuring(tmp_path):

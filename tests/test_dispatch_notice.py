@@ -1,4 +1,5 @@
-"""A first run on a backend without a measured dispatch table says so once per machine (issue 32, part 4)."""
+"""A first run on a backend without a measured dispatch table says so once per machine (issue 32, part 4); every
+model command says how its experts run in words, `doctor --model` shows the table entries (issue 44)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,20 @@ def test_an_unwritable_cache_keeps_quiet_rather_than_repeating(machine, qwen_mod
     monkeypatch.setattr(dispatch_table, "shipped_table", lambda: Table(sources=["shipped"]))
     (machine / "cache").write_text("a file where the cache directory would be")
     assert LINE not in collect(qwen_model, machine / "a.npz").stderr
+
+
+def test_the_dispatch_line_is_in_words_and_doctor_shows_the_entries(machine, qwen_model):
+    """Issue 44: every model command printed `dispatch: auto on cpu, 2 expert layer(s); float32 D64 H32 E8: nearest
+    entry float32 D256 H48 E32 k4 (shipped)`; now a line a user reads, the internal one in `doctor --model`."""
+    import re
+
+    line = next(ln for ln in collect(qwen_model, machine / "a.npz").stderr.splitlines() if "dispatch" in ln)
+    assert line == "experts: runtime dispatch on cpu, tuned for a similar expert shape (shipped table)", line
+    doctor = cli("doctor", "--model", qwen_model)
+    assert doctor.exit_code == 0, doctor.output
+    (full,) = [ln for ln in doctor.output.splitlines() if ln.startswith("dispatch: ")]
+    assert re.fullmatch(r"dispatch: auto on cpu, 2 expert layer\(s\); float32 D\d+ H\d+ E8: nearest entry float32 "
+                        r"D\d+ H\d+ E\d+ k\d+ \(shipped\)", full), full
+    plain = cli("collect", "--model", qwen_model, "--dataset", DATA, "--max-samples", "1", "--max-tokens", "8",
+                "--output", machine / "b.npz", "--dispatch", "mlx-lm")
+    assert "experts: mlx-lm's own dispatch (--dispatch mlx-lm)" in plain.stderr

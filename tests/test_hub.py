@@ -143,8 +143,12 @@ def test_revisions_the_reference_and_the_python_api(cached, tmp_path):
     meta = json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())
     assert meta["base_model"] == {"repo_id": REPO, "revision": TAGGED, "commit": TAGGED}
     result = run("eval", "--model", tmp_path / "pruned", "--reference", REPO, "--dataset", SAMPLE, "--max-samples", 2,
-                 "--max-tokens", 32)
+                 "--max-tokens", 32, "--output", tmp_path / "eval.json")
     assert result.exit_code == 0 and "ref ppl" in result.output, result.output
+    report = json.loads((tmp_path / "eval.json").read_text())  # the repo id as given, not its snapshot directory
+    assert report["reference"] == REPO and report["reference_source"] == {"repo_id": REPO, "revision": "main",
+                                                                          "commit": MAIN}
+    assert report["model"] == str(tmp_path / "pruned") and report["model_source"] is None
     assert hub.source(cached / f"models--org--tiny-moe/snapshots/{MAIN}") == {"repo_id": REPO, "commit": MAIN}
     assert hub.source(tmp_path / "pruned") is None
 
@@ -155,7 +159,8 @@ def test_a_local_directory_wins_over_a_repo_id_of_the_same_name(cached, qwen_mod
     jobs.collect.run(model=REPO, dataset=SAMPLE, output="s.npz", max_samples=4, max_tokens=64)
     result = run("prune", "--model", REPO, "--saliency", "s.npz", "--n-prune", 2, "--output", "pruned")
     assert result.exit_code == 0, result.output
-    assert "base_model" not in json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())
+    assert json.loads((tmp_path / "pruned" / "reap_metadata.json").read_text())["base_model"] == {
+        "path": str(tmp_path / REPO)}  # the local directory, not the repo
     expect_error(run("prune", "--model", REPO, "--revision", "v1", "--saliency", "s.npz", "--n-prune", 2,
                      "--output", "pruned-v1"),
                  f"--revision v1 applies to a Hugging Face repo id, but --model {REPO} is a local directory")

@@ -41,6 +41,7 @@ KINDS = {"model": "config", "reference": "config", "draft_model": "config", "exp
          "saliency": None, "file1": None, "file2": None, "files": None, "input": None, "data_dir": None}
 #: the commands that only read, with the options they need
 READERS = {
+    "doctor": [{"model": "model"}],
     "smoke_test": [{"model": "model", "settings.dispatch_table": "dispatch_table", "draft_model": "reference",
                     "max_tokens": 1}],
     "steer": [{"model": "model", "prompt": "hi", "max_tokens": 1, "steering.safety_map": "safety_map", "mode": "safe",

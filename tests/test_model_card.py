@@ -55,7 +55,8 @@ def _card(out, src, tag: str, meta_file: str) -> tuple[str, dict]:
     """The output's card, checked for what every card holds; and the metadata file beside it."""
     text = (out / "README.md").read_text()
     front = text.split("---\n")[1]
-    assert "library_name: mlx\n" in front and f"base_model: {src}\n" in front, front
+    assert "library_name: mlx\n" in front and f"base_model: {src.name}\n" in front, front
+    assert str(src) not in text  # a published card names the local directory, not this machine's path to it
     assert f"- mlx\n- mlx-fun\n- {tag}\n" in front and "license: apache-2.0\n" in front, front
     assert "pipeline_tag: text-generation\n" in front and "source-only-tag" not in front
     assert "SOURCE CARD BODY" not in text and "`org/original-moe`" in text  # its own card, the source's lineage
@@ -63,7 +64,9 @@ def _card(out, src, tag: str, meta_file: str) -> tuple[str, dict]:
     assert f"from mlx_lm import load, generate\n\nmodel, tokenizer = load({json.dumps(str(out))})" in text
     assert "| weights on disk |" in text
     mlx_lm.load(str(out))  # plain mlx-lm opens what the card says it does
-    return text, json.loads((out / meta_file).read_text())
+    meta = json.loads((out / meta_file).read_text())
+    assert meta["base_model"] == {"path": str(src)}  # the full path: in the metadata JSON only
+    return text, meta
 
 
 def test_prune_card(carded, tmp_path):
@@ -140,7 +143,7 @@ def test_a_card_given_in_the_metadata_is_kept_and_a_source_without_a_card_gets_o
     assert (out / "README.md").read_text() == "# mine\n"
     out = save_model_dir(model, config, tmp_path / "plain", source=out)
     text = (out / "README.md").read_text()
-    assert f"base_model: {tmp_path / 'own'}" in text and "# mine" not in text and "license" not in text
+    assert "base_model: own\n" in text and "# mine" not in text and "license" not in text
     assert "tags:\n- mlx\n- mlx-fun\n---" in text
 
 

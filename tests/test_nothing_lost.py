@@ -179,6 +179,82 @@ def test_a_file_of_another_tool_is_used_with_a_warning(tmp_path, qwen_model, sal
     assert "records no model_type or top_k (written by another tool?)" in res.output
 
 
+def _collected_on(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if "was collected on" in ln]
+
+
+def test_saliency_of_other_weights_warns_once_and_stats_merge_keeps_where_it_came_from(tmp_path, qwen_model,
+                                                                                       make_model, saliency):
+    """Issue 44: a file collected on a model of the same shape but other weights (a base for its fine-tune) was
+    used silently. collect records the model (name, weights fingerprint) and the dataset; prune / merge / quantize
+    warn in one line when the fingerprint is not the model's, say nothing when it is (a copy of the directory
+    too) or when the file records none."""
+    from mlx_fun.observe import provenance
+
+    acc = SaliencyAccumulator.load(saliency)
+    assert acc.provenance["source_model"] == qwen_model.name and acc.provenance["source_dataset"] == str(SAMPLE)
+    assert acc.provenance["source_fingerprint"] == provenance.fingerprint(qwen_model)
+    assert len(acc.provenance["source_samples_sha256"]) == 64
+    tuned = make_model("qwen3_moe", seed=1)  # the same shape, other weights
+    prune = ("prune", "--saliency", saliency, "--n-prune", 2)
+    res = run(*prune, "--model", tuned, "--output", tmp_path / "p-tuned")
+    assert res.exit_code == 0, res.output
+    (line,) = _collected_on(res.output)
+    assert line.startswith(f"Warning: --saliency {saliency} was collected on {qwen_model.name} (weights "
+                           f"{acc.provenance['source_fingerprint'][:12]}), not on this model {tuned.name} "), line
+    assert "collecting on a base and pruning its fine-tune is legitimate — check it is what you meant." in line
+    res = run("quantize", "--model", tuned, "--saliency", saliency, "--cold-layers", 1, "--cold-bits", 2,
+              "--expert-bits", 4, "--expert-group-size", 32, "--output", tmp_path / "q-tuned")
+    assert res.exit_code == 0 and len(_collected_on(res.output)) == 1, res.output
+    res = run("merge", "--model", tuned, "--saliency", saliency, "--n-prune", 2, "--dataset", SAMPLE,
+              "--max-samples", 2, "--max-tokens", 16, "--output", tmp_path / "m-tuned")
+    assert res.exit_code == 0 and len(_collected_on(res.output)) == 1, res.output
+    copy = shutil.copytree(qwen_model, tmp_path / "copy-of-the-model")  # the same weights elsewhere: no warning
+    for model, out in ((qwen_model, "p-same"), (copy, "p-copy")):
+        res = run(*prune, "--model", model, "--output", tmp_path / out)
+        assert res.exit_code == 0 and not _collected_on(res.output), res.output
+    old = tmp_path / "old.npz"  # a file from before the fields: nothing to compare, nothing said
+    np.savez(old, **{k: v for k, v in np.load(saliency).items() if not k.startswith("source_")})
+    res = run("prune", "--saliency", old, "--n-prune", 2, "--model", tuned, "--output", tmp_path / "p-old")
+    assert res.exit_code == 0 and not _collected_on(res.output), res.output
+    # stats-merge keeps each field all its inputs agree on: here the model, not the two datasets
+    other = _like(saliency, freq=acc.freq + 1)
+    other.provenance = {**acc.provenance, "source_dataset": "prose.jsonl", "source_samples_sha256": "0" * 64}
+    other.save(tmp_path / "prose.npz")
+    assert run("stats-merge", "--files", saliency, "--files", tmp_path / "prose.npz", "--output",
+               tmp_path / "m.npz").exit_code == 0
+    merged = SaliencyAccumulator.load(tmp_path / "m.npz").provenance
+    assert merged == {k: acc.provenance[k] for k in ("source_model", "source_fingerprint")}
+    res = run("prune", "--saliency", tmp_path / "m.npz", "--n-prune", 2, "--model", tuned, "--output",
+              tmp_path / "p-merged")
+    assert res.exit_code == 0 and len(_collected_on(res.output)) == 1, res.output
+
+
+def test_a_fingerprint_samples_every_tensor(tmp_path, qwen_model):
+    """One attention matrix rewritten (a merged LoRA) changes the fingerprint; so does config.json."""
+    import mlx.core as mx
+
+    from mlx_fun.observe.provenance import fingerprint
+
+    tuned = shutil.copytree(qwen_model, tmp_path / "tuned")
+    (weights,) = tuned.glob("model*.safetensors")
+    tensors = mx.load(str(weights))
+    name = next(k for k in sorted(tensors) if "q_proj.weight" in k)
+    tensors[name] = tensors[name] + 0.01
+    mx.save_safetensors(str(weights), tensors, metadata={"format": "mlx"})
+    assert fingerprint(tuned) != fingerprint(qwen_model)
+    again = shutil.copytree(qwen_model, tmp_path / "again")
+    assert fingerprint(again) == fingerprint(qwen_model)
+    (again / "config.json").write_text((again / "config.json").read_text().replace("{", "{\"note\": 1, ", 1))
+    assert fingerprint(again) != fingerprint(qwen_model)
+    from mlx_fun.errors import UserError
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, freq=np.ones((2, 8)), source_model=np.array([1, 2]))
+    with pytest.raises(UserError, match="'source_model' is not a text"):
+        SaliencyAccumulator.load(bad)
+
+
 def test_stats_refuse_the_same_statistics_twice_and_another_top_k(tmp_path, saliency):
     copy = tmp_path / "copy.npz"
     shutil.copy(saliency, copy)

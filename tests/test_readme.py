@@ -249,8 +249,10 @@ def test_every_doc_block_runs_in_order_in_one_directory(tmp_path):
     assert set(report["datasets"]) == {"code", "prose"}
     for name in ("amplified/amplification_metadata.json", "safety_report.json", "domain_report.json", "online.npz",
                  "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz",
-                 "mlx-fun-demo/summary.md", "cache/mlx-fun/dispatch_table.json", "saliency.npz", "pipeline.npz"):
+                 "mlx-fun-demo/summary.md", "saliency.npz", "pipeline.npz"):
         assert (work / name).is_file() or (tmp_path / name).is_file(), name
+    tuned = tmp_path / "cache" / "mlx-fun"  # tune-dispatch's user table; on a busy machine, the table beside it
+    assert (tuned / "dispatch_table.json").is_file() or (tuned / "dispatch_table.busy.json").is_file()
     _check_python_api(work, session.printed)
     _check_abliterated(work, session.outputs["abliterate"].stderr)
     assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left

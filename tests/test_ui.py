@@ -24,6 +24,7 @@ from mlx_fun.ui import analysis, plots
 from mlx_fun.ui.client import ServerClient, ServerError, check_url
 from mlx_fun.ui.common import guarded, problem
 from mlx_fun.ui.tabs import chat, dashboard, steering
+from mlx_fun.ui.tabs import merge as merge_tab
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -201,7 +202,21 @@ def test_steering_bodies_and_state(client, data_dir):
     state = client.steer(steering.report_body("safety", "safety_report.json", "unsafe", "additive"))
     text = steering.describe(state)
     assert "3 experts masked in 2 layers" in text and "safety report" in text and "(unsafe)" in text
-    client.unsteer()
+    # the map of the affected experts (issue 44: the tab showed the server's JSON alone)
+    info = client.info()
+    codes, layers = steering.effects(state, info)
+    assert layers == info["moe_layer_indices"] and codes.shape == (len(layers), info["num_experts"])
+    assert {(int(r), int(c)) for r, c in zip(*np.nonzero(codes == 1))} == {(0, 1), (0, 2), (1, 3)}
+    assert (codes == 2).sum() == 0
+    state = client.steer({"deactivate": {"0": [1]}, "activate": {"1": [5, 6]}})
+    codes, _ = steering.effects(state, info)
+    assert codes[0, 1] == 1 and list(codes[1, 5:7]) == [2, 2] and (codes > 0).sum() == 3
+    fig = steering.effects_map(state, info)
+    image = fig.axes[0].images[0]
+    assert (image.get_array() == codes).all()
+    assert fig.axes[0].get_title() == "Steering: 1 masked and 2 boosted experts, per layer"
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == [name for name, _ in steering.EFFECTS]
+    assert steering.effects_map(client.unsteer(), info) is None
 
 
 def test_guarded_handlers_keep_the_page_and_show_one_line():
@@ -249,16 +264,54 @@ def test_layer_bars_and_diff_heatmap():
     assert [p.get_height() for p in ax.patches] == [0, 2, 5, 1]
     assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("Expert", "REAP", "Layer 7: REAP per expert")
     d = np.array([[1.0, -4.0], [0.0, 2.0]])
-    fig = plots.diff_heatmap(d, metric="freq", layer_names=[0, 2], labels=("code", "prose"))
+    fig = plots.diff_heatmap(d, metric="freq", layer_names=[0, 2], labels=("code", "prose"), percentile=100)
     ax, cbar = fig.axes
     image = ax.images[0]
     assert image.get_clim() == (-4.0, 4.0) and image.get_array()[0, 1] == -4.0
+    assert ax.get_title() == "Frequency difference (red: code higher, blue: prose higher)"  # nothing clipped
     assert cbar.get_ylabel() == "Frequency: code − prose"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "2"]
     red, blue, white = (image.cmap(image.norm(v))[:3] for v in (1.0, -4.0, 0.0))
     assert red[0] > red[2] and blue[2] > blue[0] and min(white) > 0.95
     with pytest.raises(ValueError, match="non-empty"):
         plots.heatmap(np.zeros((0, 3)), metric="freq")
+
+
+def test_one_outlier_does_not_wash_out_the_diff_heatmap():
+    """Issue 44: the colour scale ran to the largest |difference|, so one outlier left every other cell white; it
+    now ends at the 99th percentile, and the title says how many cells lie beyond."""
+    d = np.tile([[-1.0, 0.5, 1.0, -0.5]], (4, 25))  # 400 cells of ±0.5 and ±1
+    d[2, 7] = 500.0
+    fig = plots.diff_heatmap(d, metric="reap")
+    image = fig.axes[0].images[0]
+    assert image.get_clim() == (-1.0, 1.0)
+    assert fig.axes[0].get_title().endswith(
+        "\ncolours clipped at ±1, the 99th percentile of |difference|: 1 cell beyond it show the end colours")
+    full_red = image.cmap(image.norm(500.0))
+    assert image.cmap(image.norm(1.0)) == full_red and min(image.cmap(image.norm(0.5))[:3]) < 0.8  # not washed out
+    assert plots.clip_limit(np.zeros((2, 2))) == (1.0, 0) and plots.clip_limit([[0, 0, 0, 3]] * 50) == (3.0, 0)
+
+
+def test_status_heatmap_colours_each_category():
+    codes = np.array([[0, 1, 2], [2, 0, 0]])
+    cats = [("keep", "#dddddd"), ("remove", "#d1495b"), ("boost", "#2a9d8f")]
+    fig = plots.status_heatmap(codes, categories=cats, layer_names=[3, 7], title="t")
+    ax, bar = fig.axes
+    assert [t.get_text() for t in bar.get_yticklabels()] == ["keep", "remove", "boost"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["3", "7"] and ax.get_title() == "t"
+    import io
+
+    from matplotlib.colors import to_rgb
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    png = np.asarray(Image.open(buf).convert("RGB")).astype(int)
+    for (r, c), code in np.ndenumerate(codes):
+        x, y = plots.cell_pixel(fig, r, c)
+        assert np.abs(png[y, x] - np.array(to_rgb(cats[code][1])) * 255).max() <= 2, (r, c)
+    with pytest.raises(ValueError, match="0..2"):
+        plots.status_heatmap(codes + 1, categories=cats, title="t")
 
 
 # ---------------------------------------------------------------------------------------------- Merge / Diff tabs
@@ -299,6 +352,14 @@ def test_compare_filters_and_refusals(saliency_files):
     assert removed[0] == removed[1] and len(removed[0]) == 2
     assert not any(c.protected[p, e] for p in removed for e in removed[p])
     assert all(r[-1].startswith(("keep", "remove")) for r in c.rows())
+    # the map of what happens to each expert: the table's status column, cell by cell
+    codes = c.statuses()
+    assert [analysis.STATUSES[codes[p, e]] for p in range(2) for e in range(8)] == [r[-1] for r in c.rows()]
+    assert {analysis.STATUSES[i] for i in np.unique(codes)} >= {"keep", "keep (protected)", "remove"}
+    fig = merge_tab.status_map(c)
+    assert (fig.axes[0].images[0].get_array() == codes).all()
+    assert fig.axes[0].get_title() == "Experts merged away (red): 4 in all"
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == list(analysis.STATUSES)
     assert json.loads(analysis.export(c, root=root, name="m.json").read_text())["mode"] == "merge"
     for kwargs, needle in ((dict(files=["a.npz"]), "2 to 4"), (dict(files=["a.npz", "a.npz"]), "same statistics"),
                            (dict(files=["a.npz", "../b.npz"]), "outside the UI's data directory"),

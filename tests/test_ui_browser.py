@@ -164,6 +164,19 @@ def check_heatmap_shows(png: np.ndarray, freq: np.ndarray, layers: list[int]) ->
             assert np.abs(png[y, x] - want).max() <= 2, (r, c, freq[r, c], png[y, x], want)
 
 
+def check_cells_shown(png: np.ndarray, fig) -> None:
+    """Every cell of the rendered map has the colour ``fig`` (the figure the tab drew) gives it."""
+    from mlx_fun.ui import plots
+
+    width, height = fig.canvas.get_width_height()
+    assert png.shape == (height, width, 3)
+    image = fig.axes[0].images[0]
+    for (r, c), value in np.ndenumerate(np.asarray(image.get_array())):
+        x, y = plots.cell_pixel(fig, r, c)
+        want = np.array(image.cmap(image.norm(value))[:3]) * 255
+        assert np.abs(png[y, x] - want).max() <= 2, (r, c, value, png[y, x], want)
+
+
 def test_dashboard_in_a_real_browser(tmp_path, shots):
     reason = _missing()
     if reason:
@@ -286,10 +299,15 @@ def _steering(run: Run) -> None:
     state = rest(f"{server.url}/v1/reap/steer")
     report = json.loads((run.data / "safety_report.json").read_text())
     assert state["active"] and state["steering"]["deactivate"] == report["safety_critical"]
+    from mlx_fun.ui.tabs.steering import effects_map
+
+    page.locator("#steer-heatmap img").first.wait_for()  # the masked experts on a map, cell by cell
+    check_cells_shown(rendered_heatmap(page, "#steer-heatmap"), effects_map(state, rest(f"{server.url}/v1/reap/info")))
     run.shot(page, "steering")
     page.locator("#steer-remove").click()
     wait_text(page, "#steer-state", lambda t: t.startswith("No steering is active"), "the removed steering")
     assert rest(f"{server.url}/v1/reap/steer")["active"] is False
+    wait_until(lambda: page.locator("#steer-heatmap img").count() == 0, "the map cleared")
 
 
 def _controls(run: Run) -> None:
@@ -321,6 +339,12 @@ def _merge_then_prune(run: Run) -> None:
     page.locator("#merge-run").click()
     wait_text(page, "#merge-summary", lambda t: "2 files rank-merged by reap" in t and "32 to remove" in t,
               "the comparison")
+    from mlx_fun.ui import analysis
+    from mlx_fun.ui.tabs.merge import status_map
+
+    page.locator("#merge-status-map img").first.wait_for()  # what happens to each expert, on a map
+    c = analysis.compare(root=run.data, files=["chat.npz", "refusal.npz"], metric="reap", n_prune=8, action="prune")
+    check_cells_shown(rendered_heatmap(page, "#merge-status-map"), status_map(c))
     page.locator("#merge-export-json").click()
     wait_text(page, "#merge-status", lambda t: t.startswith("Wrote filtered_experts.json"), "the export")
     run.shot(page, "merge")

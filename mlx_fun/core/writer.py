@@ -21,7 +21,8 @@ writes it only when the block succeeds:
 5. On success renames the temp into place (the old output, with ``force``, is swapped out and removed; without
    it a file that appeared meanwhile is never replaced: the temp is hard-linked into place); on any
    exception, on SIGTERM / SIGHUP (turned into :class:`Terminated` while the block runs) and on Ctrl-C it
-   removes the temp, the lock and any parent directory it created: the output is absent or complete.
+   removes the temp, the lock and any parent directory it created: the output is absent or complete. A block that
+   decides against writing calls :meth:`Reservation.discard`: it ends like a failure, without one.
 
 Everything is created with the user's umask (0644 files / 0755 directories under umask 022), unlike
 ``tempfile``'s private 0600 / 0700. SIGKILL cannot be caught; its temp is removed by the next run that writes
@@ -252,6 +253,7 @@ class Reservation:
         self._lock_fd: int | None = None
         self._lock_path = path.parent / f".{path.name}.lock"
         self._created_dirs: list[Path] = []
+        self.discarded = False
 
     # -- setup
     def _open(self) -> None:
@@ -312,6 +314,10 @@ class Reservation:
 
     def write_json(self, obj) -> None:
         self.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+    def discard(self) -> None:
+        """End the block without writing ``path`` (what is there stays as it was): the work decided against it."""
+        self.discarded = True
 
     # -- the end
     def _commit(self) -> None:
@@ -403,8 +409,9 @@ def output(path: str | os.PathLike, *, kind: str = "file", inputs: Mapping[str, 
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # the output's disk: say which output
                     raise res.write_failed(e) from None
                 raise
-            with signals_blocked():
-                res._commit()
+            if not res.discarded:
+                with signals_blocked():
+                    res._commit()
         finally:
             with signals_blocked():
                 res._release()

@@ -43,6 +43,7 @@ explicit ``table_path`` — later ones take precedence for the same key.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -364,6 +365,38 @@ class DispatchReport:
     half_dense: int = 0  # dense quantized linears / tied heads with half-precision scales run in float32
     cache_note: str = ""
     table_sources: list = field(default_factory=list)
+
+    def brief(self) -> str:
+        """What every model command prints, in words: who runs the experts and where the cut-offs come from, plus
+        what changes the numbers or the memory (half-precision layers run in float32, the dequant cache asked for).
+        The full line (:meth:`summary`: each expert shape's table entry) is ``mlx-fun doctor --model``'s."""
+        notes = ""
+        if self.upcast_layers:
+            notes += (f"; {self.upcast_layers} half-precision expert layer(s) run in float32 (MLX's CPU runs them "
+                      "faster so)")
+        if self.half_dense:
+            notes += f"; {self.half_dense} dense quantized layer(s) with half-precision scales run in float32"
+        if self.cache_budget:
+            notes += (f"; dequant cache {format_bytes(self.cache_bytes)} for {self.cached_layers}/"
+                      f"{self.quantized_layers} quantized layer(s) (budget {format_bytes(self.cache_budget)})"
+                      + (f": {self.cache_note}" if self.cache_note else ""))
+        if self.mode != "auto":
+            return "experts: mlx-lm's own dispatch (--dispatch mlx-lm)" + notes
+        hows = [how for _entry, how in self.entries.values()]
+        tuned = [entry for entry, how in self.entries.values() if how != "default"]
+        if not self.entries:
+            return f"experts: none to dispatch on {self.backend}" + notes
+        if not tuned:
+            return (f"experts: mlx-lm's rule on {self.backend} (no dispatch table tuned for this machine's "
+                    f"{self.backend} yet)" + notes)
+        names = sorted({"shipped table" if e.source == "shipped" else f"table {Path(e.source).name}" for e in tuned})
+        if "default" in hows:
+            how = f"tuned for {len(tuned)} of {len(hows)} expert shapes, mlx-lm's rule for the rest"
+        elif "nearest" in hows:
+            how = "tuned for a similar expert shape"
+        else:
+            how = "tuned for this model's expert shape" + ("s" if len(hows) > 1 else "")
+        return f"experts: runtime dispatch on {self.backend}, {how} ({', '.join(names)})" + notes
 
     def summary(self) -> str:
         upcast = (f"; {self.upcast_layers} half-precision expert layer(s) run in float32 (MLX's CPU gather_mm is "

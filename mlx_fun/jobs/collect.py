@@ -56,11 +56,13 @@ def run(
     """Run ``dataset`` through every MoE layer of ``model`` and write the saliency statistics to ``output``.
 
     The output is reserved (refused if it is an input, locked, checked writable) before the model is loaded and
-    written atomically at the end; an existing ``output`` is replaced only with ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the
-    statistics equal mlx-lm's: counts exactly, norms within float rounding), at most ``settings.token_budget``
-    tokens per forward (:mod:`mlx_fun.model.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`);
-    ``calibration``: how the samples are drawn and batched (:class:`mlx_fun.datasets.calibration.Calibration`; its
-    fields may also be given by name: ``max_samples=32``).
+    written atomically at the end, with where the statistics came from (the model's name and weights fingerprint, the
+    dataset and its samples' hash: :mod:`mlx_fun.observe.provenance`); an existing ``output`` is replaced only with
+    ``force``. Experts run through mlx-fun's runtime dispatch (``dispatch="auto"``; the statistics equal mlx-lm's:
+    counts exactly, norms within float rounding), at most ``settings.token_budget`` tokens per forward
+    (:mod:`mlx_fun.model.engine`); ``settings``: how to run (:class:`mlx_fun.settings.RunSettings`); ``calibration``:
+    how the samples are drawn and batched (:class:`mlx_fun.datasets.calibration.Calibration`; its fields may also be
+    given by name: ``max_samples=32``).
 
     ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): the
     model loads lazily and runs one decoder layer at a time (:func:`mlx_fun.observe.collect.collect_streamed`),
@@ -162,6 +164,11 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
     acc = reduce_saliency(acc, w, same_tokens=pipeline)
     seconds = time.perf_counter() - start
     if w.writer:
+        from ..observe.checkpoint import samples_hash
+        from ..observe.provenance import collected_on
+
+        # which model and data: prune, merge and quantize compare the model's fingerprint with theirs
+        acc.provenance = collected_on(model, dataset, samples_hash(samples))
         acc.write_npz(job_.res.tmp)
     from ..runtime.memory import device_peak_bytes, peak_rss_bytes
 

@@ -1,13 +1,17 @@
 """The ``doctor`` job: the MLX backend, device, BLAS and versions in use (mlx / mlx-lm against the ranges mlx-fun
 is tested with, and whether the installed mlx-lm has every private name mlx-fun uses), a measured matmul speed, and
-the model types mlx-fun serves (with any MoE type of the installed mlx-lm it does not know)."""
+the model types mlx-fun serves (with any MoE type of the installed mlx-lm it does not know); with ``model``, how each
+of its expert shapes is dispatched (the full line of table entries that the model commands say in words)."""
 
 from __future__ import annotations
 
 import platform
 import sys
 import time
+from pathlib import Path
+from typing import Annotated
 
+from ..core.options import Opt
 from .common import job
 
 
@@ -40,11 +44,19 @@ def matmul_gflops(n: int = 512, budget_s: float = 0.3) -> float:
 
 
 @job
-def run() -> dict[str, str]:
+def run(*, model: Annotated[str | Path | None, Opt(
+        "Also show how each expert shape of this MoE model (a local directory or a Hugging Face repo id) is dispatched "
+        "here: the table entry it uses, as the other commands say it in words. Nothing is run.")] = None,
+        ) -> dict[str, str]:
     """Ordered facts (name → text); ``mlx`` says why when MLX cannot be imported (and nothing is measured);
-    ``mlx-lm compat`` starts with ``MISSING`` when the installed mlx-lm lacks a private name a feature needs."""
+    ``mlx-lm compat`` starts with ``MISSING`` when the installed mlx-lm lacks a private name a feature needs;
+    ``dispatch`` (with ``model``): :meth:`mlx_fun.dispatch.experts.DispatchReport.summary` of the model, loaded
+    lazily (no weight is read) with the default tables."""
     from .. import __version__, mlx_lm_compat
     from ..runtime.blas import blas_status
+    from .common import check_moe
+
+    checked = None if model is None else check_moe(model)  # a wrong --model fails before anything is measured
 
     facts = {"mlx-fun": __version__, "python": f"{platform.python_version()} ({sys.executable})",
              "platform": platform.platform()}
@@ -59,7 +71,19 @@ def run() -> dict[str, str]:
     facts.update({"default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
                   "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "dispatch table": dispatch_table(),
                   "model types": model_types()})
+    if model is not None:
+        facts["dispatch"] = model_dispatch(model, checked)
     return facts
+
+
+def model_dispatch(model, checked: tuple[dict, type]) -> str:
+    """The full dispatch line of ``model`` (each expert shape: the table entry it uses and how it was found;
+    ``checked``: what :func:`mlx_fun.jobs.common.check_moe` found)."""
+    from ..settings import RunSettings
+    from .common import load_moe
+
+    mdl = load_moe(model, lazy=True, checked=checked, tokenizer=False)[0]
+    return RunSettings().apply(mdl).summary().removeprefix("dispatch: ")
 
 
 def dispatch_table() -> str:

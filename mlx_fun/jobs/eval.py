@@ -122,6 +122,7 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
            reference, ref_config: dict | None, output, log: Log, plan: StreamPlan = StreamPlan(False)) -> EvalResult:
     """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
     from ..datasets.samples import pad_id as batch_pad_id
+    from ..model import hub
     from ..observe.evaluate import evaluate, load_eval_datasets
 
     model_config, c = job_.config, calibration
@@ -147,8 +148,10 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
                            token_budget=budget, progress=settings.progress)
     seconds = time.perf_counter() - start
     out = {
-        "model": str(model),
-        "reference": None if reference is None else str(reference),
+        "model": hub.display_name(model),  # a repo id as the user gave it, not its snapshot directory in the cache
+        "reference": hub.display_name(reference),
+        "model_source": hub.source(model),  # {repo_id, revision, commit} of a repo id; None for a local directory
+        "reference_source": hub.source(reference),
         "model_type": model_config.get("model_type"),
         "quantization": model_config.get("quantization"),
         "reference_quantization": None if ref_config is None else ref_config.get("quantization"),

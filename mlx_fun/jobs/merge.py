@@ -113,7 +113,7 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
 
     adapter, stream = job_.adapter, plan.layers
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
-    keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection)
+    keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection, model)
     n_kept = len(keep_map[0])
     check_group_room(n_kept, E, ream.max_group_size)
     for line in warnings:
@@ -172,9 +172,10 @@ def _check(saliency, expert_list, selection: Selection, settings: RunSettings) -
                         f"expert weights a dequantized-experts cache would hold; leave it at 0.")
 
 
-def _centroids(adapter, saliency, expert_list, selection: Selection):
+def _centroids(adapter, saliency, expert_list, selection: Selection, model):
     """``(keep_map, scores, warnings)``: the centroids per MoE position, from ``expert_list`` or the ``saliency``
-    ranking (``scores``: its checked ranking scores, ``None`` without ``saliency``)."""
+    ranking (``scores``: its checked ranking scores, ``None`` without ``saliency``); ``model``: the model directory
+    (a warning when ``saliency`` was collected on other weights)."""
     from ..rewrite.merge import select_centroids
     from ..observe.saliency import SaliencyAccumulator
     from ..experts.selection import check_keep_counts, parse_expert_ranges
@@ -183,7 +184,7 @@ def _centroids(adapter, saliency, expert_list, selection: Selection):
     scores, warnings = None, []
     if saliency is not None:
         acc = SaliencyAccumulator.load(saliency, name="saliency")
-        warnings += acc.check_matches(adapter)
+        warnings += acc.check_matches(adapter) + acc.check_provenance(model)
         scores = acc.ranking_scores(selection.metric, over="columns" if selection.model_wide else "experts")
     if expert_list is not None:
         from ..experts.expert_files import load_expert_list

@@ -110,6 +110,7 @@ def run(
         keep_map, warnings = select_keep_map(
             job_.adapter, acc=acc, scores=scores, expert_list=expert_list, selection=selection, strategy=strategy,
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
+        warnings += [] if acc is None else acc.check_provenance(model)  # collected on other weights?
         for line in warnings:
             log(f"Warning: {line}")
         return _write(job_, model=model, output=output, keep_map=keep_map, source=saliency or expert_list,

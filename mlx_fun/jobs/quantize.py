@@ -69,7 +69,7 @@ def run(
         snapshot = Snapshot(mdl, model, config)
         cold_scores: dict[int, float] = {}
         if saliency is not None:
-            cold_scores = _cold(adapter, saliency, recipe.cold_layers, metric, warnings)
+            cold_scores = _cold(adapter, saliency, recipe.cold_layers, metric, warnings, model)
         resolved = q.Recipe(dense, experts, router, cold, tuple(cold_scores))
         new_config, modules, skipped = q.quantize(adapter, config, resolved)
         if skipped:
@@ -104,8 +104,9 @@ def _settings(recipe: QuantRecipe, saliency):
     return r.settings()
 
 
-def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[int, float]:
-    """Decoder layer → summed saliency of the ``n`` coldest MoE layers (coldest first)."""
+def _cold(adapter, saliency, n: int, metric: str, warnings: list[str], model) -> dict[int, float]:
+    """Decoder layer → summed saliency of the ``n`` coldest MoE layers (coldest first); a warning in ``warnings``
+    when ``saliency`` was collected on other weights than ``model``'s."""
     from ..rewrite.quantize import coldest_layers
     from ..observe.saliency import SaliencyAccumulator
 
@@ -114,7 +115,7 @@ def _cold(adapter, saliency, n: int, metric: str, warnings: list[str]) -> dict[i
         raise UserError(f"{param('cold_layers')} must be 1..{len(layers)} (this model has {len(layers)} MoE layers), "
                         f"got {n!r}.")
     acc = SaliencyAccumulator.load(saliency, name="saliency")
-    warnings += acc.check_matches(adapter)
+    warnings += acc.check_matches(adapter) + acc.check_provenance(model)
     scores = acc.ranking_scores(metric, over="layers")
     sums = scores.sum(axis=1)
     return {layer: round(float(sums[layers.index(layer)]), 6) for layer in coldest_layers(scores, layers, n)}

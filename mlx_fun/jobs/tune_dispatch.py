@@ -20,6 +20,8 @@ class TuneResult:
     entries: list  # mlx_fun.dispatch.table.Entry, one per measured expert shape
     written: list[str] = field(default_factory=list)
     user_table: bool = True  # written to the user table that --dispatch auto reads
+    busy: str | None = None  # how busy the machine was, when other processes used too much of it (the warning)
+    held: list[str] = field(default_factory=list)  # default tables not written because the machine was busy
 
 
 @job(any_model=True)
@@ -46,7 +48,8 @@ def run(
         "Table file to write; an existing one only with --force, which merges the entries into it (same key: "
         "replaced). Default: the user table that --dispatch auto reads, merged into ($MLX_FUN_DISPATCH_TABLE or "
         "~/.cache/mlx-fun/dispatch_table.json).", type=click.Path(dir_okay=False))] = None,
-    force: Annotated[bool, force_opt("an existing --output table, keeping its other entries")] = False,
+    force: Annotated[bool, force_opt("an existing --output table, keeping its other entries (and install a table "
+                                     "measured on a busy machine as the default all the same)")] = False,
     merge_into: Annotated[str | Path | None, Opt(
         "Also merge the new entries into this table (e.g. mlx_fun/dispatch/dispatch_table.json of a checkout).",
         type=click.Path(dir_okay=False))] = None,
@@ -60,12 +63,14 @@ def run(
     also into ``merge_into`` (merging into it is what it asks). The tables are reserved (checked, locked, proven
     writable) before anything is measured. ``on_entry(entry)`` is called as each shape is done.
 
+    A busy machine (other processes using more than a quarter of its cores, at least half a core, just before or
+    while measuring: :mod:`mlx_fun.runtime.cpu_load`) gives noisy timings: a warning says so, and without ``force``
+    the user table, which every later run would read, is left as it was: the entries go to :func:`busy_table_path`
+    instead (``--dispatch-table`` can name it). Files named by ``output`` and ``merge_into`` are written as asked.
+
     ``measure`` (:class:`mlx_fun.dispatch.tune_options.Measurement`): token counts, largest M, block sizes, whether to
     try dequantized plans, the margin a plan must win by and the minimum repeats."""
-    import contextlib
-
     from ..dispatch import experts as dsp
-    from ..core import writer
 
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
@@ -81,15 +86,70 @@ def run(
     tables = {out_path: (param("output") if output else "the user dispatch table", force or not output)}
     if merge_into:
         tables.setdefault(Path(merge_into), (param("merge_into"), True))
+    return _tune_into(tables, output=output, force=force, log=log, measure=lambda: _measure_all(
+        targets, ms_list, block_list, backend, measure, progress, log, on_entry))
+
+
+def _tune_into(tables: dict, *, output, force: bool, log: Log, measure) -> TuneResult:
+    """Reserve ``tables`` (path → (flag, merge into it)), run ``measure()`` (the entries) while watching the load,
+    and merge the entries into each table; on a busy machine, without ``force``, the user table (the first table
+    without ``output``) is left as it was and the entries go to :func:`busy_table_path`."""
+    import contextlib
+
+    from ..core import writer
+    from ..dispatch import experts as dsp
+    from ..runtime import cpu_load
+
+    default = None if output else next(iter(tables))  # the user table: what every later --dispatch auto reads
     with contextlib.ExitStack() as stack:
         reserved = [(path, stack.enter_context(writer.output(path, kind="file", flag=flag, force=merge)))
                     for path, (flag, merge) in tables.items()]
         old = {path: _read_table(path) for path in tables}  # under the locks: what the new entries merge into
-        entries = _measure_all(targets, ms_list, block_list, backend, measure, progress, log, on_entry)
+        before = cpu_load.sample()
+        if before.busy:
+            log(f"Warning: this machine is busy ({before.describe()}): the timings will be noisy"
+                + ("" if force or default is None else f"; they will not become the default ({param('force')} "
+                   f"installs them)") + ".")
+        watch = cpu_load.Watch()
+        entries = measure()
+        load = before if before.busy else watch.load()
+        held = [default] if default is not None and load.busy and not force else []
         new = dsp.Table(entries)
         for path, res in reserved:
-            res.write_text(dsp.table_text(old[path].merged(new)))
-    return TuneResult(entries, [str(p) for p in tables], user_table=not output)
+            if path in held:
+                res.discard()  # a noisy table does not become a default: the file stays as it was
+            else:
+                res.write_text(dsp.table_text(old[path].merged(new)))
+    result = TuneResult(entries, [str(p) for p in tables if p not in held], user_table=not output and not held,
+                        held=[str(p) for p in held], busy=load.describe() if load.busy else None)
+    if held:
+        side = busy_table_path()
+        writer.write_text(side, dsp.table_text(new), force=True, flag="the busy-machine table")
+        result.written.append(str(side))
+    if load.busy:
+        log(_busy_line(result, force))
+    return result
+
+
+def busy_table_path() -> Path:
+    """Where a table measured on a busy machine goes instead of the user table (beside it, replaced each time)."""
+    from ..dispatch.table import user_table_path
+
+    user = user_table_path()
+    return user.with_name(f"{user.stem}.busy{user.suffix or '.json'}")
+
+
+def _busy_line(result: TuneResult, force: bool) -> str:
+    """The warning after measuring on a busy machine: what was (not) written, and what to do."""
+    how = result.busy
+    if not result.held:
+        return (f"Warning: the machine was busy while measuring ({how}): the timings are noisy"
+                + (f"; installed all the same ({param('force')})." if force else
+                   "; rerun when it is idle for a table to rely on."))
+    side = result.written[-1]
+    return (f"Warning: the machine was busy while measuring ({how}), so the noisy table did not become the default: "
+            f"{result.held[0]} is unchanged and the entries are in {side} (use them with --dispatch-table {side}); "
+            f"rerun tune-dispatch when the machine is idle, or pass {param('force')} to install them anyway.")
 
 
 def _read_table(path: Path):

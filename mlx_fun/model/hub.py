@@ -21,7 +21,9 @@ about failing early and in one line:
 
 :func:`resolving` wraps a job's ``run`` (``mlx_fun.jobs`` wraps every job once): its model-like parameters
 (:data:`MODEL_PARAMS`) become local paths before the job body runs, it takes ``revision`` (of ``model``'s repo),
-and while the job runs :func:`source` tells metadata writers which repo and commit a resolved path is.
+and while the job runs :func:`source` tells metadata writers which repo and commit a resolved path is (and
+:func:`display_name` the name to record: the repo id, else the path as given; :func:`short_name`: the repo id, else the
+directory's name).
 """
 
 from __future__ import annotations
@@ -94,6 +96,24 @@ def source(path) -> dict | None:
         return dict(known)
     m = _SNAPSHOT.search(resolved.replace(os.sep, "/"))
     return None if m is None else {"repo_id": f"{m['org']}/{m['name']}", "commit": m["commit"]}
+
+
+def display_name(path) -> str | None:
+    """How outputs name the model read from ``path``: its Hugging Face repo id where :func:`source` knows one (a repo
+    id the job resolved, a snapshot of the cache), else ``path`` as it was given (None stays None)."""
+    if path is None:
+        return None
+    found = source(path)
+    return str(found["repo_id"]) if found and found.get("repo_id") else os.fspath(path)
+
+
+def short_name(path) -> str:
+    """The model at ``path`` named in a few words: its Hugging Face repo id where :func:`source` knows one, else the
+    local directory's name (no machine's directories: what a model card or a warning shows)."""
+    found = source(path)
+    if found and found.get("repo_id"):
+        return str(found["repo_id"])
+    return Path(os.path.abspath(os.fspath(path))).name
 
 
 def resolve(value, *, name: str = "model", revision: str | None = None, needs_moe: bool = False,

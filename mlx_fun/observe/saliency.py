@@ -14,9 +14,13 @@ Metrics (higher = more important): ``reap`` = reap_sum / reap_count, ``ean`` = e
 ``freq`` = freq, ``weighted_freq`` = weighted_freq_sum.
 
 :meth:`SaliencyAccumulator.load` is the one reader of saliency ``.npz`` files and checks everything it reads
-(one (num_layers, num_experts) shape, finite numbers, no negative count or norm);
+(one (num_layers, num_experts) shape, finite numbers, no negative count or norm, provenance fields that are text);
 :meth:`~SaliencyAccumulator.ranking_scores` refuses a metric that ranks nothing (every expert tied: all 0 after
 ``stats-purge``, reap / ean of a frequency-only file).
+
+A file ``collect`` writes also records where it came from (:attr:`SaliencyAccumulator.provenance`,
+:mod:`mlx_fun.observe.provenance`): the model's name and weights fingerprint, the dataset and its samples' hash;
+:meth:`~SaliencyAccumulator.check_provenance` warns when a job reads it for a model of other weights.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class SaliencyAccumulator:
         self.extra: dict[str, np.ndarray] = {}  # e.g. rank_sum of a stats-merge result
         self.source = "saliency file"  # how messages name these statistics (load: the parameter and path)
         self.missing: list[str] = []  # ARRAY_KEYS the loaded file did not hold (left 0)
+        self.provenance: dict[str, str] = {}  # where the statistics came from (provenance.FIELDS), when recorded
         for key in ARRAY_KEYS:
             setattr(self, key, np.zeros((self.num_layers, self.num_experts), dtype=np.float64))
 
@@ -177,6 +182,15 @@ class SaliencyAccumulator:
                     f"layer indices could be checked against the model."]
         return []
 
+    def check_provenance(self, model_dir, source: str | None = None) -> list[str]:
+        """A one-line warning when these statistics were collected on a model whose weights fingerprint is not
+        ``model_dir``'s (a base model's file read for its fine-tune: legitimate, but worth a look); nothing when it
+        matches or the file records none (:func:`mlx_fun.observe.provenance.mismatch`)."""
+        from .provenance import mismatch
+
+        line = mismatch(self.provenance, model_dir, source or self.source)
+        return [] if line is None else [line]
+
     # ------------------------------------------------------------------ I/O
     def to_arrays(self) -> dict[str, np.ndarray]:
         out = {key: getattr(self, key) for key in ARRAY_KEYS}
@@ -190,6 +204,7 @@ class SaliencyAccumulator:
             total_tokens=np.array(self.total_tokens, dtype=np.int64),
             format_version=np.array(FORMAT_VERSION),
         )
+        out.update({key: np.array(str(value)) for key, value in self.provenance.items()})
         return out
 
     def write_npz(self, path: str | os.PathLike) -> None:
@@ -232,6 +247,7 @@ class SaliencyAccumulator:
                 setattr(acc, key, data[key])
         acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
         acc.source, acc.missing = label, [key for key in ARRAY_KEYS if key not in data]
+        acc.provenance = _provenance(data, label)
         return acc
 
     # ------------------------------------------------------------------ ranking
@@ -292,6 +308,22 @@ def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:
     if "freq" not in data:
         raise UserError(f"{label} has no 'freq' array; it is not a saliency file written by `mlx-fun collect`.")
     return data
+
+
+def _provenance(data: dict[str, np.ndarray], label: str) -> dict[str, str]:
+    """The provenance fields the file records (:data:`mlx_fun.observe.provenance.FIELDS`), each one text."""
+    from .provenance import FIELDS
+
+    out = {}
+    for key in FIELDS:
+        if key not in data:
+            continue
+        value = data[key]
+        if value.shape != () or value.dtype.kind != "U":
+            raise UserError(f"{label}: '{key}' is not a text (it names where the statistics came from); the file is "
+                            "damaged: re-run `mlx-fun collect`.")
+        out[key] = str(value)
+    return out
 
 
 def _check_arrays(data: dict[str, np.ndarray], label: str) -> tuple[int, int]:

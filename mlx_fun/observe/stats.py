@@ -172,7 +172,8 @@ def rank_merge(
     The result holds the raw arrays summed over the files (``max_activation_norm``: the maximum),
     ``total_tokens`` summed, and ``extra`` = ``rank_sum_<metric>`` (sum of per-layer ranks, float64),
     ``rank_files`` (n) and ``rank_metric``. ``result.scores(metric)`` = ``n * (num_experts + 1) - rank_sum``,
-    higher = more important. Any ``rank_*`` entries of the inputs are not carried over.
+    higher = more important. Any ``rank_*`` entries of the inputs are not carried over; their provenance fields
+    are, where every input records the same value (the model, when all were collected on it).
     """
     _check_metric(metric)
     accs = list(accs)
@@ -198,6 +199,9 @@ def rank_merge(
         rank_sum += layer_ranks(acc.scores(metric))
         merged.add(acc)  # raw arrays summed, max norm maxed, tokens added
 
+    from .provenance import common
+
+    merged.provenance = common([acc.provenance for acc in accs])
     merged.extra = {
         f"rank_sum_{metric}": rank_sum,
         "rank_files": np.array(float(len(accs))),
@@ -265,6 +269,7 @@ def purge(
         L, E, model_type=acc.model_type, moe_layer_indices=acc.moe_layer_indices, top_k=acc.top_k
     )
     out.total_tokens = acc.total_tokens
+    out.provenance = dict(acc.provenance)  # the same model and data, fewer experts
     for key in ARRAY_KEYS:
         arr = getattr(acc, key).copy()
         arr[mask] = 0.0

@@ -1,11 +1,11 @@
 """The model card (``README.md``) of every model mlx-fun writes, like the one ``mlx_lm.convert`` writes.
 
-A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds
-the new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``,
-``abliteration_metadata.json``, ``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter
-(``library_name: mlx``, ``base_model``, ``tags: [mlx, mlx-fun, <method>]``, and the source card's ``license`` /
-``pipeline_tag``), what mlx-fun did with which settings, the numbers the run measured, and how to load the output
-with mlx-lm. Nothing is fetched: the source card is read from the source directory, if it has one.
+A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds the
+new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``, ``abliteration_metadata.json``,
+``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter (``library_name: mlx``, ``base_model``
+(the repo id, or a local source's directory name), ``tags: [mlx, mlx-fun, <method>]``, and the source card's
+``license`` / ``pipeline_tag``), what mlx-fun did with which settings, the numbers the run measured, and how to load
+the output with mlx-lm. Nothing is fetched: the source card is read from the source directory, if it has one.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def source_front_matter(source: str | os.PathLike) -> dict:
 def base_model(source: str | os.PathLike) -> tuple[str, dict | None]:
     """``(base_model, provenance)`` of a model read from ``source``: the Hugging Face repo id and its
     ``{"repo_id", "revision", "commit"}`` when :func:`mlx_fun.model.hub.source` knows where the directory came from (a
-    repo id the job resolved, a snapshot of the Hugging Face cache), else the path as given and ``None``."""
-    from ..model.hub import source as hub_source
+    repo id the job resolved, a snapshot of the Hugging Face cache), else the local directory's name and ``None`` (a
+    card is published: the full path, which names the machine's directories, stays in the metadata JSON)."""
+    from ..model.hub import short_name, source as hub_source
 
     found = hub_source(source)
-    return (str(found["repo_id"]), found) if found and found.get("repo_id") else (os.fspath(source), None)
+    return short_name(source), (found if found and found.get("repo_id") else None)
 
 
 def _arrow(before, after) -> str | None:

@@ -40,8 +40,9 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
     time; mlx-lm's names, shard rule and index), config.json with mlx-lm's ``save_config``; every other file of
     the ``source`` directory (tokenizer files, chat template, generation config, ...) is copied but its
     ``README.md``; ``metadata`` maps file names (e.g. ``reap_metadata.json``) to JSON-serialisable objects written
-    beside them (a ``str`` is written as it is; a JSON object gets ``base_model``, the repo id, revision and commit
-    of :func:`mlx_fun.model.hub.source`, when ``source`` came from a Hugging Face repo).
+    beside them (a ``str`` is written as it is; a JSON object gets ``base_model``: the repo id, revision and commit
+    of :func:`mlx_fun.model.hub.source` when ``source`` came from a Hugging Face repo, else ``{"path": <its absolute
+    path>}``).
     The model card ``README.md`` is written by
     :func:`mlx_fun.output.model_card.card` from that metadata (base model, method, settings, measured numbers, the
     source card's license), unless ``metadata`` holds a ``README.md`` of its own. A failing write (a full disk:
@@ -63,9 +64,11 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
             if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
                 shutil.copyfile(f, dest / f.name)  # new files get the user's umask, not the source's mode
         files = {"README.md": _model_card(res, source, metadata), **(metadata or {})}
-        origin = hub_source(src)  # a model resolved from a Hugging Face repo id: its repo id, revision, commit
+        # a model resolved from a Hugging Face repo id: its repo id, revision, commit; else the local directory's
+        # full path (only here: the card names the directory alone)
+        origin = hub_source(src) or {"path": os.path.abspath(src)}
         for name, obj in files.items():
-            if origin is not None and isinstance(obj, dict):
+            if isinstance(obj, dict):
                 obj = {**obj, "base_model": origin}
             text = obj if isinstance(obj, str) else json.dumps(obj, indent=2) + "\n"
             (dest / name).write_text(text, encoding="utf-8")
@@ -80,7 +83,7 @@ def write_model_dir(res, model, config: dict, *, source, metadata: dict | None =
 
 def _model_card(res, source, metadata: dict | None) -> str:
     """The output's ``README.md`` (:mod:`mlx_fun.output.model_card`): the base model is ``source``'s Hugging Face repo id
-    when known, else ``source`` as given; sizes are the safetensors bytes of the source and of the weights just
+    when known, else its directory's name; sizes are the safetensors bytes of the source and of the weights just
     written into ``res.tmp``."""
     from .model_card import base_model, card, source_front_matter
 

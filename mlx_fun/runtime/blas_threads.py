@@ -7,16 +7,16 @@ thread (and slower than with no fast BLAS at all), while on a quiet machine the 
 (python -m scripts.benchmarks.bench_collect --contended N).
 
 :class:`Governor` watches how much CPU the *other* processes of the machine used in the last interval
-(``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets OpenBLAS's thread count through its
-own ``openblas_set_num_threads``: all cores while the others use less than a quarter of a core, one thread
-once they use half a core or more (in between: as it was). Small forwards run one thread whatever the machine
-does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS` tokens (a decode
-step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a core that
-MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
-(``scripts/benchmarks/bench_decode.py``). It runs on a daemon thread, every
-:data:`INTERVAL` seconds, and only in a process where mlx-fun preloaded OpenBLAS
-(:func:`mlx_fun.runtime.blas.maybe_reexec`) and the user did not set ``OPENBLAS_NUM_THREADS`` to a thread count (always
-respected; a value OpenBLAS ignores, such as ``abc``, is said on stderr and governed as if unset).
+(:mod:`mlx_fun.runtime.cpu_load`: ``/proc/stat`` minus this process's own ``/proc/self/stat`` time) and sets
+OpenBLAS's thread count through its own ``openblas_set_num_threads``: all cores while the others use less than a
+quarter of a core, one thread once they use half a core or more (in between: as it was). Small forwards run one thread
+whatever the machine does: the hooked MoE call tells :func:`call_size` its token count, and up to :data:`SMALL_TOKENS`
+tokens (a decode step) every product is too small to split, while an OpenBLAS worker woken by one of them spins on a
+core that MLX's own threads need: greedy decode of the bundled model on 2 cores ran 1.39x faster on one thread
+(``scripts/benchmarks/bench_decode.py``). It runs on a daemon thread, every :data:`INTERVAL` seconds, and only in a
+process where mlx-fun preloaded OpenBLAS (:func:`mlx_fun.runtime.blas.maybe_reexec`) and the user did not set
+``OPENBLAS_NUM_THREADS`` to a thread count (always respected; a value OpenBLAS ignores, such as ``abc``, is said on
+stderr and governed as if unset).
 ``MLX_FUN_BLAS_GOVERNOR=0`` turns it off. Linux only (where the preload happens).
 
 This module must not import ``mlx``.
@@ -27,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+
+from . import cpu_load
 
 GOVERNOR_ENV = "MLX_FUN_BLAS_GOVERNOR"
 #: seconds between two looks at the machine (the first one this soon after the start)
@@ -39,28 +41,6 @@ SMALL_TOKENS = 16
 _started: "Governor | None" = None
 
 
-def _machine_ticks() -> tuple[int, int] | None:
-    """(busy ticks, all ticks) of every CPU since boot, from ``/proc/stat``'s first line."""
-    try:
-        with open("/proc/stat", "rb") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
-    return total - idle, total
-
-
-def _own_ticks() -> int | None:
-    """This process's user + system ticks, all threads (``/proc/self/stat`` fields 14 and 15)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-        return int(rest[11]) + int(rest[12])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class Governor:
     """Sets OpenBLAS's threads from the other processes' CPU use (:meth:`decide`) and the size of the forwards
     (:meth:`small_calls`), on a daemon thread."""
@@ -71,7 +51,7 @@ class Governor:
         self.wanted = self.cores  # what the machine's load asks for
         self.small = False  # the forwards are small (decode): one thread
         self.switches = 0
-        self._last: tuple[int, int, int] | None = None
+        self._last: cpu_load.Ticks | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -98,15 +78,11 @@ class Governor:
 
     def sample(self) -> float | None:
         """Cores the other processes used since the last sample (None on the first, or without /proc)."""
-        machine, own = _machine_ticks(), _own_ticks()
-        if machine is None or own is None:
+        now = cpu_load.ticks()
+        if now is None:
             return None
-        last, self._last = self._last, (machine[0], machine[1], own)
-        if last is None or machine[1] <= last[1]:
-            return None
-        cores = os.cpu_count() or 1
-        busy = (machine[0] - last[0]) - (own - last[2])
-        return max(0.0, busy / (machine[1] - last[1]) * cores)
+        last, self._last = self._last, now
+        return None if last is None else cpu_load.others(last, now, os.cpu_count() or 1)
 
     def step(self) -> None:
         others = self.sample()

@@ -21,6 +21,8 @@ import numpy as np
 from ..errors import UserError
 
 ACTIONS = ("analyze", "prune", "merge")
+#: what a comparison does with an expert: the Experts table's status column, and the categories of its map
+STATUSES = ("keep", "keep (protected)", "keep (targeted)", "remove", "remove (targeted)")
 
 
 def inside(root: Path, name: str, what: str) -> Path:
@@ -65,20 +67,22 @@ class Comparison:
 
         return removed_from_kept(self.kept, self.num_experts)
 
+    def statuses(self) -> np.ndarray:
+        """(MoE layers, experts): each expert's index in :data:`STATUSES`."""
+        removed = self.removed
+        codes = np.zeros((len(self.moe_layer_indices), self.num_experts), dtype=np.int64)
+        for p in range(codes.shape[0]):
+            gone = np.zeros(self.num_experts, dtype=bool)
+            gone[removed.get(p, [])] = True
+            marked = np.where(self.protected[p], 1, np.where(self.targeted[p], 2, 0))
+            codes[p] = np.where(gone, 3 + (marked > 0), marked)  # removed: "remove" or "remove (targeted)"
+        return codes
+
     def rows(self) -> list[list]:
         """One row per (layer, expert): decoder layer, expert, rank sum, per-file ranks, status."""
-        removed = self.removed
-        out = []
-        for p, layer in enumerate(self.moe_layer_indices):
-            gone = set(removed.get(p, []))
-            for e in range(self.num_experts):
-                status = "remove" if e in gone else "keep"
-                if self.protected[p, e]:
-                    status += " (protected)"
-                elif self.targeted[p, e]:
-                    status += " (targeted)"
-                out.append([layer, e, float(self.rank_sum[p, e]), *[int(r[p, e]) for r in self.ranks], status])
-        return out
+        codes = self.statuses()
+        return [[layer, e, float(self.rank_sum[p, e]), *[int(r[p, e]) for r in self.ranks], STATUSES[codes[p, e]]]
+                for p, layer in enumerate(self.moe_layer_indices) for e in range(self.num_experts)]
 
     def summary(self) -> str:
         n_removed = sum(len(v) for v in self.removed.values())

@@ -3,7 +3,11 @@
 - :func:`heatmap`       MoE layers × experts of one metric (viridis from 0 to the largest value; colour bar named
                         after the metric)
 - :func:`layer_bars`    one layer's experts as bars
-- :func:`diff_heatmap`  a signed difference, diverging colours centred on white at 0 (red: file 1 higher)
+- :func:`diff_heatmap`  a signed difference, diverging colours centred on white at 0 (red: file 1 higher), the
+                        colour scale clipped at the :data:`CLIP_PERCENTILE` of the absolute difference (one outlier
+                        no longer washes the rest out; the title says so)
+- :func:`status_heatmap` what happens to each expert (a category per cell: kept, removed, masked, boosted, ...),
+                        one colour per category, named on the colour bar: the Merge and Steering tabs
 
 Rows are labelled with decoder-layer indices (what ``--expert-list`` and reports use), columns with expert indices.
 Each returns a ``matplotlib.figure.Figure`` (no pyplot state); the page shows it as a PNG.
@@ -19,6 +23,8 @@ METRIC_LABELS = {"freq": "Frequency", "weighted_freq": "Weighted frequency", "re
                  "rank_sum": "Rank sum (lower = more important)"}
 HEAT_CMAP = "viridis"
 DIFF_CMAP = "RdBu_r"
+#: the percentile of |difference| at which the diff heatmap's colour scale ends
+CLIP_PERCENTILE = 99.0
 
 
 def label(metric: str) -> str:
@@ -87,19 +93,58 @@ def layer_bars(row, *, metric: str, layer: int):
     return fig
 
 
+def clip_limit(diff, percentile: float = CLIP_PERCENTILE) -> tuple[float, int]:
+    """``(limit, cells beyond it)``: the diff heatmap's colour scale runs from −limit to +limit, ``percentile`` of
+    the absolute difference (its largest value when that percentile is 0: a mostly equal pair of files)."""
+    a = np.abs(_matrix(diff))
+    top = float(a.max())
+    lim = float(np.percentile(a, percentile))
+    lim = lim if lim > 0 else top
+    return (lim or 1.0), int((a > lim).sum())
+
+
 def diff_heatmap(diff, *, metric: str, layer_names: Sequence[int] | None = None,
-                 labels: Sequence[str] = ("file 1", "file 2")):
-    """A signed (layers, experts) difference: red where file 1 is higher, blue where file 2 is, white at 0."""
+                 labels: Sequence[str] = ("file 1", "file 2"), percentile: float = CLIP_PERCENTILE):
+    """A signed (layers, experts) difference: red where file 1 is higher, blue where file 2 is, white at 0; colours
+    end at ± the ``percentile`` of |difference| (:func:`clip_limit`), and the title says how many cells lie beyond."""
     d = _matrix(diff)
-    lim = float(np.abs(d).max()) or 1.0
+    lim, beyond = clip_limit(d, percentile)
     fig = _figure(*_size(*d.shape))
     ax = fig.add_subplot()
     im = ax.imshow(d, aspect="auto", cmap=DIFF_CMAP, vmin=-lim, vmax=lim, interpolation="nearest")
     fig.colorbar(im, ax=ax, label=f"{label(metric)}: {labels[0]} − {labels[1]}")
     ax.set_xlabel("Expert")
     ax.set_ylabel("Layer")
-    ax.set_title(f"{label(metric)} difference (red: {labels[0]} higher, blue: {labels[1]} higher)")
+    title = f"{label(metric)} difference (red: {labels[0]} higher, blue: {labels[1]} higher)"
+    if beyond:
+        title += (f"\ncolours clipped at ±{lim:.4g}, the {percentile:g}th percentile of |difference|: "
+                  f"{beyond} cell{'' if beyond == 1 else 's'} beyond it show the end colours")
+    ax.set_title(title)
     _ticks(ax, d.shape[0], d.shape[1], layer_names)
+    return fig
+
+
+def status_heatmap(codes, *, categories: Sequence[tuple[str, str]], layer_names: Sequence[int] | None = None,
+                   title: str):
+    """(MoE layers, experts) ``codes``, each an index into ``categories`` (``(name, colour)``): one flat colour per
+    category, the colour bar naming them in order."""
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    c = _matrix(codes)
+    n = len(categories)
+    if not n or c.min() < 0 or c.max() >= n or (c != np.round(c)).any():
+        raise ValueError(f"status codes must be whole numbers 0..{n - 1} (one per category), got {c.min()}..{c.max()}")
+    cmap = ListedColormap([colour for _name, colour in categories])
+    norm = BoundaryNorm(np.arange(-0.5, n), n)
+    fig = _figure(*_size(*c.shape))
+    ax = fig.add_subplot()
+    im = ax.imshow(c, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+    bar = fig.colorbar(im, ax=ax, ticks=range(n))
+    bar.ax.set_yticklabels([name for name, _colour in categories])
+    ax.set_xlabel("Expert")
+    ax.set_ylabel("Layer")
+    ax.set_title(title)
+    _ticks(ax, c.shape[0], c.shape[1], layer_names)
     return fig
 
 

@@ -1,5 +1,6 @@
-"""Diff Analysis: two saliency files, one metric — diverging heatmap, statistics, the ``stats-diff`` JSON report
-(computed, and exported, by the ``stats-diff`` job itself: the same numbers as ``mlx-fun stats-diff``)."""
+"""Diff Analysis: two saliency files, one metric — diverging heatmap (colours clipped at a percentile), statistics,
+the ``stats-diff`` JSON report (computed, and exported, by the ``stats-diff`` job itself: the same numbers as
+``mlx-fun stats-diff``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def stats_text(report: dict) -> str:
 def build(ctx: Context) -> None:
     import gradio as gr
 
-    from ..plots import diff_heatmap
+    from ..plots import CLIP_PERCENTILE, diff_heatmap
 
     choices = ctx.npz_files()
     with gr.Row():
@@ -35,8 +36,9 @@ def build(ctx: Context) -> None:
     run = gr.Button("Compare", variant="primary", elem_id="diff-run")
     status = gr.Markdown(elem_id="diff-status")
     stats = gr.Markdown(elem_id="diff-stats")
-    plot = gr.Plot(label="Difference heatmap (red: file 1 higher, blue: file 2 higher)", format="png",
-                   elem_id="diff-heatmap")
+    plot = gr.Plot(label=f"Difference heatmap (red: file 1 higher, blue: file 2 higher; the colours end at the "
+                         f"{CLIP_PERCENTILE:g}th percentile of |difference|: one outlier does not wash out the rest)",
+                   format="png", elem_id="diff-heatmap")
     with gr.Row():
         name = gr.Textbox(value="diff_report.json", label="Export as (inside --data-dir)", elem_id="diff-export-name",
                           scale=3)

@@ -1,9 +1,10 @@
 """Merge Mode Comparison: rank-merge 2–4 saliency files, filter by rank sum, choose experts to prune or merge,
-export ``filtered_experts.json`` / ``.csv`` for ``prune`` / ``merge --expert-list`` (:mod:`mlx_fun.ui.analysis`)."""
+export ``filtered_experts.json`` / ``.csv`` for ``prune`` / ``merge --expert-list`` (:mod:`mlx_fun.ui.analysis`).
+Two maps of layer × expert: the rank sums, and what happens to each expert (:func:`status_map`)."""
 
 from __future__ import annotations
 
-from ..analysis import Comparison, compare, export
+from ..analysis import STATUSES, Comparison, compare, export
 from ..common import METRICS, Context, guarded
 
 ACTIONS = [("Analyze", "analyze"), ("Prune", "prune"), ("Merge", "merge")]
@@ -13,6 +14,21 @@ SCOPES = [("Per layer", False), ("Model-wide (same experts in every layer)", Tru
 def threshold(value) -> float | None:
     """A rank-sum filter box: empty or 0 is off."""
     return None if value in (None, "") or float(value) <= 0 else float(value)
+
+
+#: each status's colour on the map (grey: kept as it is; blue: protected; orange: targeted but kept; reds: removed)
+STATUS_COLOURS = {"keep": "#dddddd", "keep (protected)": "#4c72b0", "keep (targeted)": "#f2b880",
+                  "remove": "#d1495b", "remove (targeted)": "#7a0f1f"}
+
+
+def status_map(c: Comparison):
+    """The layer × expert map of what the comparison does with each expert (the table's status column)."""
+    from ..plots import status_heatmap
+
+    verb = {"merge": "merged away", "prune": "pruned", "analyze": "removed"}[c.action]
+    n = sum(len(v) for v in c.removed.values())
+    return status_heatmap(c.statuses(), categories=[(name, STATUS_COLOURS[name]) for name in STATUSES],
+                          layer_names=c.moe_layer_indices, title=f"Experts {verb} (red): {n} in all")
 
 
 def table(c: Comparison) -> tuple[list[str], list[list]]:
@@ -51,6 +67,7 @@ def build(ctx: Context) -> None:
     summary = gr.Markdown(elem_id="merge-summary")
     plot = gr.Plot(label="Rank sum per layer and expert (lower = more important)", format="png",
                    elem_id="merge-heatmap")
+    chosen = gr.Plot(label="What happens to each expert", format="png", elem_id="merge-status-map")
     experts = gr.Dataframe(label="Experts", wrap=False, max_height=320, interactive=False)
     with gr.Row():
         name = gr.Textbox(value="filtered_experts.json", label="Export as (inside --data-dir)",
@@ -60,7 +77,7 @@ def build(ctx: Context) -> None:
     download = gr.File(label="Exported file", interactive=False, elem_id="merge-download")
     last = gr.State(None)
 
-    @guarded(5, 4)
+    @guarded(6, 5)
     def analyse(fs, m, wide, act, n, prot, targ):
         c = compare(root=ctx.data_dir, files=fs or [], metric=m, n_prune=int(n or 0), model_wide=bool(wide),
                     protect_max_rank_sum=threshold(prot), target_min_rank_sum=threshold(targ), action=act)
@@ -68,7 +85,7 @@ def build(ctx: Context) -> None:
         text = c.summary() + "".join(f"\n\n⚠️ {w}" for w in c.warnings)
         fig = heatmap(c.rank_sum, metric="rank_sum", layer_names=c.moe_layer_indices, cmap="viridis_r",
                       from_zero=False, title=f"Rank sum of {m} over {len(c.files)} files (bright = important)")
-        return text, fig, gr.update(value=rows, headers=headers), c, ""
+        return text, fig, status_map(c), gr.update(value=rows, headers=headers), c, ""
 
     def save(suffix):
         @guarded(2, 1)
@@ -83,7 +100,7 @@ def build(ctx: Context) -> None:
         return saved
 
     run.click(analyse, [files, metric, scope, action, n_prune, protect, target],
-              [summary, plot, experts, last, status])
+              [summary, plot, chosen, experts, last, status])
     export_json.click(save(".json"), [last, name], [download, status])
     export_csv.click(save(".csv"), [last, name], [download, status])
     rescan.click(lambda: gr.update(choices=ctx.npz_files()), None, files)

@@ -1,4 +1,5 @@
-"""Steering: apply a safety / domain report or a custom JSON config to the server, see what is active, remove it.
+"""Steering: apply a safety / domain report or a custom JSON config to the server, see what is active (a layer ×
+expert map of the masked and boosted experts, :func:`effects`; the server's JSON below it), remove it.
 
 Report paths are the *server's* (inside its ``--data-dir``): the server reads the report with the same
 functions ``mlx-fun steer`` uses (:func:`mlx_fun.experts.steering.for_adapter`) and checks the request as it checks any
@@ -14,6 +15,8 @@ from ..common import Context, guarded
 MODES = {"safety": ["unsafe", "safe"], "domain": ["boost", "suppress"]}
 SCHEMES = ["additive", "rank"]
 EXAMPLE = '{"deactivate": {"0": [1, 2]}, "activate": {"1": [3]}, "scheme": "additive"}'
+#: what steering does to an expert, with its colour on the map
+EFFECTS = (("routed as trained", "#dddddd"), ("masked", "#d1495b"), ("boosted", "#2a9d8f"))
 
 
 def report_body(kind: str, path: str, mode: str, scheme: str) -> dict:
@@ -50,6 +53,35 @@ def describe(state: dict) -> str:
     return text + "".join(f"\n\n⚠️ {w}" for w in s.get("warnings") or [])
 
 
+def effects(state: dict, info: dict):
+    """``(codes, decoder layer per row)``: each expert of the served model (``info``: ``GET /v1/reap/info``) as an
+    index into :data:`EFFECTS` under the steering ``state``; None when none is active."""
+    import numpy as np
+
+    s = state.get("steering")
+    if not state.get("active") or not s:
+        return None
+    layers = [int(i) for i in info["moe_layer_indices"]]
+    codes = np.zeros((len(layers), int(info["num_experts"])), dtype=np.int64)
+    for key, code in (("deactivate", 1), ("activate", 2)):
+        for layer, experts in (s.get(key) or {}).items():
+            codes[layers.index(int(layer)), list(experts)] = code
+    return codes, layers
+
+
+def effects_map(state: dict, info: dict):
+    """The map of :func:`effects` (None, no figure, when no steering is active)."""
+    from ..plots import status_heatmap
+
+    found = effects(state, info)
+    if found is None:
+        return None
+    codes, layers = found
+    masked, boosted = int((codes == 1).sum()), int((codes == 2).sum())
+    return status_heatmap(codes, categories=EFFECTS, layer_names=layers,
+                          title=f"Steering: {masked} masked and {boosted} boosted experts, per layer")
+
+
 def build(ctx: Context) -> None:
     import gradio as gr
 
@@ -73,15 +105,16 @@ def build(ctx: Context) -> None:
         remove = gr.Button("Remove steering", variant="stop", elem_id="steer-remove")
     status = gr.Markdown(elem_id="steer-status")
     state_text = gr.Markdown(elem_id="steer-state")
-    state_json = gr.JSON(label="Active steering (as the server holds it)")
+    state_map = gr.Plot(label="Masked and boosted experts (layer × expert)", format="png", elem_id="steer-heatmap")
+    state_json = gr.JSON(label="Active steering (as the server holds it)", open=False)
 
     def shown(state):
-        return describe(state), state, ""
+        return describe(state), effects_map(state, ctx.client.info()), state, ""
 
     kind.change(lambda k: gr.update(choices=MODES[k], value=MODES[k][0]), kind, mode)
-    outs = [state_text, state_json, status]
-    apply_report.click(guarded(3, 2)(lambda k, p, m, s: shown(ctx.client.steer(report_body(k, p, m, s)))),
+    outs = [state_text, state_map, state_json, status]
+    apply_report.click(guarded(4, 3)(lambda k, p, m, s: shown(ctx.client.steer(report_body(k, p, m, s)))),
                        [kind, path, mode, scheme], outs)
-    apply_custom.click(guarded(3, 2)(lambda t: shown(ctx.client.steer(custom_body(t)))), custom, outs)
-    show.click(guarded(3, 2)(lambda: shown(ctx.client.steering())), None, outs)
-    remove.click(guarded(3, 2)(lambda: shown(ctx.client.unsteer())), None, outs)
+    apply_custom.click(guarded(4, 3)(lambda t: shown(ctx.client.steer(custom_body(t)))), custom, outs)
+    show.click(guarded(4, 3)(lambda: shown(ctx.client.steering())), None, outs)
+    remove.click(guarded(4, 3)(lambda: shown(ctx.client.unsteer())), None, outs)
