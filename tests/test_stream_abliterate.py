@@ -5,7 +5,14 @@ measurements and written weights as in memory, bit for bit (the per-family compa
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +26,7 @@ from mlx_fun.model.layer_files import LayerFiles, per_call
 from mlx_fun.model.layered import release_layer
 from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 
-from .cli_helpers import expect_error, full_and_lazy
+from .cli_helpers import ROOT, expect_error, full_and_lazy
 from .cli_helpers import run as cli
 from .conftest import FAMILIES
 
@@ -112,32 +119,143 @@ def test_a_per_expert_checkpoint_is_stacked_again_and_abliterates_alike(make_mod
                           jobs.abliterate.run(output=tmp_path / "streamed", stream_layers=True, **how))
 
 
-def test_the_search_streamed_holds_one_layer_at_a_time(make_model, tmp_path, monkeypatch):
-    """A search (every candidate abliterated, measured and undone: kept layers forgotten and rewritten) gives the
-    in-memory trials; whenever a pass loads a layer, every other layer is released (until the writer loads them
-    all lazily), and no scratch file is left in the output."""
+@pytest.fixture(scope="module")
+def searched(make_model, tmp_path_factory):
+    """A search (2 settings, per-layer directions) of a tiny 4-bit qwen3_moe in memory and streamed, counting while
+    streamed the other layers holding weights whenever a pass loads one (``held``) and the layers projected
+    (``projected``)."""
     from .test_abliterate import _prompts
 
-    harmful, benign = _prompts(tmp_path)
+    root = tmp_path_factory.mktemp("abl-search")
+    harmful, benign = _prompts(root)
     how = dict(model=make_model("qwen3_moe", bits=4), harmful_dataset=harmful, benign_dataset=benign, max_samples=3,
                seed=0, evaluation=Evaluation(search=2, max_kl=10.0, eval_samples=2, reply_tokens=2),
                estimate=Estimate(refusal_filter=False, direction="per-layer"), projection=Projection(layers="auto"))
-    memory = jobs.abliterate.run(output=tmp_path / "mem", stream_layers=False, **how)
-    held = []
-    load = LayerFiles.load
+    memory = jobs.abliterate.run(output=root / "mem", stream_layers=False, **how)
+    held, load = [], LayerFiles.load
 
     def counting(self, i, **kw):
         held.append(sum(any(a.size for _, a in tree_flatten(layer.parameters()))
                         for j, layer in enumerate(self.layers) if j != i))
         load(self, i, **kw)
 
-    monkeypatch.setattr(LayerFiles, "load", counting)
-    streamed = jobs.abliterate.run(output=tmp_path / "streamed", stream_layers=True, **how)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LayerFiles, "load", counting)
+        projected = _count_projections(mp)
+        streamed = jobs.abliterate.run(output=root / "out" / "streamed", stream_layers=True, **how)
+    return SimpleNamespace(how=how, memory=memory, streamed=streamed, held=held, projected=projected)
+
+
+def _count_projections(mp) -> list[int]:
+    """The decoder layers :func:`mlx_fun.rewrite.abliterate.apply_layer` projects from here on, in order."""
+    from mlx_fun.rewrite import abliterate
+
+    calls, real = [], abliterate.apply_layer
+
+    def counting(adapter, i, *a, **k):
+        calls.append(i)
+        return real(adapter, i, *a, **k)
+
+    mp.setattr(abliterate, "apply_layer", counting)
+    return calls
+
+
+def test_the_search_streamed_holds_one_layer_at_a_time(searched):
+    """A search (every candidate abliterated, measured and undone: kept layers forgotten and rewritten) gives the
+    in-memory trials; whenever a pass loads a layer, every other layer is released (until the writer loads them
+    all lazily), and nothing of its checkpoint (the kept layers) is left beside the output."""
+    memory, streamed, held = searched.memory, searched.streamed, searched.held
     assert len(memory.trials) == 2 and streamed.trials == memory.trials
     assert_streamed_equal(memory, streamed)
     n = len(streamed.direction_norms)
     assert len(held) > 10 * n and not any(held[:-n]) and held[-n:] == list(range(n))
-    assert not [p for p in (tmp_path / "streamed").rglob("*") if "abliterated-layers" in str(p)]
+    assert os.listdir(streamed.output.parent) == ["streamed"]
+
+
+KILLED = """
+import json, os, signal, sys
+import mlx_fun.observe.checkpoint as c
+real = c.StreamCheckpoint.save
+def save(self, layer, *a, **k):
+    real(self, layer, *a, **k)
+    if layer == int(os.environ["KILL_AFTER"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+c.StreamCheckpoint.save = save
+from mlx_fun import jobs
+from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
+groups = dict(estimate=Estimate, projection=Projection, evaluation=Evaluation)
+jobs.abliterate.run(**{k: groups[k](**v) if k in groups else v for k, v in json.loads(sys.argv[1]).items()})
+"""
+
+
+def test_a_killed_streamed_abliterate_resumes_after_its_last_phase(searched, tmp_path, monkeypatch):
+    """SIGKILL after the search's first trial: the checkpoint holds round 1's statistics, the original model's
+    measurement, the trial and the projection it measured; another benign dataset is refused in one line naming
+    what differs; the rerun says where it resumes, runs none of the recorded phases again, reads the kept layers back
+    instead of projecting them again, and writes the uninterrupted run's files; nothing stays behind."""
+    from mlx_fun.errors import UserError
+
+    how, whole = searched.how, searched.streamed
+    out = tmp_path / "out" / "abl"
+    child = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v if isinstance(v, int) else str(v)
+             for k, v in how.items()}
+    killed = subprocess.run([sys.executable, "-c", KILLED, json.dumps(dict(child, output=str(out), stream_layers=True))],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER="2"), capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    ckpt = out.parent / ".abl.stream"
+    phases = json.loads((ckpt / "state.json").read_text())["data"]["phases"]
+    assert [p["phase"] for p in phases] == ["round 1's statistics", "the original model's measurement",
+                                            "search trial 1"] and not out.exists()
+    assert len(list((ckpt / "projected-layers").glob("*.safetensors"))) == len(whole.trials[0].layers)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Name a colour {i}."}]}) + "\n"
+                             for i in range(6)))
+    with pytest.raises(UserError, match=r"is of another streamed abliterate \(its benign_dataset, prompts_sha256 "
+                                        r"differ from this run's\); rerun that command to resume it, or remove .*"):
+        jobs.abliterate.run(**dict(how, benign_dataset=other), output=out, stream_layers=True)
+    assert ckpt.is_dir() and not out.exists()
+    lines = []
+    projected = _count_projections(monkeypatch)
+    resumed = jobs.abliterate.run(**how, output=out, stream_layers=True, log=lines.append)
+    assert f"Resuming after search trial 1 (3 phases done) from {ckpt}." in lines
+    assert not [line for line in lines if line.startswith(("Round 1", "Measuring the original"))]
+    assert len(projected) == len(searched.projected) - len(whole.trials[0].layers)  # trial 1's read back
+    assert _files(out) == _files(whole.output)
+    assert_streamed_equal(searched.memory, resumed)
+    assert os.listdir(out.parent) == ["abl"]  # the checkpoint is gone once the output is written
+
+
+def test_interrupted_after_its_last_phase_it_resumes_to_writing(make_model, tmp_path, monkeypatch):
+    """Ctrl-C after the final measurement (no search): the rerun replays every phase, makes no projection again
+    (the final one's layers read back from the checkpoint for the writer) and writes the in-memory run's files."""
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    from .test_abliterate import _prompts
+
+    harmful, benign = _prompts(tmp_path)
+    how = dict(model=make_model("qwen3_moe", bits=4), harmful_dataset=harmful, benign_dataset=benign, max_samples=3,
+               seed=0, evaluation=Evaluation(eval_samples=2, reply_tokens=2),
+               estimate=Estimate(refusal_filter=False, rounds=1))
+    memory = jobs.abliterate.run(output=tmp_path / "mem", stream_layers=False, **how)
+    real = StreamCheckpoint.save
+
+    def interrupted(self, layer, *a, **k):
+        real(self, layer, *a, **k)
+        if json.loads((self.path / "state.json").read_text())["data"]["phases"][-1]["phase"].startswith("the abl"):
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamCheckpoint, "save", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            jobs.abliterate.run(output=tmp_path / "abl", stream_layers=True, **how)
+    lines, projected = [], _count_projections(monkeypatch)
+    resumed = jobs.abliterate.run(output=tmp_path / "abl", stream_layers=True, log=lines.append, **how)
+    assert [line for line in lines if line.startswith("Resuming")] == [
+        f"Resuming after the abliterated model's measurement (3 phases done) from {tmp_path / '.abl.stream'}."]
+    assert projected == []
+    assert_streamed_equal(memory, resumed)
+    assert not (tmp_path / ".abl.stream").exists()
 
 
 def test_the_command_streams_says_so_and_prints_its_peak(make_model, tmp_path, monkeypatch):
@@ -178,4 +296,5 @@ def test_the_help_says_what_streaming_rereads():
     flat = " ".join(text.split())
     assert "--stream-layers / --no-stream-layers" in flat
     assert "per reply token of the greedy replies: reading every layer again per token is the price" in flat
+    assert "a killed run resumes after its last finished phase" in flat and "hidden states are kept in files" not in flat
 

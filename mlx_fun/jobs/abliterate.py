@@ -21,7 +21,8 @@ and search live in :mod:`mlx_fun.rewrite.abliterate_rounds`, the option groups (
 expert dispatch and the token budget every forward keeps to (``settings``: :class:`mlx_fun.settings.RunSettings`),
 and writes. With ``stream_layers`` (chosen by itself for a model larger than the memory left) the model loads lazily
 and the same rounds run with one decoder layer's weights in memory at a time
-(:mod:`mlx_fun.rewrite.abliterate_streamed`), giving the same directions, measurements and written model.
+(:mod:`mlx_fun.rewrite.abliterate_streamed`), giving the same directions, measurements and written model; a killed
+streamed run resumes, when rerun, after the last phase its checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ STREAM_LAYERS = stream_layers_opt(
     same="the same directions, refusal and KL measurements and written weights",
     visits="for each pass over the model (one per capture or log-prob pass over a set of prompts, per prefill step "
            "and per reply token of the greedy replies: reading every layer again per token is the price, and one "
-           "per round's projection)")
+           "per round's projection)",
+    resumes="after its last finished phase (round 1's statistics, the original model's measurement, each round, "
+            "search trial and the final measurement)",
+    spills=False)  # its passes carry their prompts' hidden states in memory
 
 
 def _check_distinct(harmful, benign) -> None:
@@ -128,8 +132,10 @@ def run(
 
     ``stream_layers`` (None: when the model's weights exceed :func:`mlx_fun.runtime.memory.available_bytes`): the
     model loads lazily and every forward runs one decoder layer at a time, each layer read from the model's files
-    for each pass and released after it, the rewritten layers kept in the output's temporary directory
-    (:mod:`mlx_fun.rewrite.abliterate_streamed`); the written model is read and written one tensor at a time. No
+    for each pass and released after it (:mod:`mlx_fun.rewrite.abliterate_streamed`); the written model is read and
+    written one tensor at a time. Streamed, the run keeps a checkpoint beside ``output`` (``.<name>.stream/``: each
+    phase's results as it ends, the rewritten layers kept while abliterating), so rerunning the same call after a
+    kill resumes after the last phase done and writes the same files; it is removed once the output is written. No
     dequantized experts are kept (``settings.dequant_cache``) while streaming."""
     from ..output.model_dir import params_nbytes, write_model_dir
     from ..runtime.memory import peak_rss_bytes
@@ -149,7 +155,8 @@ def run(
         how = dict(estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
                    settings=settings, warnings=warnings, log=log)
         prompts = _load_prompts(job_.tokenizer, harmful_dataset, benign_dataset, evaluation, calibration)
-        abl = _streamed(job_, model, prompts, how) if stream else Abliteration(job_, prompts, **how)
+        abl = (_streamed(job_, model, harmful_dataset, benign_dataset, prompts, how) if stream
+               else Abliteration(job_, prompts, **how))
         if not evaluation.held_out:
             warnings.append("no held-out evaluation sets given: refusals and KL are measured on the capture "
                             f"datasets; pass {param('eval_harmful_dataset')} / {param('eval_benign_dataset')}.")
@@ -163,8 +170,8 @@ def run(
         log(f"Writing {output} ...")
         write_model_dir(job_.res, job_.model, job_.config, source=model,
                         metadata={"abliteration_metadata.json": meta}, donate=stream)
-        if stream:
-            abl.files.remove_scratch()
+    if stream:  # written: the checkpoint (and the rewritten layers kept in it) has served
+        abl.phases.checkpoint.remove()
     norms = got["norms"]
     return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
                             {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],
@@ -172,23 +179,46 @@ def run(
                             estimate.direction, got["source"], got["done"], stream, peak_rss_bytes())
 
 
-def _streamed(job_, model, prompts: Prompts, how: dict):
-    """The streamed abliteration (:mod:`mlx_fun.rewrite.abliterate_streamed`) of the lazily loaded ``job_``: a
-    family whose layers hand state on is refused in one line; the output's filesystem must hold the written model
-    and the rewritten layers kept while abliterating."""
+def _streamed(job_, model, harmful_dataset, benign_dataset, prompts: Prompts, how: dict):
+    """The streamed abliteration (:mod:`mlx_fun.rewrite.abliterate_streamed`) of the lazily loaded ``job_``, resumed
+    from its checkpoint beside the output where a killed run of the same command left one (another run's is
+    refused, naming what differs): a family whose layers hand state on is refused in one line; the output's
+    filesystem must hold the written model and the rewritten layers kept while abliterating."""
     from ..model.layer_files import LayerFiles
+    from ..observe.checkpoint import samples_hash
     from ..observe.collect import check_streamable
     from ..output.model_dir import params_nbytes
     from ..rewrite.abliterate_streamed import SCRATCH, StreamedAbliteration, scratch_bytes
+    from .common import stream_checkpoint
 
     check_streamable(job_.adapter, run="a streamed abliterate",
                      instead=f"abliterate it without {param('stream_layers')} on a machine that holds it (abliterate "
                      f"has no {param('pipeline')} across machines, as collect has)")
-    files = LayerFiles(job_.model, job_.adapter, model, scratch=Path(job_.res.tmp) / SCRATCH)
+    checkpoint = stream_checkpoint(
+        job_, "abliterate", model=model, dataset=harmful_dataset, samples=prompts.harmful,
+        calibration=how["calibration"], benign_dataset=str(Path(benign_dataset).resolve()),
+        prompts_sha256={name: samples_hash(getattr(prompts, name)) for name in ("harmful", "benign", "eval_h",
+                                                                                "eval_b")},
+        **{name: _identity(how[name]) for name in ("estimate", "projection", "evaluation")})
+    files = LayerFiles(job_.model, job_.adapter, model, scratch=checkpoint.path / SCRATCH)
     target = how["projection"].target
     job_.res.require_space(params_nbytes(job_.model) + scratch_bytes(job_.adapter, target),
                            what="the output and the rewritten layers kept while abliterating")
-    return StreamedAbliteration(job_, prompts, files=files, **how)
+    return StreamedAbliteration(job_, prompts, files=files, checkpoint=checkpoint, **how)
+
+
+def _identity(group) -> dict:
+    """An option group as a streamed run's checkpoint names it: its fields, a path it reads resolved (the safety
+    map with its hash; the prompts' own hashes are the datasets')."""
+    from ..observe.checkpoint import file_hash
+
+    out = dataclasses.asdict(group)
+    for name, value in out.items():
+        if value is not None and (name.endswith("_dataset") or name == "safety_map"):
+            out[name] = str(Path(value).resolve())
+            if name == "safety_map":
+                out[name] = {"path": out[name], "sha256": file_hash(value)}
+    return out
 
 
 def _check_layers(adapter, estimate: Estimate, projection: Projection) -> int:

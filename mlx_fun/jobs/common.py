@@ -83,15 +83,18 @@ def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, 
 
 
 def stream_layers_opt(*, same: str = "the same results: counts exactly, sums to float rounding",
-                  resumes: bool = False, visits: str = "for its one visit") -> Opt:
+                      resumes: bool | str = False, visits: str = "for its one visit", spills: bool = True) -> Opt:
     """``--stream-layers/--no-stream-layers`` (a tri-state: None, neither given, is :func:`stream_choice`'s
-    automatic choice); ``same``: what the streamed run gives alike, ``resumes``: a killed run resumes, ``visits``:
-    when a layer's weights are read (a job that runs the model more than once reads them again)."""
-    resume = "a killed run resumes at the next layer when rerun. " if resumes else ""
+    automatic choice); ``same``: what the streamed run gives alike, ``resumes``: a killed run resumes (at the next
+    layer, or where the text says), ``visits``: when a layer's weights are read (a job that runs the model more than
+    once reads them again), ``spills``: the carried hidden states go to files when they do not fit."""
+    where = "at the next layer" if resumes is True else resumes
+    resume = f"a killed run resumes {where} when rerun. " if resumes else ""
+    spill = (" Streamed, the samples' hidden states are kept in files on disk (beside the output) when they do not "
+             "fit in memory beside one layer." if spills else "")
     return Opt(f"Run the model one decoder layer at a time, each layer's weights read from its files {visits} "
                f"and then released, for a model larger than memory ({same}); {resume}Default: stream when the "
-               "model's weights exceed the memory this process can use. Streamed, the samples' hidden states are "
-               "kept in files on disk (beside the output) when they do not fit in memory beside one layer.",
+               f"model's weights exceed the memory this process can use.{spill}",
                flag="--stream-layers/--no-stream-layers")
 
 

@@ -10,8 +10,9 @@ given the file tensors of layer ``i`` (and of layer 0, which some sanitizers loo
 file tensor where that does not give the layer), and checked against the names, shapes and dtypes the layer had
 when it was loaded.
 
-:meth:`LayerFiles.keep` stores rewritten tensors of a layer in a scratch file (a job's temporary directory); later
-loads read them from there instead of the model's files, so a rewrite computed once is seen on every pass and in
+:meth:`LayerFiles.keep` stores rewritten tensors of a layer in a scratch file (a streamed abliterate's: in its
+checkpoint, so a rerun after a kill finds them by their key, :meth:`LayerFiles.reuse`); later loads read them from
+there instead of the model's files, so a rewrite computed once is seen on every pass and in
 the written model (the writer evaluates them one tensor at a time), and :meth:`LayerFiles.forget` returns the layer
 to its original weights. :func:`per_call` makes every forward of the model — mlx-lm's own generation included —
 load each decoder layer when it is called, run it, evaluate its output and the cache it wrote, and release it.
@@ -125,19 +126,36 @@ class LayerFiles:
         raise UserError(f"decoder layer {i} cannot be read again from the model's files as mlx-lm loaded it "
                         f"({detail}); run it without {param('stream_layers')}.")
 
-    def keep(self, i: int, params: dict[str, mx.array]) -> None:
+    def keep(self, i: int, params: dict[str, mx.array], *, key: str | None = None) -> None:
         """Store ``params`` (names within layer ``i``: rewritten tensors) in a scratch file; :meth:`load` reads them
-        from there instead of the model's files until :meth:`forget`. They are evaluated and written here."""
+        from there instead of the model's files until :meth:`forget`. They are evaluated and written here, under a
+        temporary name renamed into place. ``key`` names the file (``layer<i>-<key>``): a later :meth:`reuse` of the
+        same key (a rerun's, the scratch directory having survived a kill) finds it."""
         if self.scratch is None:
             raise ValueError("LayerFiles.keep needs a scratch directory")
         unknown = sorted(set(params) - set(self.expected[i]))
         if unknown:
             raise ValueError(f"layer {i} has no parameter {unknown[0]}")
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        path = self.scratch / f"layer{i}-{next(self._names)}.safetensors"
-        mx.save_safetensors(str(path), params)
         self.forget([i])
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        path = self._kept_path(i, key if key is not None else str(next(self._names)))
+        tmp = path.with_name(path.stem + ".part.safetensors")
+        mx.save_safetensors(str(tmp), params)
+        os.replace(tmp, path)
         self.kept[i] = path
+
+    def reuse(self, i: int, key: str) -> bool:
+        """Read layer ``i``'s rewritten tensors from the file :meth:`keep` wrote under ``key``, if it is there
+        (True); the file is complete (renamed into place once written)."""
+        if self.scratch is None or not (path := self._kept_path(i, key)).is_file():
+            return False
+        if self.kept.get(i) != path:
+            self.forget([i])
+            self.kept[i] = path
+        return True
+
+    def _kept_path(self, i: int, key: str) -> Path:
+        return self.scratch / f"layer{i}-{key}.safetensors"
 
     def forget(self, layers=None) -> None:
         """Layers ``layers`` (default: all) read their original weights again; their scratch files are removed."""
@@ -145,14 +163,6 @@ class LayerFiles:
             path = self.kept.pop(i, None)
             if path is not None:
                 path.unlink(missing_ok=True)
-
-    def remove_scratch(self) -> None:
-        """Forget every kept layer and remove the scratch directory (once nothing reads it any more)."""
-        import shutil
-
-        self.forget()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _check_rebuilt_on_load(config: dict) -> None:

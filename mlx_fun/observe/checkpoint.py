@@ -1,5 +1,6 @@
 """The checkpoint of a layer-streamed run (a streamed collect, :func:`mlx_fun.observe.collect.collect_streamed`; a
-streamed merge, :func:`mlx_fun.rewrite.merge.merge_model`), so a killed run resumes at the next layer.
+streamed merge, :func:`mlx_fun.rewrite.merge.merge_model`; a streamed abliterate's phases,
+:mod:`mlx_fun.rewrite.abliterate_streamed`), so a killed run resumes at the next layer (phase).
 
 It lives in ``.<output name>.stream/`` beside the output: not in the writer's reservation, which is removed on
 every failure and on Ctrl-C (:mod:`mlx_fun.core.writer`), and not of the writer's temp naming, which the next
@@ -15,6 +16,9 @@ written. It holds:
   (a collect's float64 statistics so far) and ``data`` in ``state.json`` (JSON: a merge's centroid and group maps,
   per-layer times) and ``arrays-<k>.npz`` (any other arrays: a scan's routing sums) — then ``state.json`` naming ``k``, replaced atomically last, so a kill at any point leaves the
   previous layer's complete checkpoint in force;
+- a job that checkpoints phases rather than layers (a streamed abliterate: each round's statistics, each
+  measurement) saves one "layer" per phase done, its results in ``data`` and each phase's arrays in a file of their
+  own (:meth:`StreamCheckpoint.save_arrays`), written once and kept;
 - a rewriting job's rewritten layers, ``layer-<k>.safetensors`` (:meth:`StreamCheckpoint.save_layer`: the layer's
   tensors by their full names, :func:`mlx_fun.output.streaming.save_part`), written after every layer and kept
   until the checkpoint is removed: the output is assembled from them (:meth:`StreamCheckpoint.parts`).
@@ -192,6 +196,25 @@ class StreamCheckpoint:
         from ..output.streaming import Parts
 
         return Parts.read([self.layer_file(k) for k in range(last + 1)])
+
+    def save_arrays(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
+        """``arrays`` into ``<name>.npz``, atomically, kept until the checkpoint is removed (not replaced at every
+        :meth:`save` as ``save(arrays=)`` is): a job that checkpoints phases rather than layers writes each phase's
+        arrays once (a streamed abliterate, :class:`mlx_fun.rewrite.abliterate_streamed.Phases`), and the JSON
+        ``data`` of its next :meth:`save` names them."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f"{name}.part.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, self.path / f"{name}.npz")
+
+    def load_arrays(self, name: str) -> dict[str, np.ndarray]:
+        """What :meth:`save_arrays` wrote as ``name``; a missing or unreadable file is a damaged checkpoint."""
+        try:
+            with np.load(self.path / f"{name}.npz") as npz:
+                return {k: npz[k] for k in npz.files}
+        except (OSError, ValueError) as e:
+            raise UserError(f"the checkpoint {self.path} is damaged ({e}); remove {self.path} to start "
+                            "afresh.") from None
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -169,7 +169,7 @@ def apply(adapter: MoEAdapter, dirs: np.ndarray, layers: list[int], *, target: s
     def f32(a):
         return mx.array(np.asarray(a, dtype=np.float32))
 
-    found = embedding(adapter) if embed is not None and target != "safety-experts" else None
+    found = projected_embedding(adapter, target) if embed is not None else None
     if found is not None:
         undo.append((found[1], project_rows(found[1], f32(embed), weight)))
         touched["embedding"] = [found[0]]
@@ -186,6 +186,17 @@ def apply_layer(adapter: MoEAdapter, i: int, d: mx.array, *, target: str = "all"
     """:func:`apply` for decoder layer ``i`` alone, with its (k, H) orthonormal directions ``d`` (or one (H,)):
     ``(module paths touched, with the experts noted; [(writer, the tensors it replaced)]``)."""
     names, saved = [], []
+    for w, experts, name in targets(adapter, i, target=target, safety=safety):
+        saved.append((w, project_out(w.module, d, weight, experts)))
+        names.append(name)
+    return names, saved
+
+
+def targets(adapter: MoEAdapter, i: int, *, target: str = "all", safety: dict[int, list[int]] | None = None
+            ) -> list[tuple[Writer, list[int] | None, str]]:
+    """The writers of decoder layer ``i`` that ``target`` projects (read from the layer's loaded shapes), each as
+    ``(writer, the routed experts projected or None for all, the name apply reports)``."""
+    out = []
     for w in writers(adapter, i):
         if w.kind not in KINDS_OF[target]:
             continue
@@ -194,9 +205,13 @@ def apply_layer(adapter: MoEAdapter, i: int, d: mx.array, *, target: str = "all"
             experts = sorted((safety or {}).get(i, []))
             if not experts:
                 continue
-        saved.append((w, project_out(w.module, d, weight, experts)))
-        names.append(w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]")
-    return names, saved
+        out.append((w, experts, w.path if experts is None else f"{w.path}[{', '.join(map(str, experts))}]"))
+    return out
+
+
+def projected_embedding(adapter: MoEAdapter, target: str) -> tuple[str, object] | None:
+    """The token embedding a single direction is removed from (:func:`embedding`), None for ``safety-experts``."""
+    return None if target == "safety-experts" else embedding(adapter)
 
 
 def restore(undo: list) -> None:
