@@ -34,6 +34,7 @@ import click
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
+from ..model.lora import ADAPTER_PATH
 from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
 from ..rewrite.abliterate_rounds import Abliteration, Prompts, Round, Trial, candidates
 from ..settings import RunSettings
@@ -93,6 +94,7 @@ def _load_prompts(tokenizer, harmful_dataset, benign_dataset, evaluation: Evalua
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
     benign_dataset: Annotated[str | Path, BENIGN_DATASET],
     output: Annotated[str | Path, Opt("Model directory to write.", type=click.Path(file_okay=False))],
@@ -111,11 +113,15 @@ def run(
     (:mod:`mlx_fun.rewrite.abliterate_options`); ``calibration``: the capture prompts drawn (``max_samples`` per
     dataset; ``max_tokens``, ``text_key`` and ``seed`` for the evaluation prompts too) and ``batch_size`` (its fields
     may be given by name); ``settings``: how the model runs (:class:`mlx_fun.settings.RunSettings`: dispatch, token
-    budget, progress bars). Every group checked itself when built, the paths were checked by ``@job``."""
+    budget, progress bars). Every group checked itself when built, the paths were checked by ``@job``.
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`, ``mlx_lm.fuse``'s
+    arithmetic): the fine-tuned model is measured, abliterated and written; its metadata and card name the adapter."""
+    from ..model import lora
     from ..output.model_dir import params_nbytes, write_model_dir
 
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log,
-                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset)) as job_:
+                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset),
+                   adapter_path=adapter_path) as job_:
         n_layers = _check_layers(job_.adapter, estimate, projection)
         warnings = []
         abl = Abliteration(job_, _load_prompts(job_.tokenizer, harmful_dataset, benign_dataset, evaluation,
@@ -128,7 +134,7 @@ def run(
         got = _abliterate(abl, estimate, projection, evaluation, settings.progress, warnings)
         for w in warnings:
             log(f"Warning: {w}")
-        meta = _metadata(got, abl, estimate, projection, evaluation, n_layers)
+        meta = {**_metadata(got, abl, estimate, projection, evaluation, n_layers), **lora.recorded(adapter_path)}
         job_.res.require_space(params_nbytes(job_.model))
         log(f"Writing {output} ...")
         write_model_dir(job_.res, job_.model, job_.config, source=model,

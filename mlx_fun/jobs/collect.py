@@ -10,6 +10,7 @@ from typing import Annotated
 
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
+from ..model.lora import ADAPTER_PATH
 from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
 from .common import (DATASET, FORCE, MODEL, Loaded, Log, check_moe, job, model_job, quiet, stream_choice,
@@ -39,6 +40,7 @@ class CollectResult:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     dataset: Annotated[str | Path, DATASET],
     output: Annotated[str | Path, Opt("Where to write the saliency statistics (.npz); checked for room and "
                                       "writability before the run.")],
@@ -70,6 +72,10 @@ def run(
     Under ``mlx.launch`` (:mod:`mlx_fun.observe.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
     bar (all ranks' tokens); every rank returns the summed result.
+
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`): the statistics
+    are the fine-tuned model's, and the file records the adapter. Not with ``pipeline`` (each rank loads a slice of
+    the layers, which mlx-lm's adapters do not address; mlx-lm's distributed server refuses adapters too).
     """
     from ..core import writer
     from ..observe.distributed import check_pipeline, world
@@ -78,6 +84,11 @@ def run(
     w = world()
     say = log if w.writer else quiet  # one rank speaks
     stream = _stream_choice(model, stream_layers, pipeline, w, checked[1], say)
+    if pipeline and adapter_path is not None:
+        from ..errors import UserError, param
+
+        raise UserError(f"{param('adapter_path')} does not work with {param('pipeline')}: each rank loads a slice of "
+                        f"the layers; fuse the adapter first (mlx_lm.fuse) and collect the fused model.")
     if pipeline:
         check_pipeline(checked[0], w)  # every rank alike, before any collective
     writer.check_output_path(output, kind="file", force=force)  # every rank alike, before any collective
@@ -92,8 +103,10 @@ def run(
         return mdl, tokenizer, config, adapter
 
     with model_job(model, output=output if w.writer else None, suffix=".npz", force=force, settings=settings,
-                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=stream) as job_:
-        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, stream)
+                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=stream,
+                   adapter_path=adapter_path) as job_:
+        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, stream,
+                          adapter_path)
         target = job_.res.path if job_.res is not None else None
     if stream and target is not None:  # written: the checkpoint has served
         from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
@@ -119,11 +132,11 @@ def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, adapter
 
 
 def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,
-             stream: bool = False):
+             stream: bool = False, adapter_path=None):
     """The calibration pass of :func:`run` on a loaded model (``split``: with ``pipeline``, the model's MoE layers
-    and this rank's positions among them); rank 0 writes ``job_.res``."""
+    and this rank's positions among them); rank 0 writes ``job_.res`` (with the adapter's record)."""
     from ..datasets.samples import pad_id
-    from ..model import engine
+    from ..model import engine, lora
     from ..observe.collect import collect, collect_streamed
     from ..observe.distributed import globalize, my_share, reduce_saliency, shared_seed
 
@@ -144,7 +157,8 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
         acc = collect_streamed(job_.model, adapter, mine, batch_size=calibration.batch_size,
                                pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
                                progress=settings.progress and w.writer, log=say,
-                               checkpoint=_checkpoint(job_, model, samples, dataset, calibration) if w.size == 1 else None)
+                               checkpoint=(_checkpoint(job_, model, samples, dataset, calibration, adapter_path)
+                                           if w.size == 1 else None))
     else:
         acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
                       token_budget=job_.budget, progress=settings.progress and w.writer,
@@ -154,6 +168,7 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
         acc = globalize(acc, *split)
     acc = reduce_saliency(acc, w, same_tokens=pipeline)
     seconds = time.perf_counter() - start
+    acc.adapter = lora.describe(adapter_path)
     if w.writer:
         acc.write_npz(job_.res.tmp)
     from ..runtime.memory import device_peak_bytes, peak_rss_bytes
@@ -162,8 +177,9 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
                          stream, peak_rss_bytes(), device_peak_bytes())
 
 
-def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration):
-    """The streamed collect's checkpoint beside the output, named by what the run reads and how it batches."""
+def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration, adapter_path=None):
+    """The streamed collect's checkpoint beside the output, named by what the run reads (the adapter too) and how
+    it batches."""
     import dataclasses
 
     from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir, file_hash, samples_hash
@@ -173,4 +189,6 @@ def _checkpoint(job_: Loaded, model, samples, dataset, calibration: Calibration)
                 "dataset": str(Path(dataset).resolve()), "samples_sha256": samples_hash(samples),
                 "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
                 "dispatch": job_.dispatch.mode, "output": str(job_.res.path)}
+    if adapter_path is not None:  # a checkpoint of the base model (or another adapter) is not resumed
+        identity["adapter_sha256"] = file_hash(Path(adapter_path) / "adapters.safetensors")
     return StreamCheckpoint(checkpoint_dir(job_.res.path), identity)

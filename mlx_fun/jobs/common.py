@@ -47,9 +47,10 @@ def check_supported(model_path) -> dict:
 
 
 def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None,
-             tokenizer: bool = True):
+             tokenizer: bool = True, adapter_path=None):
     """``(model, tokenizer, config, adapter)`` of a supported MoE model directory (``tokenizer=False``: None in
-    its place, for jobs that only rewrite weights: :func:`mlx_fun.model.io.load_model`).
+    its place, for jobs that only rewrite weights: :func:`mlx_fun.model.io.load_model`), with the LoRA adapter at
+    ``adapter_path`` fused into its weights (:mod:`mlx_fun.model.lora`).
 
     Every job checks its model first (:func:`check_supported` / :func:`check_moe`, before it reserves its output),
     so nothing is checked again here: ``checked`` (what :func:`check_moe` returned) skips re-reading the config
@@ -58,12 +59,14 @@ def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple
     from ..adapters import get_adapter
     from ..model.io import load_model
 
-    log(f"Loading {model_path} ...")
+    log(f"Loading {model_path}" + (f" with the adapter {adapter_path} fused" if adapter_path is not None else "")
+        + " ...")
     if checked is None:
-        model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer)
+        model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer, adapter_path=adapter_path)
         return model, tok, config, get_adapter(model, config)
     config, cls = checked
-    model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer)
+    model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer,
+                                    adapter_path=adapter_path)
     return model, tok, config, cls(model, config)
 
 
@@ -102,22 +105,25 @@ PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus wh
 
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      calibration: Calibration, threshold_percentile: float, settings: RunSettings, log: Log,
-                     extra: dict | None = None, force: bool = False, stream_layers: bool | None = None) -> dict:
+                     extra: dict | None = None, force: bool = False, stream_layers: bool | None = None,
+                     adapter_path=None) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general, each read under
     ``calibration`` (chats with their generation prompt). The job's ``@job`` wrapper has checked that both exist.
     ``stream_layers`` (None: :func:`stream_choice`): the model loads lazily and both datasets run together through
     one streamed forward, each layer's weights read once (:func:`mlx_fun.observe.differential.scan_streamed`).
+    ``adapter_path``: a LoRA adapter fused into the model (:mod:`mlx_fun.model.lora`), recorded in the report.
     """
     from ..datasets.samples import pad_id
+    from ..model import lora
     from ..observe.differential import report, scan, scan_streamed
 
     check_value("threshold_percentile", threshold_percentile, PERCENTILE)
     checked = check_moe(model)
     stream = stream_choice(stream_layers, [(model, checked[1])], doing="scanning", log=log)
     with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
-                   lazy=stream) as job_:
+                   lazy=stream, adapter_path=adapter_path) as job_:
         names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
         paths = [path for _name, path in (dataset_a, dataset_b)]
         sets = [calibration.load(path, job_.tokenizer, generation_prompt=True) for path in paths]
@@ -131,7 +137,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
         datasets = {name: {"path": str(path), "samples": len(samples), "tokens": tap.tokens}
                     for name, path, samples, tap in zip(names, paths, sets, taps)}
         out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
-                     datasets=datasets, extra={"model": str(model), **(extra or {})})
+                     datasets=datasets, extra={"model": str(model), **lora.recorded(adapter_path), **(extra or {})})
         job_.res.write_json(out)
     return out
 
@@ -315,23 +321,29 @@ class Loaded:
 def model_job(model, *, output=None, kind: str = "file", suffix: str | None = None, force: bool = False,
               settings: RunSettings | None = None, log: Log = quiet, checked: tuple[dict, type] | None = None,
               before_load: Callable[[], None] | None = None, lazy: bool = False, tokenizer: bool = True,
-              load: Callable[[], tuple] | None = None):
+              load: Callable[[], tuple] | None = None, adapter_path=None):
     """The steps every model job takes, in order: check the model (:func:`check_moe`: config, family, tokenizer
-    files; without weights; ``checked``: already done), ``before_load`` (the job's own checks), reserve ``output``
+    files; without weights; ``checked``: already done) and the LoRA adapter at ``adapter_path``
+    (:func:`mlx_fun.model.lora.check`), ``before_load`` (the job's own checks), reserve ``output``
     (:func:`mlx_fun.core.writer.output`; refused if it is an input, locked or unwritable, an existing one replaced
-    only with ``force``), load the model, install the dispatch (``settings.apply``) and work out the token budget.
-    Yields :class:`Loaded`; the output is committed when the block ends without error. ``load``: the job's own
-    loader (``(model, tokenizer, config, adapter)``: one rank's layers under ``--pipeline``)."""
+    only with ``force``), load the model (the adapter fused into it), install the dispatch (``settings.apply``) and
+    work out the token budget. Yields :class:`Loaded`; the output is committed when the block ends without error.
+    ``load``: the job's own loader (``(model, tokenizer, config, adapter)``: one rank's layers under
+    ``--pipeline``; it fuses the adapter itself)."""
     from ..core import writer
+    from ..model import lora
 
     checked = checked or check_moe(model)
+    if adapter_path is not None:
+        lora.check(adapter_path)
     if before_load is not None:
         before_load()
     reserve = (writer.output(output, kind=kind, suffix=suffix or "", force=force) if output is not None
                else contextlib.nullcontext())
     with reserve as res:
         mdl, tok, config, adapter = (load() if load is not None else
-                                     load_moe(model, log=log, checked=checked, lazy=lazy, tokenizer=tokenizer))
+                                     load_moe(model, log=log, checked=checked, lazy=lazy, tokenizer=tokenizer,
+                                              adapter_path=adapter_path))
         loaded = Loaded(res, mdl, tok, config, adapter)
         if settings is not None:
             loaded.dispatch = settings.apply(mdl, log=log)

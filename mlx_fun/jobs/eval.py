@@ -16,6 +16,7 @@ from ..adapters import REGISTRY
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
+from ..model.lora import ADAPTER_PATH
 from ..settings import RunSettings
 from .common import FORCE, MODEL, Loaded, Log, job, model_job, quiet, stream_choice, stream_layers_opt, warn_past_context
 
@@ -49,6 +50,7 @@ def check_model_dir(path, name: str) -> dict:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     reference: Annotated[str | Path | None, Opt(
         "Reference model (e.g. the original before pruning): a local directory or a Hugging Face repo id, as --model "
         "(a local directory of that name wins; the repo at its default branch, since --revision is --model's); adds "
@@ -75,7 +77,8 @@ def run(
     ``stream_layers`` (None: when the weights of the model and the reference together exceed
     :func:`mlx_fun.runtime.memory.available_bytes`): each model runs one decoder layer at a time, each layer released
     after its visit (:func:`mlx_fun.observe.evaluate_streamed.evaluate_streamed`); refused for a model without an
-    adapter (dense), which the automatic choice evaluates in memory."""
+    adapter (dense), which the automatic choice evaluates in memory. ``adapter_path``: a LoRA adapter fused into
+    ``model`` (not the reference) as it loads (:mod:`mlx_fun.model.lora`), recorded in ``output``."""
     from ..core import writer
     from ..observe.evaluate import check_compatible, resolve_datasets
     from ..model.io import load_model
@@ -95,11 +98,11 @@ def run(
                                  force=force)
 
     def load():
-        log(f"Loading {model} ...")
-        return (*load_model(model, lazy=True, flag=param("model")), None)
+        log(f"Loading {model}" + ("" if adapter_path is None else f" with the adapter {adapter_path} fused") + " ...")
+        return (*load_model(model, lazy=True, flag=param("model"), adapter_path=adapter_path), None)
 
     with model_job(model, output=output or None, kind="file", force=force, log=log, checked=(model_config, None),
-                   load=load) as job_:
+                   load=load, adapter_path=adapter_path) as job_:
         ref = None
         report = settings.apply(job_.model, log=log)
         if reference is not None:
@@ -108,13 +111,15 @@ def run(
             settings.apply(ref, log=log)
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
         return _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
-                      ref_config=ref_config, output=output, log=log, stream=stream)
+                      ref_config=ref_config, output=output, log=log, stream=stream, adapter_path=adapter_path)
 
 
 def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
-           reference, ref_config: dict | None, output, log: Log, stream: bool = False) -> EvalResult:
+           reference, ref_config: dict | None, output, log: Log, stream: bool = False,
+           adapter_path=None) -> EvalResult:
     """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
     from ..datasets.samples import pad_id as batch_pad_id
+    from ..model import lora
     from ..observe.evaluate import evaluate, load_eval_datasets
 
     model_config, c = job_.config, calibration
@@ -138,6 +143,7 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
     seconds = time.perf_counter() - start
     out = {
         "model": str(model),
+        **lora.recorded(adapter_path),
         "reference": None if reference is None else str(reference),
         "model_type": model_config.get("model_type"),
         "quantization": model_config.get("quantization"),

@@ -13,6 +13,7 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..experts.selection import Selection
+from ..model.lora import ADAPTER_PATH
 from ..rewrite.merge_options import Ream
 from ..settings import RunSettings
 from .common import DATASET, FORCE_DIR, MODEL, Loaded, Log, check_moe, job, model_job, quiet, warn_past_context
@@ -42,6 +43,7 @@ CALIBRATION_DATA = Opt("Calibration data for similarity and alignment (JSONL or 
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     saliency: Annotated[str | Path | None, SALIENCY] = None,
     expert_list: Annotated[str | Path | None, EXPERT_LIST] = None,
     dataset: Annotated[str | Path, CALIBRATION_DATA],
@@ -66,22 +68,26 @@ def run(
     the sample and token subsets (its fields may also be given by name: ``max_samples=32``);
     ``settings`` (:class:`mlx_fun.settings.RunSettings`): dispatch, table, token budget and progress of the
     calibration forwards — no ``dequant_cache`` (merging rewrites the expert weights such a cache would hold).
+
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`, ``mlx_lm.fuse``'s
+    arithmetic), so the merge measures and writes the fine-tuned model; ``ream_metadata.json`` and the model card
+    name the adapter.
     """
     checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
     _check(saliency, expert_list, selection, settings)
     start = time.perf_counter()
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
-                   lazy=True) as job_:  # dequant_cache is 0 (checked): merging rewrites the experts
+                   lazy=True, adapter_path=adapter_path) as job_:  # dequant_cache is 0 (checked): merging rewrites
         return _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset, output=output,
                       selection=selection, ream=ream, calibration=calibration, settings=settings, log=log,
-                      start=start)
+                      start=start, adapter_path=adapter_path)
 
 
 def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selection: Selection, ream: Ream,
-           calibration: Calibration, settings: RunSettings, log: Log, start: float) -> MergeResult:
+           calibration: Calibration, settings: RunSettings, log: Log, start: float, adapter_path=None) -> MergeResult:
     """The merge of :func:`run` on the loaded model, written into ``job_.res`` with ``ream_metadata.json``."""
     from ..datasets.samples import pad_id
-    from ..model import engine
+    from ..model import engine, lora
     from ..output.model_dir import write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
@@ -104,7 +110,7 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
                            token_budget=job_.budget, progress=settings.progress)
     metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list),
                     expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
-                    mlx_fun_version=__version__)
+                    mlx_fun_version=__version__, **lora.recorded(adapter_path))
     log(f"Saving merged model to {output} ...")
     write_model_dir(job_.res, job_.model, adapter.config, source=model, metadata={"ream_metadata.json": metadata})
     return MergeResult(Path(output), Path(model), moe_layers, E, n_kept, metadata, time.perf_counter() - start,

@@ -21,6 +21,7 @@ Metrics (higher = more important): ``reap`` = reap_sum / reap_count, ``ean`` = e
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -62,6 +63,7 @@ class SaliencyAccumulator:
         self.top_k = int(top_k)
         self.total_tokens = 0
         self.extra: dict[str, np.ndarray] = {}  # e.g. rank_sum of a stats-merge result
+        self.adapter: dict | None = None  # the LoRA adapter fused into the model (mlx_fun.model.lora.describe)
         self.source = "saliency file"  # how messages name these statistics (load: the parameter and path)
         self.missing: list[str] = []  # ARRAY_KEYS the loaded file did not hold (left 0)
         for key in ARRAY_KEYS:
@@ -190,6 +192,8 @@ class SaliencyAccumulator:
             total_tokens=np.array(self.total_tokens, dtype=np.int64),
             format_version=np.array(FORMAT_VERSION),
         )
+        if self.adapter is not None:
+            out["adapter"] = np.array(json.dumps(self.adapter, sort_keys=True))
         return out
 
     def write_npz(self, path: str | os.PathLike) -> None:
@@ -231,6 +235,7 @@ class SaliencyAccumulator:
             if key in data:
                 setattr(acc, key, data[key])
         acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
+        acc.adapter = _adapter(data.get("adapter"))
         acc.source, acc.missing = label, [key for key in ARRAY_KEYS if key not in data]
         return acc
 
@@ -274,6 +279,18 @@ class SaliencyAccumulator:
                     return f"every expert's score summed over the layers is {value}"
                 return f"every MoE layer's experts sum to {value}"
         return None
+
+
+def _adapter(value) -> dict | None:
+    """The ``adapter`` record of a saliency file (a JSON object as text; :func:`mlx_fun.model.lora.describe`), None
+    when the file has none or one that is not such a record."""
+    if value is None or value.shape != () or value.dtype.kind != "U":
+        return None
+    try:
+        parsed = json.loads(str(value))
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:
