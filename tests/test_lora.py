@@ -144,3 +144,17 @@ def test_eval_scores_the_fine_tune_against_the_base(tuned, tmp_path):
     (scores,) = got.results.values()
     assert scores["kl"] > 1e-3 and scores["ppl"] != scores["ref_ppl"]
     assert json.loads((tmp_path / "eval.json").read_text())["adapter"]["path"] == str(adapter)
+
+
+def test_a_quantized_base_is_fused_as_mlx_lm_fuse_writes_it_and_says_so(make_model, tmp_path):
+    """Quantized layers are re-quantized after fusing, as mlx_lm.fuse writes them (the weights stay 4-bit); the log
+    says the model is the fused one, not mlx-lm's unfused adapter on the quantized base."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    model = make_model("qwen3_moe", bits=4)
+    adapter = make_tiny_adapter(model, tmp_path / "adapters", seed=3)
+    fused, _, _ = load_model(model, adapter_path=adapter)
+    assert isinstance(fused.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    assert lora.note(fused) and lora.note(load_model(model)[0]) is None
+    res = run("smoke-test", "--model", model, "--adapter-path", adapter, "-m", 4)
+    assert res.exit_code == 0 and "re-quantized with their own bits as mlx_lm.fuse writes them" in res.stderr

@@ -57,17 +57,21 @@ def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple
     and re-resolving the adapter class; without it the loader reads the config again and ``get_adapter`` still
     refuses an unsupported ``model_type``."""
     from ..adapters import get_adapter
+    from ..model import lora
     from ..model.io import load_model
 
     log(f"Loading {model_path}" + (f" with the adapter {adapter_path} fused" if adapter_path is not None else "")
         + " ...")
     if checked is None:
         model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer, adapter_path=adapter_path)
-        return model, tok, config, get_adapter(model, config)
-    config, cls = checked
-    model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer,
-                                    adapter_path=adapter_path)
-    return model, tok, config, cls(model, config)
+        cls = None
+    else:
+        config, cls = checked
+        model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer,
+                                        adapter_path=adapter_path)
+    if (line := lora.note(model)) is not None:
+        log(f"Note: {line}")
+    return model, tok, config, get_adapter(model, config) if cls is None else cls(model, config)
 
 
 def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:

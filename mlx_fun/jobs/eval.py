@@ -80,8 +80,9 @@ def run(
     adapter (dense), which the automatic choice evaluates in memory. ``adapter_path``: a LoRA adapter fused into
     ``model`` (not the reference) as it loads (:mod:`mlx_fun.model.lora`), recorded in ``output``."""
     from ..core import writer
-    from ..observe.evaluate import check_compatible, resolve_datasets
+    from ..model import lora
     from ..model.io import load_model
+    from ..observe.evaluate import check_compatible, resolve_datasets
 
     if calibration.max_tokens < 2:
         raise UserError(f"{param('max_tokens')} must be a whole number >= 2, got {calibration.max_tokens!r}.")
@@ -99,7 +100,10 @@ def run(
 
     def load():
         log(f"Loading {model}" + ("" if adapter_path is None else f" with the adapter {adapter_path} fused") + " ...")
-        return (*load_model(model, lazy=True, flag=param("model"), adapter_path=adapter_path), None)
+        loaded = load_model(model, lazy=True, flag=param("model"), adapter_path=adapter_path)
+        if (line := lora.note(loaded[0])) is not None:
+            log(f"Note: {line}")
+        return (*loaded, None)
 
     with model_job(model, output=output or None, kind="file", force=force, log=log, checked=(model_config, None),
                    load=load, adapter_path=adapter_path) as job_:

@@ -104,6 +104,8 @@ def run(
         raise UserError(f"{param('prompt')} is empty; pass some text to continue.")
     log(f"Loading {model}" + ("" if adapter_path is None else f" with the adapter {adapter_path} fused") + " ...")
     mdl, tokenizer, _config = load_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+    if (line := lora.note(mdl)) is not None:
+        log(f"Note: {line}")
     add_eos_tokens(tokenizer, chat.extra_eos_token)
     ids = prompt_ids(tokenizer, prompt, chat)
     report = settings.apply(mdl, log=log)

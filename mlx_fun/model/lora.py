@@ -93,7 +93,8 @@ def apply(model, path: str | os.PathLike) -> int:
     prefixes = tuple(f"{name}." for name, _ in fused)
     loaded = set(weight_names(path))  # a full fine-tune's weights, loaded over the model's
     changed = {k for k, _ in tree_flatten(model.parameters()) if k.startswith(prefixes) or k in loaded}
-    object.__setattr__(model, ADAPTED, frozenset(changed))  # a plain attribute: not a parameter of the model
+    object.__setattr__(model, ADAPTED, frozenset(changed))  # plain attributes: not parameters of the model
+    object.__setattr__(model, REQUANTIZED, sum("scales" in module for _, module in fused))
     return len(fused)
 
 
@@ -120,6 +121,22 @@ def adapted(model) -> frozenset[str]:
     return getattr(model, ADAPTED, frozenset())
 
 
+#: the attribute :func:`apply` leaves on a model: how many quantized layers it fused and re-quantized
+REQUANTIZED = "mlx_fun_requantized_layers"
+
+
+def note(model) -> str | None:
+    """A line for the log when the adapter was fused into quantized layers (None otherwise): they are re-quantized,
+    as ``mlx_lm.fuse`` writes them, so the model is the fused one, whose outputs differ from mlx-lm's unfused
+    adapter on the quantized base by that rounding."""
+    n = getattr(model, REQUANTIZED, 0)
+    if not n:
+        return None
+    return (f"the adapter was fused into {n} quantized layer(s), re-quantized with their own bits as mlx_lm.fuse "
+            f"writes them: this runs the fused model, whose outputs differ from mlx-lm's unfused adapter on the "
+            f"quantized base by that re-quantization (`mlx_lm.fuse --dequantize` keeps them exact, in float).")
+
+
 def describe(path: str | os.PathLike | None) -> dict | None:
     """What an output records of the adapter at ``path`` (None: none): its path, fine-tune type, rank, scale and
     adapted layers as its config says, and the sha256 of its weights."""
@@ -142,4 +159,5 @@ def recorded(path: str | os.PathLike | None) -> dict:
     return {} if path is None else {"adapter": describe(path)}
 
 
-__all__ = ["ADAPTED", "ADAPTER_PATH", "CONFIG", "WEIGHTS", "adapted", "apply", "check", "describe", "recorded"]
+__all__ = ["ADAPTED", "ADAPTER_PATH", "CONFIG", "REQUANTIZED", "WEIGHTS", "adapted", "apply", "check", "describe",
+           "note", "recorded"]

@@ -332,6 +332,8 @@ def start(*, model: str, mode: str, server: ServerOptions, context: int, steerin
             err = provider.load_error
             raise UserError(f"could not load {param('model')} {model}: "
                             f"{err if err is not None else 'generation thread died'}")
+        if (line := lora.note(provider.model)) is not None:
+            log(f"Note: {line}")
         build = None if steering is None else steering.builder()
         if build is not None:
             s = build(provider.counter)
