@@ -29,30 +29,32 @@ from .test_nothing_lost import tree
 
 #: job → (output parameter, "file" | "dir", base keyword arguments (values: sample names or literals))
 WRITERS = {
-    "collect": ("output", "file", [{"model": "model", "dataset": "dataset",
+    "collect": ("output", "file", [{"model": "model", "adapter_path": "adapter", "dataset": "dataset",
                                     "settings.dispatch_table": "dispatch_table"}]),
-    "prune": ("output", "dir", [{"model": "model", "saliency": "saliency", "selection.n_prune": 1,
-                                 "safety_map": "safety_map", "safety_mode": "protect", "domain_map": "domain_map",
-                                 "domain_mode": "protect"},
+    "prune": ("output", "dir", [{"model": "model", "adapter_path": "adapter", "saliency": "saliency",
+                                 "selection.n_prune": 1, "safety_map": "safety_map", "safety_mode": "protect",
+                                 "domain_map": "domain_map", "domain_mode": "protect"},
                                 {"model": "model", "expert_list": "expert_list"}]),
-    "merge": ("output", "dir", [{"model": "model", "dataset": "dataset", "saliency": "saliency",
-                                 "selection.n_prune": 1, "settings.dispatch_table": "dispatch_table"},
+    "merge": ("output", "dir", [{"model": "model", "adapter_path": "adapter", "dataset": "dataset",
+                                 "saliency": "saliency", "selection.n_prune": 1,
+                                 "settings.dispatch_table": "dispatch_table"},
                                 {"model": "model", "dataset": "dataset", "expert_list": "expert_list"}]),
-    "eval": ("output", "file", [{"model": "model", "dataset": ["dataset"], "reference": "reference",
-                                 "settings.dispatch_table": "dispatch_table"}]),
+    "eval": ("output", "file", [{"model": "model", "adapter_path": "adapter", "dataset": ["dataset"],
+                                 "reference": "reference", "settings.dispatch_table": "dispatch_table"}]),
     "demo": ("output", "dir", [{"model": "model"}]),
-    "serve": ("auto_save", "file", [{"model": "model", "steering.safety_map": "safety_map",
+    "serve": ("auto_save", "file", [{"model": "model", "adapter_path": "adapter", "steering.safety_map": "safety_map",
                                      "steering.steering_mode": "safe", "steering.domain_map": "domain_map",
                                      "steering.domain_steering_mode": "boost",
                                      "settings.dispatch_table": "dispatch_table", "server.data_dir": "data_dir",
                                      "draft_model": "reference"}]),
-    "safety_scan": ("output", "file", [{"model": "model", "harmful_dataset": "dataset", "benign_dataset": "dataset2",
+    "safety_scan": ("output", "file", [{"model": "model", "adapter_path": "adapter", "harmful_dataset": "dataset",
+                                        "benign_dataset": "dataset2", "settings.dispatch_table": "dispatch_table"}]),
+    "domain_scan": ("output", "file", [{"model": "model", "adapter_path": "adapter", "domain_dataset": "dataset",
+                                        "general_dataset": "dataset2", "domain_name": "code",
                                         "settings.dispatch_table": "dispatch_table"}]),
-    "domain_scan": ("output", "file", [{"model": "model", "domain_dataset": "dataset", "general_dataset": "dataset2",
-                                        "domain_name": "code", "settings.dispatch_table": "dispatch_table"}]),
     "amplify": ("output", "dir", [{"model": "model", "domain_map": "domain_map"}]),
-    "abliterate": ("output", "dir", [{"model": "model", "harmful_dataset": "dataset", "benign_dataset": "dataset2",
-                                      "projection.target": "safety-experts", "projection.safety_map": "safety_map",
+    "abliterate": ("output", "dir", [{"model": "model", "adapter_path": "adapter", "harmful_dataset": "dataset",
+                                      "benign_dataset": "dataset2", "projection.target": "safety-experts", "projection.safety_map": "safety_map",
                                       "evaluation.eval_harmful_dataset": "dataset3",
                                       "evaluation.eval_benign_dataset": "dataset4",
                                       "settings.dispatch_table": "dispatch_table"}]),
@@ -89,7 +91,10 @@ def samples(tmp_path_factory, qwen_model):
     (root / "domain_map.json").write_text(json.dumps({"domain_experts": {"0": [1]}}))
     (root / "dispatch_table.json").write_text(table_text(Table()))
     (root / "data_dir").mkdir()
-    files = {"model": model, "reference": root / "reference", "data_dir": root / "data_dir"}
+    from mlx_fun.testing.tiny import make_tiny_adapter
+
+    files = {"model": model, "reference": root / "reference", "data_dir": root / "data_dir",
+             "adapter": make_tiny_adapter(model, root / "adapter")}
     files.update({p.stem: p for p in root.glob("*.*")})
     return files
 

@@ -36,15 +36,17 @@ BAD = {
 }
 
 #: what a job's path parameter holds (by its name, less the option group): a JSON kind, or None (not JSON)
-KINDS = {"model": "config", "reference": "config", "draft_model": "config", "expert_list": "file",
+KINDS = {"model": "config", "reference": "config", "draft_model": "config", "adapter_path": "adapter",
+         "expert_list": "file",
          "safety_map": "file", "domain_map": "file", "dispatch_table": "file",
          "saliency": None, "file1": None, "file2": None, "files": None, "input": None, "data_dir": None}
 #: the commands that only read, with the options they need
 READERS = {
     "doctor": [{"model": "model"}],
     "smoke_test": [{"model": "model", "settings.dispatch_table": "dispatch_table", "draft_model": "reference",
-                    "max_tokens": 1}],
-    "steer": [{"model": "model", "prompt": "hi", "max_tokens": 1, "steering.safety_map": "safety_map", "mode": "safe",
+                    "adapter_path": "adapter", "max_tokens": 1}],
+    "steer": [{"model": "model", "adapter_path": "adapter", "prompt": "hi", "max_tokens": 1,
+               "steering.safety_map": "safety_map", "mode": "safe",
                "steering.domain_map": "domain_map", "domain_mode": "boost",
                "settings.dispatch_table": "dispatch_table", "draft_model": "reference"}],
 }
@@ -88,11 +90,12 @@ def test_every_input_is_classified():
 
 def _bad_input(kind_: str, sample: Path, bad: bytes, root: Path) -> tuple[Path, Path, str]:
     """``(the value to pass, the bad file, what the message names)``."""
-    if kind_ == "config":  # a copy of the model whose config.json is bad
-        model = root / "model"
-        shutil.copytree(sample, model)
-        (model / "config.json").write_bytes(bad)
-        return model, model / "config.json", str(model / "config.json")
+    if kind_ in ("config", "adapter"):  # a copy of the model (adapter) whose config.json (adapter_config.json) is bad
+        name = "config.json" if kind_ == "config" else "adapter_config.json"
+        copy = root / ("model" if kind_ == "config" else "adapter")
+        shutil.copytree(sample, copy)
+        (copy / name).write_bytes(bad)
+        return copy, copy / name, str(copy / name)
     path = root / f"bad{sample.suffix}"
     path.write_bytes(bad if kind_ != "jsonl" else bad + b"\n")
     return path, path, f"{path} line 1" if kind_ == "jsonl" else str(path)

@@ -327,3 +327,42 @@ def test_repr():
     assert "greedy" in repr(make_sampler(0.0))
     r = repr(make_sampler(0.7, seed=3, top_k=20, top_p=0.9))
     assert "T=0.7" in r and "seed=3" in r and "top_k=20" in r and "top_p=0.9" in r
+
+
+# ------------------------------------------------------------------------------- min-p and XTC, as mlx-lm's
+def test_min_p_and_xtc_keep_what_mlx_lm_s_chain_keeps():
+    """mlx_lm.generate's --min-p / --min-tokens-to-keep / --xtc-*: the same tokens survive our masks as mlx-lm's
+    sampler chain (top-p, min-p, XTC, top-k, in that order), on raw logits and on log-probabilities alike."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
+
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(scale=2.0, size=(4, 64)).astype(np.float32))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    xtc = sampling.Xtc(1.0, 0.05, (3,))  # probability 1: mlx-lm's coin always applies it
+    for top_p, min_p, keep, top_k in [(1.0, 0.1, 1, 0), (0.9, 0.2, 5, 0), (0.95, 0.05, 1, 8), (1.0, 0.0, 1, 0)]:
+        theirs = logprobs
+        if top_p < 1:
+            theirs = apply_top_p(theirs, top_p)
+        if min_p:
+            theirs = apply_min_p(theirs, min_p, keep)
+        theirs = apply_xtc(theirs, xtc.probability, xtc.threshold, list(xtc.special))
+        if top_k:
+            theirs = apply_top_k(theirs, top_k)
+        for x in (logits, logprobs):
+            ours = mask_logits(x, top_k, top_p, min_p=min_p, min_tokens_to_keep=keep, xtc=xtc)
+            np.testing.assert_array_equal(np.isfinite(_np(ours)), np.isfinite(_np(theirs)),
+                                          err_msg=str((top_p, min_p, keep, top_k)))
+    assert not np.isfinite(_np(mask_logits(logits, min_p=0.5))).all()
+
+
+def test_xtc_applies_with_its_probability_from_the_step_key():
+    """XTC's coin comes from the step's key (split from it, so a seeded generation stays reproducible) and applies
+    with the given probability; the most probable token goes whenever it does (it is above the threshold)."""
+    logits = mx.array([[3.0, 2.9, 0.0, -1.0]])  # two tokens above the threshold: XTC drops the first
+    hits = [int(sample(logits, 0.01, mx.random.key(s), xtc=sampling.Xtc(0.5, 0.1)).item()) for s in range(400)]
+    share = hits.count(1) / len(hits)
+    assert 0.4 < share < 0.6 and set(hits) == {0, 1}
+    again = [int(sample(logits, 0.01, mx.random.key(s), xtc=sampling.Xtc(0.5, 0.1)).item()) for s in range(400)]
+    assert hits == again
+    sampler = GumbelSampler(1.0, seed=5, min_p=0.1, min_tokens_to_keep=2, xtc=sampling.Xtc(0.5, 0.2))
+    assert "min_p=0.1/2" in repr(sampler) and "xtc=0.5@0.2" in repr(sampler)

@@ -65,8 +65,7 @@ def test_server_args_cover_what_mlx_lm_reads():
     from mlx_fun.serve.generator import server_args
 
     names = set(re.findall(r"cli_args\.(\w+)", Path(mlx_lm.server.__file__).read_text()))
-    args = server_args(model="m", max_tokens=1, chat_template=None, decode_concurrency=1, prompt_concurrency=1,
-                       prefill_step_size=1, prompt_cache_size=1, prompt_cache_bytes=None, allowed_origins=[])
+    args = server_args(model="m", server=ServerOptions(max_tokens=1), prompt_concurrency=1)
     assert names and not [n for n in names if not hasattr(args, n)]
 
 

@@ -170,7 +170,7 @@ VALID = {"max_tokens": st.integers(1, LIMIT), "max_completion_tokens": st.intege
          "repetition_context_size": st.sampled_from([0, 1, 4096]), "presence_penalty": st.floats(-2, 2),
          "presence_context_size": st.sampled_from([0, 20, 4096]), "frequency_penalty": st.floats(-1e6, 1e6),
          "frequency_context_size": st.sampled_from([0, 4096]), "xtc_probability": st.sampled_from([0, 0.5, 1]),
-         "xtc_threshold": st.sampled_from([0, 0.1, 1]), "num_draft_tokens": st.integers(1, 3),
+         "xtc_threshold": st.sampled_from([0, 0.1, 0.5]), "num_draft_tokens": st.integers(1, 3),
          "top_logprobs": st.sampled_from([-1, 0, 11])}
 assert sorted(VALID) == sorted(NUMERIC_FIELDS)
 VALID_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(

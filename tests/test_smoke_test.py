@@ -8,6 +8,9 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
+
+from mlx_fun.cli import main
 
 from mlx_fun.jobs.smoke_test import DEFAULT_PROMPT
 from mlx_fun.model.io import load_model
@@ -148,7 +151,8 @@ def test_help():
     assert [ln for ln in result.output.splitlines() if ln.strip().startswith("smoke-test ")]
     result = run("smoke-test", "--help")
     assert result.exit_code == 0
-    for flag in ("--model", "--prompt", "--max-tokens", "--temp", "--seed", "--top-k", "--top-p", "--chat"):
+    for flag in ("--model", "--prompt", "--max-tokens", "--temp", "--seed", "--top-k", "--top-p",
+                 "--ignore-chat-template", "--system-prompt", "--adapter-path"):
         assert flag in result.output
     assert "def fibonacci(n):" in result.output and "greedy" in result.output
 
@@ -158,15 +162,21 @@ def test_cli_greedy_prints_mlx_lm_text_and_speeds(loaded, model_type, bits):
     from mlx_lm.generate import generate
 
     path, model, tokenizer = loaded(model_type, bits)
-    result = run("smoke-test", "--model", path, "--max-tokens", N_TOKENS)
+    result = run("smoke-test", "--model", path, "--max-tokens", N_TOKENS)  # in the chat template, as mlx-lm
     assert result.exit_code == 0, result.output
     text, stats = result.stdout.rsplit("\n", 2)[:2]
-    assert text == generate(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(chat, add_special_tokens=False)
+    assert text == generate(model, tokenizer, ids, max_tokens=N_TOKENS)
     m = STATS.fullmatch(stats)
     assert m, stats
-    ours = generate_tokens(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS)
-    assert int(m.group(1)) == len(tokenizer.encode(DEFAULT_PROMPT)) and int(m.group(2)) == len(ours)
+    ours = generate_tokens(model, tokenizer, ids, max_tokens=N_TOKENS)
+    assert int(m.group(1)) == len(ids) and int(m.group(2)) == len(ours)
     assert "tok/s" in result.output and "greedy" in result.stderr
+    raw = run("smoke-test", "--model", path, "--max-tokens", N_TOKENS, "--ignore-chat-template", "--verbose", "F")
+    assert raw.exit_code == 0 and raw.stderr == "", raw.output  # --verbose False: the text alone
+    assert raw.stdout == generate(model, tokenizer, DEFAULT_PROMPT, max_tokens=N_TOKENS) + "\n"
 
 
 def test_cli_same_seed_same_output(loaded):
@@ -180,7 +190,7 @@ def test_cli_same_seed_same_output(loaded):
     text = lambda r: r.stdout.rsplit("\n", 2)[0]  # noqa: E731
     assert text(a) == text(b) and text(a) != text(c)
     assert "seed=7" in a.stderr
-    d = run(*args, "--seed", 7, "--top-k", 5, "--top-p", 0.9, "--chat")
+    d = run(*args, "--seed", 7, "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05, "--ignore-chat-template")
     assert d.exit_code == 0 and STATS.search(d.stdout)
 
 
@@ -205,3 +215,44 @@ def test_cli_missing_weights(tmp_path, make_model):
 def test_cli_rejects_bad_numbers(tmp_path, bad):
     result = run("smoke-test", "--model", tmp_path, *bad)
     assert result.exit_code == 2 and bad[0] in result.output
+
+
+# ------------------------------------------------------------------------------- mlx_lm.generate's prompt flags
+def test_the_prompt_is_built_as_mlx_lm_generate_builds_it(loaded):
+    """The chat template with a system prompt, a prefilled reply (continued, no generation prompt) and template
+    arguments; the raw text with --ignore-chat-template; what mlx-lm would ignore is one line."""
+    from mlx_fun.errors import UserError
+    from mlx_fun.model.chat import ChatOptions, prompt_ids
+
+    _, _, tokenizer = loaded("qwen3_moe")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Well,"}]
+    want = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True,
+                                         add_generation_prompt=False)
+    got = prompt_ids(tokenizer, "Hi", ChatOptions(system_prompt="Be brief.", prefill_response="Well,"))
+    assert got == tokenizer.encode(want, add_special_tokens=False) and want.endswith("Well,")
+    assert prompt_ids(tokenizer, "Hi", ChatOptions(ignore_chat_template=True)) == tokenizer.encode("Hi")
+    with pytest.raises(UserError, match="^system_prompt= goes into the chat template, which ignore_chat_template="):
+        ChatOptions(system_prompt="x", ignore_chat_template=True)
+
+
+def test_cli_prompt_flags(loaded):
+    path, model, tokenizer = loaded("qwen3_moe")
+    first = run("smoke-test", "--model", path, "-m", 4, "--verbose", "False")
+    assert first.exit_code == 0, first.output
+    greedy = generate_tokens(model, tokenizer, tokenizer.apply_chat_template(
+        [{"role": "user", "content": DEFAULT_PROMPT}], tokenize=True, add_generation_prompt=True), max_tokens=4)
+    stop = run("smoke-test", "--model", path, "-m", 4, "--extra-eos-token", greedy[0])  # an id, as mlx-lm takes
+    assert stop.exit_code == 0 and STATS.search(stop.stdout).group(2) == "1", stop.output
+    _error(run("smoke-test", "--model", path, "--extra-eos-token", "<|no-such-token|>"), "--extra-eos-token",
+           "not a token of this tokenizer")
+    _error(run("smoke-test", "--model", path, "--system-prompt", "x", "--ignore-chat-template"), "--system-prompt",
+           "--ignore-chat-template")
+    bad = run("smoke-test", "--model", path, "--chat-template-config", "{nope")
+    assert bad.exit_code == 2 and "--chat-template-config" in bad.output and "is not JSON" in bad.output
+    piped = CliRunner().invoke(main, ["smoke-test", "--model", str(path), "-p", "-", "-m", 2,
+                                      "--ignore-chat-template"], input="line one\nline two")
+    escaped = run("smoke-test", "--model", path, "-p", "line one\\nline two", "-m", 2, "--ignore-chat-template")
+    n = len(tokenizer.encode("line one\nline two"))
+    for res in (piped, escaped):  # standard input, and mlx-lm's \n in --prompt: the same two-line prompt
+        assert res.exit_code == 0 and int(STATS.search(res.stdout).group(1)) == n, res.output

@@ -60,7 +60,7 @@ def click_option(name: str, opt: Opt, default, annotation):
     tri_state = base <= {bool, type(None)} and not required and default is None and "/" in (opt.flag or "")
     if tri_state:
         pass  # --x/--no-x with default None (set below): neither given leaves the choice to the job
-    elif base <= {bool, type(None)} and not required:
+    elif base <= {bool, type(None)} and not required and opt.type is None:
         kw.update(is_flag=True, default=bool(default))
     else:
         kind = opt.type
@@ -75,7 +75,7 @@ def click_option(name: str, opt: Opt, default, annotation):
     kw = {k: v for k, v in kw.items() if v is not None}
     if tri_state:
         kw["default"] = None  # kept: without it click makes the flag's default False
-    return click.option(flag, name, **kw)
+    return click.option(flag, *opt.aliases, name, **kw)
 
 
 def job_options(run, *, skip: tuple[str, ...] = ()):

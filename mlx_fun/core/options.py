@@ -33,7 +33,9 @@ class Opt:
     """How an option is shown and checked. ``help``: its text; ``type``: a click type (``click.IntRange``,
     ``click.Choice``, ``FiniteFloat``, ``click.Path``...; None: from the annotation); ``missing``: for a path
     that must exist, the fix named when it does not (checked before anything loads); ``flag``: the command-line
-    name when it is not ``--field-name``; ``metavar`` / ``default_text``: what ``--help`` shows; ``required``:
+    name when it is not ``--field-name``; ``aliases``: more names of it (mlx-lm's ``-p``); a ``bool`` with a
+    ``type`` (``click.BOOL``) takes a value (``--verbose False``) instead of being a flag; ``metavar`` /
+    ``default_text``: what ``--help`` shows; ``required``:
     the command line must give it (a parameter without a default is required anyway); ``cli``: False for a field
     only Python callers set."""
 
@@ -46,6 +48,7 @@ class Opt:
     required: bool = False
     cli: bool = True
     multiple: bool = False
+    aliases: tuple[str, ...] = ()
 
 
 def option(default: Any = None, help: str = "", **kw) -> Any:

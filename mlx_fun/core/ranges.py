@@ -1,11 +1,13 @@
 """The value types and ranges of options the CLI and the REST server share, declared once: :class:`FiniteFloat`
-(no nan / inf, optional bounds) and the sampling ranges (``SEED``, ``TEMPERATURE``, ``TOP_K``, ``TOP_P``,
-``DRAFT_TOKENS``). ``cli`` builds its options with them and ``serve.params`` checks a request's numbers with them,
-so a value the CLI refuses is refused over REST too.
+(no nan / inf, optional bounds), :class:`JsonObject` (a JSON object given as text) and the sampling ranges (``SEED``,
+``TEMPERATURE``, ``TOP_K``, ``TOP_P``, ``MIN_P``, ``MIN_TOKENS_TO_KEEP``, ``XTC_PROBABILITY``, ``XTC_THRESHOLD``,
+``DRAFT_TOKENS``: mlx-lm's bounds). ``cli`` builds its options with them and ``serve.params`` checks a request's
+numbers with them, so a value the CLI refuses is refused over REST too.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import click
@@ -49,3 +51,25 @@ TEMPERATURE = FiniteFloat(min=0.0)
 TOP_K = click.IntRange(min=0)
 TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
 DRAFT_TOKENS = click.IntRange(min=1)
+MIN_P = FiniteFloat(0.0, 1.0)
+MIN_TOKENS_TO_KEEP = click.IntRange(min=1)
+XTC_PROBABILITY = FiniteFloat(0.0, 1.0)
+#: mlx-lm's ``apply_xtc`` raises past 0.5 (its server takes up to 1 and then fails on the generation thread)
+XTC_THRESHOLD = FiniteFloat(0.0, 0.5)
+
+
+class JsonObject(click.ParamType):
+    """A JSON object given as text (``'{"enable_thinking": false}'``), as a ``dict``; a ``dict`` as it is."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else None
+        except ValueError as e:
+            self.fail(f"{value!r} is not JSON ({e}).", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"{value!r} is not a JSON object such as '{{\"enable_thinking\": false}}'.", param, ctx)
+        return parsed

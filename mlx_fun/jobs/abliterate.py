@@ -37,6 +37,7 @@ import click
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
+from ..model.lora import ADAPTER_PATH
 from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
 from ..rewrite.abliterate_rounds import Abliteration, Prompts, Round, Trial, candidates
 from ..settings import RunSettings
@@ -109,6 +110,7 @@ def _load_prompts(tokenizer, harmful_dataset, benign_dataset, evaluation: Evalua
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
     benign_dataset: Annotated[str | Path, BENIGN_DATASET],
     output: Annotated[str | Path, Opt("Model directory to write.", type=click.Path(file_okay=False))],
@@ -136,20 +138,26 @@ def run(
     written one tensor at a time. Streamed, the run keeps a checkpoint beside ``output`` (``.<name>.stream/``: each
     phase's results as it ends, the rewritten layers kept while abliterating), so rerunning the same call after a
     kill resumes after the last phase done and writes the same files; it is removed once the output is written. No
-    dequantized experts are kept (``settings.dequant_cache``) while streaming."""
+    dequantized experts are kept (``settings.dequant_cache``) while streaming.
+
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`, ``mlx_lm.fuse``'s
+    arithmetic): the fine-tuned model is measured, abliterated and written; its metadata and card name the adapter
+    (not with streaming: fuse it first)."""
+    from ..model import lora
     from ..output.model_dir import params_nbytes, write_model_dir
     from ..runtime.memory import peak_rss_bytes
 
     checked = check_moe(model)
     # tokens=0: abliterate's streamed passes carry their prompts' hidden states in memory (no spilling)
     stream = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="abliterating", log=log,
-                           tokens=0).layers
+                           tokens=0, adapter_path=adapter_path).layers
     if stream and settings.dequant_bytes():
         log(f"Note: {param('dequant_cache')} is off while streaming (it would keep dequantized experts of every "
             "layer in memory).")
         settings = dataclasses.replace(settings, dequant_cache="0")
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
-                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset), lazy=stream) as job_:
+                   before_load=lambda: _check_distinct(harmful_dataset, benign_dataset), lazy=stream,
+                   adapter_path=adapter_path) as job_:
         n_layers = _check_layers(job_.adapter, estimate, projection)
         warnings = []
         how = dict(estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
@@ -163,7 +171,7 @@ def run(
         got = _abliterate(abl, estimate, projection, evaluation, settings.progress, warnings)
         for w in warnings:
             log(f"Warning: {w}")
-        meta = _metadata(got, abl, estimate, projection, evaluation, n_layers)
+        meta = {**_metadata(got, abl, estimate, projection, evaluation, n_layers), **lora.recorded(adapter_path)}
         if stream:
             abl.load_for_writing()
         job_.res.require_space(params_nbytes(job_.model))

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
+from ..model.lora import ADAPTER_PATH
 from ..observe.saliency import ARRAY_KEYS, SaliencyAccumulator
 from ..settings import RunSettings
 from .common import (DATASET, FORCE, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet,
@@ -40,6 +41,7 @@ class CollectResult:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     dataset: Annotated[str | Path, DATASET],
     output: Annotated[str | Path, Opt("Where to write the saliency statistics (.npz); checked for room and "
                                       "writability before the run.")],
@@ -75,6 +77,10 @@ def run(
     Under ``mlx.launch`` (:mod:`mlx_fun.observe.distributed`) every rank takes its share of the samples, the float64
     statistics are summed across ranks, and rank 0 alone reserves and writes ``output`` and shows the progress
     bar (all ranks' tokens); every rank returns the summed result.
+
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`): the statistics
+    are the fine-tuned model's, and the file records the adapter. Not with ``pipeline`` (each rank loads a slice of
+    the layers, which mlx-lm's adapters do not address; mlx-lm's distributed server refuses adapters too).
     """
     from ..core import writer
     from ..observe.distributed import check_pipeline, world
@@ -84,6 +90,11 @@ def run(
     say = log if w.writer else quiet  # one rank speaks
     plan = _stream_choice(model, stream_layers, pipeline, w, checked, say,
                           tokens=calibration.max_samples * calibration.max_tokens)
+    if pipeline and adapter_path is not None:
+        from ..errors import UserError, param
+
+        raise UserError(f"{param('adapter_path')} does not work with {param('pipeline')}: each rank loads a slice of "
+                        f"the layers; fuse the adapter first (mlx_lm.fuse) and collect the fused model.")
     if pipeline:
         check_pipeline(checked[0], w)  # every rank alike, before any collective
     writer.check_output_path(output, kind="file", force=force)  # every rank alike, before any collective
@@ -98,8 +109,10 @@ def run(
         return mdl, tokenizer, config, adapter
 
     with model_job(model, output=output if w.writer else None, suffix=".npz", force=force, settings=settings,
-                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=plan.layers) as job_:
-        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, plan)
+                   log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=plan.layers,
+                   adapter_path=adapter_path) as job_:
+        result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, plan,
+                          adapter_path)
         target = job_.res.path if job_.res is not None else None
     if plan.layers and target is not None:  # written: the checkpoint has served
         from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
@@ -126,11 +139,11 @@ def _stream_choice(model, stream_layers: bool | None, pipeline: bool, w, checked
 
 
 def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, settings: RunSettings, w, split, log: Log,
-             plan: StreamPlan = StreamPlan(False)):
+             plan: StreamPlan = StreamPlan(False), adapter_path=None):
     """The calibration pass of :func:`run` on a loaded model (``split``: with ``pipeline``, the model's MoE layers
-    and this rank's positions among them); rank 0 writes ``job_.res``."""
+    and this rank's positions among them); rank 0 writes ``job_.res`` (with the adapter's record)."""
     from ..datasets.samples import pad_id
-    from ..model import engine
+    from ..model import engine, lora
     from ..observe.collect import collect, collect_streamed
     from ..observe.distributed import globalize, my_share, reduce_saliency, shared_seed
 
@@ -152,7 +165,8 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
                                pad_id=pad_id(job_.tokenizer), token_budget=job_.budget,
                                progress=settings.progress and w.writer, log=say, spill=plan.spill_dir(job_.res),
                                checkpoint=stream_checkpoint(job_, "collect", model=model, dataset=dataset,
-                                                            samples=samples, calibration=calibration)
+                                                            samples=samples, calibration=calibration,
+                                                            adapter_path=adapter_path)
                                if w.size == 1 else None)
     else:
         acc = collect(job_.model, adapter, mine, batch_size=calibration.batch_size, pad_id=pad_id(job_.tokenizer),
@@ -163,6 +177,7 @@ def _collect(job_: Loaded, model, dataset, output, calibration: Calibration, set
         acc = globalize(acc, *split)
     acc = reduce_saliency(acc, w, same_tokens=pipeline)
     seconds = time.perf_counter() - start
+    acc.adapter = lora.describe(adapter_path)
     if w.writer:
         from ..observe.checkpoint import samples_hash
         from ..observe.provenance import collected_on

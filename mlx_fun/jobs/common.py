@@ -48,24 +48,31 @@ def check_supported(model_path) -> dict:
 
 
 def load_moe(model_path, *, lazy: bool = False, log: Log = quiet, checked: tuple[dict, type] | None = None,
-             tokenizer: bool = True):
+             tokenizer: bool = True, adapter_path=None):
     """``(model, tokenizer, config, adapter)`` of a supported MoE model directory (``tokenizer=False``: None in
-    its place, for jobs that only rewrite weights: :func:`mlx_fun.model.io.load_model`).
+    its place, for jobs that only rewrite weights: :func:`mlx_fun.model.io.load_model`), with the LoRA adapter at
+    ``adapter_path`` fused into its weights (:mod:`mlx_fun.model.lora`).
 
     Every job checks its model first (:func:`check_supported` / :func:`check_moe`, before it reserves its output),
     so nothing is checked again here: ``checked`` (what :func:`check_moe` returned) skips re-reading the config
     and re-resolving the adapter class; without it the loader reads the config again and ``get_adapter`` still
     refuses an unsupported ``model_type``."""
     from ..adapters import get_adapter
+    from ..model import lora
     from ..model.io import load_model
 
-    log(f"Loading {model_path} ...")
+    log(f"Loading {model_path}" + (f" with the adapter {adapter_path} fused" if adapter_path is not None else "")
+        + " ...")
     if checked is None:
-        model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer)
-        return model, tok, config, get_adapter(model, config)
-    config, cls = checked
-    model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer)
-    return model, tok, config, cls(model, config)
+        model, tok, config = load_model(model_path, lazy=lazy, tokenizer=tokenizer, adapter_path=adapter_path)
+        cls = None
+    else:
+        config, cls = checked
+        model, tok, config = load_model(model_path, lazy=lazy, config=config, tokenizer=tokenizer,
+                                        adapter_path=adapter_path)
+    if (line := lora.note(model)) is not None:
+        log(f"Note: {line}")
+    return model, tok, config, get_adapter(model, config) if cls is None else cls(model, config)
 
 
 def warn_past_context(samples: Sequence[Sequence[int]], config: dict, log: Log, name: str = "max_tokens") -> list[str]:
@@ -109,7 +116,8 @@ PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus wh
 
 def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset_b: tuple[str, object], output,
                      calibration: Calibration, threshold_percentile: float, settings: RunSettings, log: Log,
-                     extra: dict | None = None, force: bool = False, stream_layers: bool | None = None) -> dict:
+                     extra: dict | None = None, force: bool = False, stream_layers: bool | None = None,
+                     adapter_path=None) -> dict:
     """The shared body of ``safety-scan`` / ``domain-scan``: two datasets through the hooked model, one report.
 
     ``dataset_a`` / ``dataset_b`` are (parameter name, path): harmful / benign or domain / general, each read under
@@ -117,8 +125,10 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     ``stream_layers`` (None: :func:`stream_choice`): the model loads lazily and both datasets run together through
     one streamed forward, each layer's weights read once (:func:`mlx_fun.observe.differential.scan_streamed`),
     resumable: its checkpoint in ``.<output name>.stream/`` beside ``output``, removed once the report is written.
+    ``adapter_path``: a LoRA adapter fused into the model (:mod:`mlx_fun.model.lora`), recorded in the report.
     """
     from ..datasets.samples import pad_id
+    from ..model import lora
     from ..observe.differential import report, scan, scan_streamed
 
     check_value("threshold_percentile", threshold_percentile, PERCENTILE)
@@ -126,7 +136,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     plan = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="scanning", log=log,
                          tokens=2 * calibration.max_samples * calibration.max_tokens)
     with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
-                   lazy=plan.layers) as job_:
+                   lazy=plan.layers, adapter_path=adapter_path) as job_:
         names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
         paths = [path for _name, path in (dataset_a, dataset_b)]
         sets = [calibration.load(path, job_.tokenizer, generation_prompt=True) for path in paths]
@@ -136,6 +146,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
             from ..observe.checkpoint import samples_hash
 
             checkpoint = stream_checkpoint(job_, f"{kind}-scan", model=model, dataset=paths[0], samples=sets[0],
+                                           adapter_path=adapter_path,
                                            calibration=calibration, dataset_b=str(Path(paths[1]).resolve()),
                                            samples_b_sha256=samples_hash(sets[1]))
             taps = scan_streamed(job_.model, job_.adapter, sets, desc=f"{kind}-scan", refusal=f"a streamed {kind}-scan",
@@ -145,7 +156,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
         datasets = {name: {"path": str(path), "samples": len(samples), "tokens": tap.tokens}
                     for name, path, samples, tap in zip(names, paths, sets, taps)}
         out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
-                     datasets=datasets, extra={"model": str(model), **(extra or {})})
+                     datasets=datasets, extra={"model": str(model), **lora.recorded(adapter_path), **(extra or {})})
         job_.res.write_json(out)
         target = job_.res.path
     if plan.layers:  # written: the checkpoint has served
@@ -255,7 +266,7 @@ class StreamPlan:
 
 
 def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type | None, dict]], *, doing: str,
-                  log: Log, tokens: int) -> StreamPlan:
+                  log: Log, tokens: int, adapter_path=None) -> StreamPlan:
     """Whether a job streams its ``models`` (``(directory, adapter class or None, its checked config)`` each: the
     model, then a reference) one decoder layer at a time: as asked (refused in one line for a model without an
     adapter: a dense one), else when their weights together exceed the memory left, with a one-line note
@@ -265,7 +276,11 @@ def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type |
     Streamed, whether the hidden states spill to files: when one decoder layer of each model (its largest), the
     hidden states every model carries (``tokens``, the most the job's samples can hold: samples × max tokens of
     every sample set, × the hidden size × the model's dtype) and :data:`STREAM_HEADROOM` exceed the memory left;
-    the note says so."""
+    the note says so.
+
+    ``adapter_path``: given by a job whose streamed run reads its layers again from the model's files (abliterate),
+    where a LoRA adapter fused as the model loaded would be lost: streaming with one is refused in one line (fuse it
+    first). The single-pass streamed jobs stream the fused layers as loaded and take no ``adapter_path`` here."""
     from ..errors import UserError
     from ..runtime.memory import available_bytes, weight_bytes
 
@@ -292,6 +307,13 @@ def stream_choice(stream_layers: bool | None, models: Sequence[tuple[Any, type |
                         f"{cls.model_types[0]} cannot run one layer at a time ({reason})")
                 log(f"{over}, but {what}: {doing} in memory.")
                 return StreamPlan(False)
+    if adapter_path is not None:
+        why = (f"{param('stream_layers')} reads each layer from the model's files" if stream_layers else
+               f"the weights ({format_bytes(need)}) exceed the memory left ({format_bytes(room)}), so it would run "
+               f"one layer at a time from the model's files")
+        raise UserError(f"{param('adapter_path')} is fused into the weights as they load, and {why}; fuse the "
+                        f"adapter first (python -m mlx_lm fuse --model MODEL --adapter-path {adapter_path} "
+                        f"--save-path FUSED) and pass the fused model.")
     sizes = [_streamed_bytes(path, cls, config, tokens) for path, cls, config in models]
     layer, hidden = sum(size[0] for size in sizes), sum(size[1] for size in sizes)
     spill = room is not None and layer + hidden + STREAM_HEADROOM > room
@@ -329,10 +351,11 @@ _FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
 def stream_checkpoint(job_: "Loaded", job: str, *, model, dataset, samples: Sequence[Sequence[int]],
-                      calibration: Calibration, **options):
+                      calibration: Calibration, adapter_path=None, **options):
     """A streamed ``job``'s checkpoint beside its output (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`),
     named by what the run reads (the model and its config's hash, the dataset and its samples' hash), how it
-    batches, the job's own ``options`` (JSON-able values; a file's hash where a run reads one) and the output."""
+    batches, the job's own ``options`` (JSON-able values; a file's hash where a run reads one), the LoRA adapter fused
+    into the model (its weights' hash) and the output."""
     import dataclasses
     from pathlib import Path
 
@@ -344,6 +367,8 @@ def stream_checkpoint(job_: "Loaded", job: str, *, model, dataset, samples: Sequ
                 "calibration": dataclasses.asdict(calibration), "token_budget": job_.budget,
                 "dispatch": None if job_.dispatch is None else job_.dispatch.mode, "output": str(job_.res.path),
                 **options}
+    if adapter_path is not None:  # a checkpoint of the base model (or of another adapter) is not resumed
+        identity["adapter_sha256"] = file_hash(Path(adapter_path) / "adapters.safetensors")
     return StreamCheckpoint(checkpoint_dir(job_.res.path), identity, job=job)
 
 
@@ -417,23 +442,29 @@ class Loaded:
 def model_job(model, *, output=None, kind: str = "file", suffix: str | None = None, force: bool = False,
               settings: RunSettings | None = None, log: Log = quiet, checked: tuple[dict, type] | None = None,
               before_load: Callable[[], None] | None = None, lazy: bool = False, tokenizer: bool = True,
-              load: Callable[[], tuple] | None = None):
+              load: Callable[[], tuple] | None = None, adapter_path=None):
     """The steps every model job takes, in order: check the model (:func:`check_moe`: config, family, tokenizer
-    files; without weights; ``checked``: already done), ``before_load`` (the job's own checks), reserve ``output``
+    files; without weights; ``checked``: already done) and the LoRA adapter at ``adapter_path``
+    (:func:`mlx_fun.model.lora.check`), ``before_load`` (the job's own checks), reserve ``output``
     (:func:`mlx_fun.core.writer.output`; refused if it is an input, locked or unwritable, an existing one replaced
-    only with ``force``), load the model, install the dispatch (``settings.apply``) and work out the token budget.
-    Yields :class:`Loaded`; the output is committed when the block ends without error. ``load``: the job's own
-    loader (``(model, tokenizer, config, adapter)``: one rank's layers under ``--pipeline``)."""
+    only with ``force``), load the model (the adapter fused into it), install the dispatch (``settings.apply``) and
+    work out the token budget. Yields :class:`Loaded`; the output is committed when the block ends without error.
+    ``load``: the job's own loader (``(model, tokenizer, config, adapter)``: one rank's layers under
+    ``--pipeline``; it fuses the adapter itself)."""
     from ..core import writer
+    from ..model import lora
 
     checked = checked or check_moe(model)
+    if adapter_path is not None:
+        lora.check(adapter_path)
     if before_load is not None:
         before_load()
     reserve = (writer.output(output, kind=kind, suffix=suffix or "", force=force) if output is not None
                else contextlib.nullcontext())
     with reserve as res:
         mdl, tok, config, adapter = (load() if load is not None else
-                                     load_moe(model, log=log, checked=checked, lazy=lazy, tokenizer=tokenizer))
+                                     load_moe(model, log=log, checked=checked, lazy=lazy, tokenizer=tokenizer,
+                                              adapter_path=adapter_path))
         loaded = Loaded(res, mdl, tok, config, adapter)
         if settings is not None:
             loaded.dispatch = settings.apply(mdl, log=log)

@@ -121,8 +121,8 @@ def run(
         (f"2/4 prune {n_prune} of {n_experts} experts per layer by {metric}", "prune", prune.run, dict(
             model=str(model_dir), saliency=str(saliency), n_prune=n_prune, metric=metric, output=str(pruned),
             force=True)),
-        ("3/4 smoke-test the pruned model", "smoke-test", smoke_test.run, dict(
-            model=str(pruned), prompt="def read_config(path):", max_tokens=48)),
+        ("3/4 smoke-test the pruned model", "smoke-test", smoke_test.run, dict(  # a base model: code, no chat
+            model=str(pruned), prompt="def read_config(path):", ignore_chat_template=True, max_tokens=48)),
         ("4/4 eval pruned vs original on held-out text", "eval", eval_job.run, dict(
             model=str(pruned), reference=str(model_dir),
             dataset=[f"{d}={corpus.domain_file(data_dir, d, 'test')}" for d in corpus.ALWAYS],

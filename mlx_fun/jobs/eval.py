@@ -16,6 +16,7 @@ from ..adapters import REGISTRY
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
+from ..model.lora import ADAPTER_PATH
 from ..settings import RunSettings
 from .common import (FORCE, MODEL, Loaded, Log, StreamPlan, job, model_job, quiet, stream_choice, stream_layers_opt,
                      warn_past_context)
@@ -50,6 +51,7 @@ def check_model_dir(path, name: str) -> dict:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     reference: Annotated[str | Path | None, Opt(
         "Reference model (e.g. the original before pruning): a local directory or a Hugging Face repo id, as --model "
         "(a local directory of that name wins; the repo at its default branch, since --revision is --model's); adds "
@@ -76,10 +78,12 @@ def run(
     ``stream_layers`` (None: when the weights of the model and the reference together exceed
     :func:`mlx_fun.runtime.memory.available_bytes`): each model runs one decoder layer at a time, each layer released
     after its visit (:func:`mlx_fun.observe.evaluate_streamed.evaluate_streamed`); refused for a model without an
-    adapter (dense), which the automatic choice evaluates in memory."""
+    adapter (dense), which the automatic choice evaluates in memory. ``adapter_path``: a LoRA adapter fused into
+    ``model`` (not the reference) as it loads (:mod:`mlx_fun.model.lora`), recorded in ``output``."""
     from ..core import writer
-    from ..observe.evaluate import check_compatible, resolve_datasets
+    from ..model import lora
     from ..model.io import load_model
+    from ..observe.evaluate import check_compatible, resolve_datasets
 
     if calibration.max_tokens < 2:
         raise UserError(f"{param('max_tokens')} must be a whole number >= 2, got {calibration.max_tokens!r}.")
@@ -96,11 +100,14 @@ def run(
                                  force=force)
 
     def load():
-        log(f"Loading {model} ...")
-        return (*load_model(model, lazy=True, flag=param("model")), None)
+        log(f"Loading {model}" + ("" if adapter_path is None else f" with the adapter {adapter_path} fused") + " ...")
+        loaded = load_model(model, lazy=True, flag=param("model"), adapter_path=adapter_path)
+        if (line := lora.note(loaded[0])) is not None:
+            log(f"Note: {line}")
+        return (*loaded, None)
 
     with model_job(model, output=output or None, kind="file", force=force, log=log, checked=(model_config, None),
-                   load=load) as job_:
+                   load=load, adapter_path=adapter_path) as job_:
         ref = None
         report = settings.apply(job_.model, log=log)
         if reference is not None:
@@ -109,7 +116,7 @@ def run(
             settings.apply(ref, log=log)
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
         result = _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
-                        ref_config=ref_config, output=output, log=log, plan=plan)
+                        ref_config=ref_config, output=output, log=log, plan=plan, adapter_path=adapter_path)
         target = None if job_.res is None else job_.res.path
     if plan.layers and target is not None:  # written: the checkpoint has served
         from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
@@ -119,10 +126,11 @@ def run(
 
 
 def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: RunSettings, mode: str, *, model,
-           reference, ref_config: dict | None, output, log: Log, plan: StreamPlan = StreamPlan(False)) -> EvalResult:
+           reference, ref_config: dict | None, output, log: Log, plan: StreamPlan = StreamPlan(False),
+           adapter_path=None) -> EvalResult:
     """The scoring pass of :func:`run` on the loaded model (and reference); writes ``job_.res`` when reserved."""
     from ..datasets.samples import pad_id as batch_pad_id
-    from ..model import hub
+    from ..model import hub, lora
     from ..observe.evaluate import evaluate, load_eval_datasets
 
     model_config, c = job_.config, calibration
@@ -142,13 +150,15 @@ def _score(job_: Loaded, ref, paths: dict, calibration: Calibration, settings: R
                                     pad_id=pad_id, token_budget=budget, progress=settings.progress,
                                     spill=plan.spill_dir(job_.res), log=log,
                                     checkpoint=_checkpoint(job_, model, reference, paths, data, calibration,
-                                                           dispatch=mode, token_budget=budget))
+                                                           dispatch=mode, token_budget=budget,
+                                                           adapter_path=adapter_path))
     else:
         results = evaluate(job_.model, data, reference=ref, batch_size=c.batch_size, pad_id=pad_id,
                            token_budget=budget, progress=settings.progress)
     seconds = time.perf_counter() - start
     out = {
         "model": hub.display_name(model),  # a repo id as the user gave it, not its snapshot directory in the cache
+        **lora.recorded(adapter_path),
         "reference": hub.display_name(reference),
         "model_source": hub.source(model),  # {repo_id, revision, commit} of a repo id; None for a local directory
         "reference_source": hub.source(reference),

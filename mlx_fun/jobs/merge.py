@@ -14,6 +14,7 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..experts.selection import Selection
+from ..model.lora import ADAPTER_PATH
 from ..rewrite.merge_options import Ream
 from ..settings import RunSettings
 from .common import (DATASET, FORCE_DIR, MODEL, Loaded, Log, StreamPlan, check_moe, job, model_job, quiet,
@@ -46,6 +47,7 @@ CALIBRATION_DATA = Opt("Calibration data for similarity and alignment (JSONL or 
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     saliency: Annotated[str | Path | None, SALIENCY] = None,
     expert_list: Annotated[str | Path | None, EXPERT_LIST] = None,
     dataset: Annotated[str | Path, CALIBRATION_DATA],
@@ -79,6 +81,9 @@ def run(
     (:mod:`mlx_fun.observe.checkpoint`, with the hidden states after it: it survives a kill or Ctrl-C), which
     rerunning the same command resumes from; the output is assembled from those files (their bytes copied) and the
     checkpoint removed once it is written. The merged weights equal the in-memory merge's bit for bit.
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`, ``mlx_lm.fuse``'s
+    arithmetic), so the merge measures and writes the fine-tuned model; ``ream_metadata.json`` and the model card
+    name the adapter.
     """
     checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
     _check(saliency, expert_list, selection, settings)
@@ -87,10 +92,10 @@ def run(
     stream = plan.layers
     start = time.perf_counter()
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
-                   lazy=True) as job_:  # dequant_cache is 0 (checked): merging rewrites the experts
+                   lazy=True, adapter_path=adapter_path) as job_:  # dequant_cache is 0 (checked): merging rewrites
         result = _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset,
                         output=output, selection=selection, ream=ream, calibration=calibration, settings=settings,
-                        log=log, start=start, plan=plan)
+                        log=log, start=start, plan=plan, adapter_path=adapter_path)
         target = job_.res.path
     if stream:  # written: the checkpoint has served
         from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
@@ -100,12 +105,13 @@ def run(
 
 
 def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selection: Selection, ream: Ream,
-           calibration: Calibration, settings: RunSettings, log: Log, start: float, plan: StreamPlan) -> MergeResult:
+           calibration: Calibration, settings: RunSettings, log: Log, start: float, plan: StreamPlan,
+           adapter_path=None) -> MergeResult:
     """The merge of :func:`run` on the loaded model, written into ``job_.res`` with ``ream_metadata.json``
     (``plan.layers``: one decoder layer at a time, resumable, the output assembled from the checkpoint's layers;
     ``plan.spill``: the hidden states carried in files)."""
     from ..datasets.samples import pad_id
-    from ..model import engine
+    from ..model import engine, lora
     from ..output.model_dir import dir_size, write_model_dir
     from ..rewrite.merge import check_group_room, merge_model
     from ..rewrite.prune import pruned_nbytes
@@ -126,6 +132,7 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
     nbytes, checkpoint = pruned_nbytes(adapter, n_kept), None
     if stream:  # the merged layers are written twice: to the checkpoint, then copied into the output
         checkpoint = stream_checkpoint(job_, "merge", model=model, dataset=dataset, samples=samples,
+                                       adapter_path=adapter_path,
                                        calibration=calibration, selection=dataclasses.asdict(selection),
                                        ream=dataclasses.asdict(ream), **_read_hashes(saliency, expert_list))
         nbytes += max(0, nbytes - (dir_size(checkpoint.path) if checkpoint.path.is_dir() else 0))
@@ -136,7 +143,7 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
                            spill=plan.spill_dir(job_.res) if stream else None)
     metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list),
                     expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
-                    mlx_fun_version=__version__)
+                    mlx_fun_version=__version__, **lora.recorded(adapter_path))
     log(f"Saving merged model to {output} ...")
     write_model_dir(job_.res, job_.model, adapter.config, source=model, metadata={"ream_metadata.json": metadata},
                     parts=checkpoint.parts(moe_layers[-1]) if stream else None, donate=stream)

@@ -14,6 +14,7 @@ from .. import __version__
 from ..core.options import Opt
 from ..errors import UserError, param
 from ..experts.selection import STRATEGIES, Selection
+from ..model.lora import ADAPTER_PATH
 from .common import FORCE_DIR, MODEL, Loaded, Log, check_moe, job, model_job, quiet
 
 
@@ -66,6 +67,7 @@ MAX_SHARD_SIZE = Opt("Largest output .safetensors file (e.g. 5GB, 500MB); more b
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     saliency: Annotated[str | Path | None, SALIENCY] = None,
     expert_list: Annotated[str | Path | None, EXPERT_LIST] = None,
     output: Annotated[str | Path, Opt("Directory for the pruned model (must not be --model).")],
@@ -93,6 +95,9 @@ def run(
 
     ``selection`` (:class:`mlx_fun.experts.selection.Selection`): how many experts go and how they are ranked (``n_prune``,
     ``metric``, ``model_wide``, ``min_experts_per_layer``, ``ignore_experts``); ``strategy`` picks them from it.
+    ``adapter_path``: a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`, ``mlx_lm.fuse``'s
+    arithmetic): the fine-tune is what is pruned and written (its fused tensors are computed, never copied from the
+    base's files); ``reap_metadata.json`` and the model card name the adapter.
     """
     from ..observe.saliency import SaliencyAccumulator
     from ..output.streaming import shard_bytes
@@ -106,7 +111,7 @@ def run(
                                                          over="columns" if selection.model_wide else "experts")
     start = time.perf_counter()
     with model_job(model, output=output, kind="dir", force=force, log=log, checked=checked, lazy=True,
-                   tokenizer=False) as job_:  # rewrites weights only
+                   tokenizer=False, adapter_path=adapter_path) as job_:  # rewrites weights only
         keep_map, warnings = select_keep_map(
             job_.adapter, acc=acc, scores=scores, expert_list=expert_list, selection=selection, strategy=strategy,
             safety_map=safety_map, safety_mode=safety_mode, domain_map=domain_map)
@@ -115,12 +120,14 @@ def run(
             log(f"Warning: {line}")
         return _write(job_, model=model, output=output, keep_map=keep_map, source=saliency or expert_list,
                       expert_list=expert_list, selection=selection, strategy=strategy, max_shard=max_shard,
-                      progress=progress, log=log, start=start, warnings=warnings)
+                      progress=progress, log=log, start=start, warnings=warnings, adapter_path=adapter_path)
 
 
 def _write(job_: Loaded, *, model, output, keep_map, source, expert_list, selection: Selection, strategy: str,
-           max_shard: int, progress: bool, log: Log, start: float, warnings: list[str]) -> PruneResult:
+           max_shard: int, progress: bool, log: Log, start: float, warnings: list[str],
+           adapter_path=None) -> PruneResult:
     """Prune the loaded model to ``keep_map`` and stream it into ``job_.res`` with ``reap_metadata.json``."""
+    from ..model import lora
     from ..output.model_dir import params_nbytes, write_model_dir
     from ..output.streaming import Snapshot
     from ..rewrite.prune import expert_rows, prune_model
@@ -141,6 +148,7 @@ def _write(job_: Loaded, *, model, output, keep_map, source, expert_list, select
         "n_prune": selection.n_prune,
         "source": str(source),
         "mlx_fun_version": __version__,
+        **lora.recorded(adapter_path),
     }
     job_.res.require_space(params_nbytes(mdl))
     log(f"Saving pruned model to {output} ...")

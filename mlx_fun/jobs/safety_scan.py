@@ -8,6 +8,7 @@ from typing import Annotated
 
 from ..core.options import Opt
 from ..datasets.calibration import Calibration
+from ..model.lora import ADAPTER_PATH
 from ..settings import RunSettings
 from .common import DATASET, FORCE, MODEL, PERCENTILE, SCAN_OUTPUT, STREAM_LAYERS, Log, differential_job, job, quiet
 
@@ -32,6 +33,7 @@ class ScanResult:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     harmful_dataset: Annotated[str | Path, HARMFUL_DATASET],
     benign_dataset: Annotated[str | Path, BENIGN_DATASET],
     output: Annotated[str | Path, SCAN_OUTPUT],
@@ -49,9 +51,11 @@ def run(
     ``calibration``: how each set's samples are drawn and batched (its fields may be given by name).
     ``stream_layers`` (None: when the model's weights exceed the memory left): the model loads lazily and both sets
     run together through one streamed forward, one decoder layer's weights in memory at a time (the same report:
-    counts exactly, scores to float rounding); no resume."""
+    counts exactly, scores to float rounding); no resume. ``adapter_path``: a LoRA adapter fused into the model
+    (:mod:`mlx_fun.model.lora`), recorded in the report."""
     report = differential_job(
         "safety", model=model, dataset_a=("harmful_dataset", harmful_dataset),
         dataset_b=("benign_dataset", benign_dataset), output=output, calibration=calibration,
-        threshold_percentile=threshold_percentile, settings=settings, log=log, force=force, stream_layers=stream_layers)
+        threshold_percentile=threshold_percentile, settings=settings, log=log, force=force, stream_layers=stream_layers,
+        adapter_path=adapter_path)
     return ScanResult(Path(output), report)

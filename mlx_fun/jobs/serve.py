@@ -14,6 +14,7 @@ the option groups in :mod:`mlx_fun.serve.options`::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ import click
 from ..core.options import Opt, check_path
 from ..errors import UserError, param
 from ..model.genopts import DRAFT_MODEL, GenOptions
+from ..model.lora import ADAPTER_PATH
 from ..serve.options import API_KEY_ENV, ServerOptions, StartupSteering
 from ..settings import RunSettings
 from .common import MODEL, Log, check_supported, force, job, quiet
@@ -105,16 +107,20 @@ def _token_limits(config: dict, max_tokens: int | None, max_tokens_limit: int | 
 
 
 def _checked(*, model, mode, auto_save, server: ServerOptions, steering: StartupSteering, settings: RunSettings,
-             generation: GenOptions, draft_model) -> dict:
+             generation: GenOptions, draft_model, adapter_path=None) -> dict:
     """Check what the groups could not check when built (each checked its own fields and rules), before binding
     or loading; returns the normalised values: ``server`` (its ``data_dir`` resolved, ``chat_template`` read from
     its file, ``api_key`` from ``MLX_FUN_API_KEY``, ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens``
     decided), ``context``, ``auto_save``. The paths are checked here as ``@job`` checks :func:`run`'s, for
     :func:`start` (which is no job)."""
     from .. import mlx_lm_compat
+    from ..model import lora
 
     mlx_lm_compat.require("serve")
     check_path("draft_model", draft_model, DRAFT_MODEL)
+    check_path("adapter_path", adapter_path, ADAPTER_PATH)
+    if adapter_path is not None:
+        lora.check(adapter_path)
     generation.check(draft=draft_model)
     config = check_supported(model)
     if mode not in MODES:
@@ -177,6 +183,7 @@ def start(
     settings: RunSettings = RunSettings(),
     generation: GenOptions = GenOptions(),
     draft_model: str | Path | None = None,
+    adapter_path: str | Path | None = None,
     log: Log = quiet,
 ):
     """Start serving ``model`` on ``server.host:server.port`` in the background; returns the running server
@@ -184,14 +191,31 @@ def start(
     from ..serve.app import start as start_server
 
     ok = _checked(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering, settings=settings,
-                  generation=generation, draft_model=draft_model)
+                  generation=generation, draft_model=draft_model, adapter_path=adapter_path)
     server = ok["server"]
     if server.api_key is None and server.host not in ("127.0.0.1", "localhost", "::1"):
         log(f"Warning: serving on {server.host} without an API key: anyone who can reach this address can use the "
             f"model and the REST routes; set {param('api_key')} or {API_KEY_ENV}.")
     return start_server(model=str(model), mode=mode, server=server, context=ok["context"], steering=steering,
-                        settings=settings, generation=generation, draft_model=draft_model, auto_save=ok["auto_save"],
-                        log=log)
+                        settings=settings, generation=generation, draft_model=draft_model, adapter_path=adapter_path,
+                        auto_save=ok["auto_save"], log=log)
+
+
+@contextlib.contextmanager
+def _signals(stop: threading.Event, again: threading.Event):
+    """While the block runs (on the main thread), SIGINT / SIGTERM / SIGHUP set ``stop``, a second one ``again``;
+    the previous handlers are put back after it."""
+    def on_signal(signum, frame):
+        (again if stop.is_set() else stop).set()
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in sigs} if main else {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _wait(served, stop: threading.Event, log: Log) -> None:
@@ -206,6 +230,7 @@ def _wait(served, stop: threading.Event, log: Log) -> None:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     server: ServerOptions = ServerOptions(),
     mode: Annotated[str, Opt("lightweight: freq + weighted_freq; full: also expert output norms (reap, ean), a "
                              "little slower.", type=click.Choice(MODES))] = "lightweight",
@@ -247,6 +272,9 @@ def run(
     (which it lacks) through the prompt cache. With a draft model, ``kv_bits`` or ``max_kv_size`` requests are
     served one at a time (mlx-lm's non-batched path). The draft model's forwards are never counted. A model given
     as a repo id is served under that id.
+
+    ``adapter_path``: a LoRA adapter fused into the served model as it loads (:mod:`mlx_fun.model.lora`): what is
+    served and counted is the fine-tune; /v1/reap/info and the ``auto_save`` file name the adapter.
     """
     import logging
 
@@ -256,21 +284,14 @@ def run(
 
     log = _never_fails(log)
     _checked(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering, settings=settings,
-             generation=generation, draft_model=draft_model)
-    stop = threading.Event()
-    again = threading.Event()
-
-    def on_signal(signum, frame):
-        (again if stop.is_set() else stop).set()
-
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, on_signal) for s in sigs} if threading.current_thread() is \
-        threading.main_thread() else {}
+             generation=generation, draft_model=draft_model, adapter_path=adapter_path)
+    stop, again = threading.Event(), threading.Event()
     begin = time.perf_counter()
-    try:
+    with _signals(stop, again):
         with _reserve(auto_save, force=force) as res:
             served = start(model=model, mode=mode, auto_save=auto_save, server=server, steering=steering,
-                           settings=settings, generation=generation, draft_model=draft_model, log=log)
+                           settings=settings, generation=generation, draft_model=draft_model,
+                           adapter_path=adapter_path, log=log)
             try:
                 log(f"Serving {served.app.model_id} ({mode} counting) on {served.url}; Ctrl+C stops"
                     + (f" and saves the statistics to {auto_save}" if auto_save is not None else "") + ".")
@@ -282,9 +303,7 @@ def run(
                 served.stop(interrupted=again)
             acc, totals = served.counter.snapshot()
             if res is not None:
+                acc.adapter = served.app.adapter
                 acc.write_npz(res.tmp)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return ServeResult(served.url, totals["request_count"], totals["token_count"], time.perf_counter() - begin,
                        None if auto_save is None else Path(auto_save))

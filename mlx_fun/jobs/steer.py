@@ -12,6 +12,7 @@ from ..core.options import Group, Opt, option
 from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
 from ..model.genopts import CHAT, DRAFT_MODEL, MAX_NEW_TOKENS, GenOptions, Sampling
+from ..model.lora import ADAPTER_PATH
 from ..settings import RunSettings
 from .common import MODEL, Log, check_supported, job, load_moe, quiet
 
@@ -59,6 +60,7 @@ class SteerResult:
 def run(
     *,
     model: Annotated[str | Path, MODEL],
+    adapter_path: Annotated[str | Path | None, ADAPTER_PATH] = None,
     prompt: Annotated[str, Opt("Prompt text (raw unless --chat).", required=True)],
     steering: SteerOptions = SteerOptions(),
     max_tokens: Annotated[int, MAX_NEW_TOKENS] = 100,
@@ -79,7 +81,8 @@ def run(
     (whose text goes to ``on_text`` as it is produced). ``settings`` (:class:`mlx_fun.settings.RunSettings`): the
     expert dispatch, and ``token_budget`` (when given) as the most prompt tokens mlx-lm prefills per forward; its
     ``progress`` is unused (generation shows no bar). ``generation`` / ``draft_model``: mlx-lm's KV-cache and
-    speculative decoding options (:mod:`mlx_fun.model.genopts`); a draft model is never steered."""
+    speculative decoding options (:mod:`mlx_fun.model.genopts`); a draft model is never steered. ``adapter_path``:
+    a LoRA adapter fused into the model as it loads (:mod:`mlx_fun.model.lora`)."""
     from ..model import moe_hook
     from ..model.genopts import load_draft
     from ..model.sampling import encode_prompt, run_generation
@@ -93,7 +96,11 @@ def run(
                         f"{param('domain_map')} with {param('domain_mode')}.")
     if not prompt:
         raise UserError(f"{param('prompt')} is empty; pass the text to answer.")
-    mdl, tokenizer, config, adapter = load_moe(model, log=log)
+    if adapter_path is not None:
+        from ..model import lora
+
+        lora.check(adapter_path)
+    mdl, tokenizer, config, adapter = load_moe(model, log=log, adapter_path=adapter_path)
     steers = for_adapter(adapter, safety_map=s.safety_map, safety_mode=s.mode, domain_map=s.domain_map,
                          domain_mode=s.domain_mode, mask_value=s.mask_value, boost_value=s.boost_value,
                          scheme=s.scheme,

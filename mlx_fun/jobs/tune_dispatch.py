@@ -46,7 +46,8 @@ def run(
     measure: Measurement = Measurement(),
     output: Annotated[str | Path | None, Opt(
         "Table file to write; an existing one only with --force, which merges the entries into it (same key: "
-        "replaced). Default: the user table that --dispatch auto reads, merged into ($MLX_FUN_DISPATCH_TABLE or "
+        "replaced). Default: the user table that the model commands (collect, eval, smoke-test, serve, ...) read with "
+        "--dispatch auto, merged into ($MLX_FUN_DISPATCH_TABLE or "
         "~/.cache/mlx-fun/dispatch_table.json).", type=click.Path(dir_okay=False))] = None,
     force: Annotated[bool, force_opt("an existing --output table, keeping its other entries (and install a table "
                                      "measured on a busy machine as the default all the same)")] = False,

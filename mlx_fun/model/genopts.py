@@ -17,7 +17,8 @@ from pathlib import Path
 import click
 
 from ..core.options import Group, Opt, option
-from ..core.ranges import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+from ..core.ranges import (DRAFT_TOKENS, MIN_P, MIN_TOKENS_TO_KEEP, SEED, TEMPERATURE, TOP_K, TOP_P, XTC_PROBABILITY,
+                           XTC_THRESHOLD)
 from ..errors import UserError, param
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
@@ -44,7 +45,7 @@ class GenOptions(Group):
     max_kv_size: int | None = option(
         None, "Keep at most this many tokens in the KV cache (mlx-lm's rotating cache; not with --kv-bits or "
         "--draft-model).", type=click.IntRange(min=1))
-    num_draft_tokens: int = option(2, "Tokens the draft model proposes per step.", type=DRAFT_TOKENS)
+    num_draft_tokens: int = option(3, "Tokens the draft model proposes per step.", type=DRAFT_TOKENS)
 
     def validate(self) -> None:
         if self.kv_bits is not None and self.max_kv_size is not None:
@@ -77,16 +78,21 @@ class GenOptions(Group):
         return kw
 
 
-#: ``max_tokens`` and ``chat`` of the generating jobs (smoke-test, steer), declared once
+#: ``max_tokens`` and ``chat`` of the generating jobs (smoke-test, steer), declared once (``-m``: mlx-lm's)
 MAX_NEW_TOKENS = Opt("Generate at most this many tokens (fewer when the model emits an EOS token).",
-                     type=click.IntRange(min=1))
+                     type=click.IntRange(min=1), aliases=("-m",))
+#: ``trust_remote_code`` of the generating commands (smoke-test, serve): mlx-lm's
+TRUST_REMOTE_CODE = Opt("Let the tokenizer (and a config's model_file) run the model's own Python code, as mlx-lm's "
+                        "--trust-remote-code; only for a model you trust.")
 CHAT = Opt("Wrap the prompt in the tokenizer's chat template (one user turn + the generation prompt).")
 
 
 @dataclass(frozen=True)
 class Sampling(Group):
-    """How tokens are drawn (the option group ``sampling`` of smoke-test and steer; fields = their options, ranges
-    from :mod:`mlx_fun.core.ranges`, which the server's request checks share); :func:`mlx_fun.model.sampling.sampler_of` makes its sampler."""
+    """How tokens are drawn (the option group ``sampling`` of smoke-test and steer; fields = their options, with
+    ``mlx_lm.generate``'s names, defaults and meanings; ranges from :mod:`mlx_fun.core.ranges`, which the server's
+    request checks share); :func:`mlx_fun.model.sampling.sampler_of` makes its sampler. At ``temp`` 0 decoding is
+    greedy and no mask applies, as in mlx-lm."""
 
     temp: float = option(0.0, "Sampling temperature; 0 is greedy (exact argmax, identical to mlx_lm.generate's "
                          "default).", type=TEMPERATURE)
@@ -96,6 +102,14 @@ class Sampling(Group):
     top_k: int = option(0, "Sample only among the k most likely tokens (0 disables).", type=TOP_K)
     top_p: float = option(1.0, "Sample only from the nucleus of the model's (untempered) distribution holding this "
                           "much probability (1 disables).", type=TOP_P)
+    min_p: float = option(0.0, "Sample only among the tokens at least this fraction as probable as the most probable "
+                          "one (0 disables).", type=MIN_P)
+    min_tokens_to_keep: int = option(1, "Tokens --min-p always keeps (the most probable).", type=MIN_TOKENS_TO_KEEP)
+    xtc_probability: float = option(0.0, "XTC (exclude top choices): the chance, per token, of dropping every token "
+                                    "more probable than --xtc-threshold but the least probable of them (0 disables).",
+                                    type=XTC_PROBABILITY)
+    xtc_threshold: float = option(0.1, "XTC: the probability above which a token counts as a top choice.",
+                                  type=XTC_THRESHOLD)
 
 
 def kv_quantization_problem(bits: int, group_size: int) -> str | None:

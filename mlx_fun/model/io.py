@@ -109,26 +109,35 @@ def check_tokenizer(model_path: str | os.PathLike) -> None:
 
 
 def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str | None = None,
-               config: dict | None = None, tokenizer: bool = True):
+               config: dict | None = None, tokenizer: bool = True, adapter_path: str | os.PathLike | None = None,
+               trust_remote_code: bool = False):
     """Load ``(model, tokenizer, config)`` with mlx-lm from a local directory. Never downloads; a directory mlx-lm
     cannot load (a missing or truncated shard, an unknown model type, no tokenizer) is a one-line ``UserError``
     naming ``flag`` (default: the ``model`` parameter). ``config``: the directory's config, already read and
     checked (with its tokenizer files) by the caller; None reads and checks it here. ``tokenizer=False``: the
     tokenizer is not loaded (None in its place), so a job that only rewrites weights never imports transformers
-    (:mod:`mlx_fun.runtime.lean_imports`)."""
+    (:mod:`mlx_fun.runtime.lean_imports`). ``adapter_path``: a LoRA / DoRA adapter fused into the weights once they
+    load (:func:`mlx_fun.model.lora.apply`); ``trust_remote_code``: mlx-lm's (the tokenizer's and a config's
+    ``model_file`` code may run)."""
     flag = flag or param("model")
     if config is None:
         config = read_config(model_path)
         check_tokenizer(model_path)
+    if adapter_path is not None:
+        from . import lora
+
+        lora.check(adapter_path)
+    remote = {"trust_remote_code": True, "tokenizer_config": {"trust_remote_code": True}} if trust_remote_code else {}
     try:
         if tokenizer:
             from mlx_lm import load
 
-            model, tok = load(str(model_path), lazy=lazy)
+            model, tok = load(str(model_path), lazy=lazy, **remote)
         else:
             from mlx_lm.utils import load_model as load_weights
 
-            model, _ = load_weights(Path(model_path), lazy=lazy)
+            model, _ = load_weights(Path(model_path), lazy=lazy, **({"trust_remote_code": True} if trust_remote_code
+                                                                    else {}))
             tok = None
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # a missing/corrupt shard, a bad value, ...
         detail = " ".join(str(e).split())[:240]
@@ -140,6 +149,8 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str |
                             f"config.json or re-download the model (mlx-lm: {detail[:160]}).") from None
         raise UserError(f"could not load {flag} {model_path} with mlx-lm ({type(e).__name__}: {detail}); check that it is "
                         f"a complete mlx-lm model directory (an interrupted download or copy?).") from None
+    if adapter_path is not None:
+        lora.apply(model, adapter_path)
     return model, tok, config
 
 

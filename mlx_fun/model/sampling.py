@@ -25,7 +25,14 @@ Masks (applied before the noise; masked logits become ``-inf`` and are never sam
     * ``top_k``: keep the ``k`` largest logits (0, or ``k >= V``, disables).
     * ``top_p``: keep the smallest set of most probable tokens whose probability under ``softmax(logits)`` (the
       untempered distribution, as in mlx-lm's ``make_sampler``) reaches ``top_p``; ties at the threshold are
-      kept (1.0 disables). With both, the kept set is the intersection (again as in mlx-lm).
+      kept (1.0 disables).
+    * ``min_p``: keep the tokens at least ``min_p`` times as probable as the most probable one, and at least the
+      ``min_tokens_to_keep`` most probable (0 disables; mlx-lm's ``apply_min_p``).
+    * XTC (``xtc_probability`` > 0): with that probability per step, drop every token more probable than
+      ``xtc_threshold`` but the least probable of them, never the ``xtc_special_tokens`` (mlx-lm passes "\\n" and
+      the EOS tokens); the step's coin is drawn from its own key (split from the step's key when seeded).
+    They apply in mlx-lm's order (top-p, min-p, XTC, top-k), each on what the one before kept, so with top-p,
+    min-p and top-k alone the kept set is their intersection.
 
 Compilation
     ``compiled=None`` (the default) compiles the noise+argmax function only when MLX's default device is a GPU.
@@ -126,21 +133,69 @@ def top_p_mask(logits: mx.array, top_p: float) -> mx.array:
     return mx.where(x < threshold, mx.array(_MASK, logits.dtype), logits)
 
 
-def mask_logits(logits: mx.array, top_k: int = 0, top_p: float = 1.0) -> mx.array:
-    """Apply the ``top_p`` then the ``top_k`` mask (their intersection); no-ops when disabled."""
-    _check_masks(top_k, top_p)
+def min_p_mask(logits: mx.array, min_p: float, min_tokens_to_keep: int = 1) -> mx.array:
+    """``logits`` with the tokens less than ``min_p`` times as probable as the most probable one set to ``-inf``,
+    the ``min_tokens_to_keep`` most probable always kept (mlx-lm's ``apply_min_p``)."""
+    if min_p <= 0.0:
+        return logits
+    drop = logits < mx.max(logits, axis=-1, keepdims=True) + math.log(min_p)
+    if min_tokens_to_keep > 1:
+        top = mx.argpartition(logits, kth=-min_tokens_to_keep, axis=-1)[..., -min_tokens_to_keep:]
+        drop = mx.put_along_axis(drop, top, mx.array(False), axis=-1)
+    return mx.where(drop, mx.array(_MASK, logits.dtype), logits)
+
+
+@dataclass(frozen=True)
+class Xtc:
+    """XTC ("exclude top choices") of one step: ``probability`` of applying it, ``threshold``, and the tokens it
+    never drops (``special``)."""
+
+    probability: float
+    threshold: float = 0.1
+    special: tuple[int, ...] = ()
+
+
+def xtc_mask(logits: mx.array, xtc: Xtc, key: mx.array | None = None) -> mx.array:
+    """mlx-lm's ``apply_xtc``: with probability ``xtc.probability`` (a coin from ``key``, else MLX's global key
+    sequence) every token more probable than ``xtc.threshold`` but the least probable of them is set to ``-inf``."""
+    if xtc.probability <= 0.0:
+        return logits
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    mask = probs > mx.where(probs > xtc.threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    if xtc.special:
+        mask[..., list(xtc.special)] = False
+    coin = mx.random.uniform(shape=(), key=key)
+    return mx.where(coin > xtc.probability, logits, mx.where(mask, mx.array(_MASK, logits.dtype), logits))
+
+
+def mask_logits(logits: mx.array, top_k: int = 0, top_p: float = 1.0, *, min_p: float = 0.0,
+                min_tokens_to_keep: int = 1, xtc: Xtc | None = None, xtc_key: mx.array | None = None) -> mx.array:
+    """Apply the masks in mlx-lm's order: ``top_p``, ``min_p``, ``xtc`` (its coin from ``xtc_key``), ``top_k``;
+    each a no-op when disabled."""
+    _check_masks(top_k, top_p, min_p, min_tokens_to_keep, xtc)
     if 0.0 < top_p < 1.0:
         logits = top_p_mask(logits, top_p)
+    if min_p > 0.0:
+        logits = min_p_mask(logits, min_p, min_tokens_to_keep)
+    if xtc is not None and xtc.probability > 0.0:
+        logits = xtc_mask(logits, xtc, xtc_key)
     if top_k > 0:
         logits = top_k_mask(logits, top_k)
     return logits
 
 
-def _check_masks(top_k: int, top_p: float) -> None:
+def _check_masks(top_k: int, top_p: float, min_p: float = 0.0, min_tokens_to_keep: int = 1,
+                 xtc: Xtc | None = None) -> None:
     if not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise ValueError(f"top_k must be a non-negative integer (0 disables), got {top_k!r}")
     if not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 disables), got {top_p!r}")
+    if not 0.0 <= float(min_p) <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 disables), got {min_p!r}")
+    if not isinstance(min_tokens_to_keep, (int, np.integer)) or min_tokens_to_keep < 1:
+        raise ValueError(f"min_tokens_to_keep must be a positive integer, got {min_tokens_to_keep!r}")
+    if xtc is not None and not (0.0 <= xtc.probability <= 1.0 and 0.0 <= xtc.threshold <= 0.5):
+        raise ValueError(f"xtc probability must be in [0, 1] and threshold in [0, 0.5], got {xtc!r}")
 
 
 # -------------------------------------------------------------------------------------------- the Gumbel argmax
@@ -209,15 +264,26 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     compiled: bool | None = None,
+    *,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    xtc: Xtc | None = None,
 ) -> mx.array:
-    """One token per row of ``logits`` from ``softmax(logits / T)`` restricted to the top-k / top-p set.
+    """One token per row of ``logits`` from ``softmax(logits / T)`` restricted to what the masks keep
+    (:func:`mask_logits`; with ``xtc`` and a ``key``, the key is split: one half draws the noise, the other XTC's
+    coin).
 
     ``logits`` may be raw logits or log-probabilities (``(V,)`` or ``(B, V)``); the result is ``()`` or ``(B,)``.
     """
     if isinstance(temperature, (int, float)) and temperature == 0:
-        _check_masks(top_k, top_p)
-        return mx.argmax(logits, axis=-1)  # the masks always keep the argmax
-    return gumbel_argmax(mask_logits(logits, top_k, top_p), temperature, key, compiled)
+        _check_masks(top_k, top_p, min_p, min_tokens_to_keep, xtc)
+        return mx.argmax(logits, axis=-1)  # greedy, as mlx-lm's make_sampler(temp=0): no mask applies
+    xtc_key = None
+    if xtc is not None and xtc.probability > 0.0 and key is not None:
+        key, xtc_key = mx.random.split(key)
+    masked = mask_logits(logits, top_k, top_p, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep, xtc=xtc,
+                         xtc_key=xtc_key)
+    return gumbel_argmax(masked, temperature, key, compiled)
 
 
 class GumbelSampler:
@@ -225,8 +291,9 @@ class GumbelSampler:
 
     Seeded (``seed`` given), call ``n`` (counting from ``step``, default 0) uses ``mx.random.key(seed + n)``:
     the same seed reproduces a generation; each step gets fresh noise. Unseeded, noise comes from MLX's global
-    key sequence. ``temperature``, ``top_k`` and ``top_p`` are plain attributes and may be changed between calls
-    (no recompilation); ``temperature=0`` is greedy (exact argmax). ``reset()`` rewinds the step counter.
+    key sequence. ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``min_tokens_to_keep`` and ``xtc`` (an
+    :class:`Xtc` or None) are plain attributes and may be changed between calls (no recompilation);
+    ``temperature=0`` is greedy (exact argmax). ``reset()`` rewinds the step counter.
     """
 
     def __init__(
@@ -237,16 +304,23 @@ class GumbelSampler:
         top_p: float = 1.0,
         step: int = 0,
         compiled: bool | None = None,
+        *,
+        min_p: float = 0.0,
+        min_tokens_to_keep: int = 1,
+        xtc: Xtc | None = None,
     ):
         if not math.isfinite(float(temperature)) or float(temperature) < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        _check_masks(top_k, top_p)
+        _check_masks(top_k, top_p, min_p, min_tokens_to_keep, xtc)
         if seed is not None and int(seed) < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed}")
         self.temperature = float(temperature)
         self.seed = None if seed is None else int(seed)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
+        self.min_p = float(min_p)
+        self.min_tokens_to_keep = int(min_tokens_to_keep)
+        self.xtc = xtc if xtc is not None and xtc.probability > 0 else None
         self.step = int(step)
         self.compiled = compiled
 
@@ -263,7 +337,8 @@ class GumbelSampler:
         t = self.temperature if temperature is None else temperature
         key = self.key() if not (isinstance(t, (int, float)) and t == 0) else None
         self.step += 1
-        return sample(logits, t, key, self.top_k, self.top_p, self.compiled)
+        return sample(logits, t, key, self.top_k, self.top_p, self.compiled, min_p=self.min_p,
+                      min_tokens_to_keep=self.min_tokens_to_keep, xtc=self.xtc)
 
     def __repr__(self) -> str:
         if self.temperature == 0:
@@ -273,17 +348,30 @@ class GumbelSampler:
             parts.append(f"top_k={self.top_k}")
         if self.top_p < 1.0:
             parts.append(f"top_p={self.top_p:g}")
+        if self.min_p > 0:
+            parts.append(f"min_p={self.min_p:g}" + (f"/{self.min_tokens_to_keep}" if self.min_tokens_to_keep > 1
+                                                    else ""))
+        if self.xtc is not None:
+            parts.append(f"xtc={self.xtc.probability:g}@{self.xtc.threshold:g}")
         return f"GumbelSampler({', '.join(parts)}, step={self.step})"
 
 
-def make_sampler(temp: float = 0.0, seed: int | None = None, top_k: int = 0, top_p: float = 1.0) -> GumbelSampler:
+def make_sampler(temp: float = 0.0, seed: int | None = None, top_k: int = 0, top_p: float = 1.0, *,
+                 min_p: float = 0.0, min_tokens_to_keep: int = 1, xtc: Xtc | None = None) -> GumbelSampler:
     """A fresh :class:`GumbelSampler` (step 0); ``temp=0`` is greedy, like ``mlx_lm.sample_utils.make_sampler``."""
-    return GumbelSampler(temperature=temp, seed=seed, top_k=top_k, top_p=top_p)
+    return GumbelSampler(temperature=temp, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p,
+                         min_tokens_to_keep=min_tokens_to_keep, xtc=xtc)
 
 
-def sampler_of(sampling: Sampling) -> GumbelSampler:
-    """A fresh sampler of ``sampling``'s settings (step 0)."""
-    return make_sampler(temp=sampling.temp, seed=sampling.seed, top_k=sampling.top_k, top_p=sampling.top_p)
+def sampler_of(sampling: Sampling, tokenizer=None) -> GumbelSampler:
+    """A fresh sampler of ``sampling``'s settings (step 0); XTC never drops what mlx-lm's generate keeps from it,
+    ``"\\n"`` and ``tokenizer``'s EOS tokens."""
+    xtc = None
+    if sampling.xtc_probability > 0:
+        special = () if tokenizer is None else (*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
+        xtc = Xtc(sampling.xtc_probability, sampling.xtc_threshold, tuple(int(t) for t in special))
+    return make_sampler(temp=sampling.temp, seed=sampling.seed, top_k=sampling.top_k, top_p=sampling.top_p,
+                        min_p=sampling.min_p, min_tokens_to_keep=sampling.min_tokens_to_keep, xtc=xtc)
 
 
 # ------------------------------------------------------------------------------------------------- generation
@@ -357,7 +445,7 @@ def run_generation(
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise UserError(f"the prompt encodes to no tokens; pass a non-empty {param('prompt')}.")
-    sampler = sampler_of(sampling)
+    sampler = sampler_of(sampling, tokenizer)
     result = GenerationResult(prompt_tokens=len(ids))
     pieces: list[str] = []
     response = None
@@ -411,9 +499,12 @@ __all__ = [
     "keys_for_seeds",
     "make_sampler",
     "mask_logits",
+    "min_p_mask",
     "run_generation",
     "sample",
     "seed_key",
     "top_k_mask",
     "top_p_mask",
+    "Xtc",
+    "xtc_mask",
 ]

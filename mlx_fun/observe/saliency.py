@@ -25,6 +25,7 @@ A file ``collect`` writes also records where it came from (:attr:`SaliencyAccumu
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -66,6 +67,7 @@ class SaliencyAccumulator:
         self.top_k = int(top_k)
         self.total_tokens = 0
         self.extra: dict[str, np.ndarray] = {}  # e.g. rank_sum of a stats-merge result
+        self.adapter: dict | None = None  # the LoRA adapter fused into the model (mlx_fun.model.lora.describe)
         self.source = "saliency file"  # how messages name these statistics (load: the parameter and path)
         self.missing: list[str] = []  # ARRAY_KEYS the loaded file did not hold (left 0)
         self.provenance: dict[str, str] = {}  # where the statistics came from (provenance.FIELDS), when recorded
@@ -205,6 +207,8 @@ class SaliencyAccumulator:
             format_version=np.array(FORMAT_VERSION),
         )
         out.update({key: np.array(str(value)) for key, value in self.provenance.items()})
+        if self.adapter is not None:
+            out["adapter"] = np.array(json.dumps(self.adapter, sort_keys=True))
         return out
 
     def write_npz(self, path: str | os.PathLike) -> None:
@@ -246,6 +250,7 @@ class SaliencyAccumulator:
             if key in data:
                 setattr(acc, key, data[key])
         acc.extra = {k: v for k, v in data.items() if k.startswith("rank_")}
+        acc.adapter = _adapter(data.get("adapter"))
         acc.source, acc.missing = label, [key for key in ARRAY_KEYS if key not in data]
         acc.provenance = _provenance(data, label)
         return acc
@@ -290,6 +295,18 @@ class SaliencyAccumulator:
                     return f"every expert's score summed over the layers is {value}"
                 return f"every MoE layer's experts sum to {value}"
         return None
+
+
+def _adapter(value) -> dict | None:
+    """The ``adapter`` record of a saliency file (a JSON object as text; :func:`mlx_fun.model.lora.describe`), None
+    when the file has none or one that is not such a record."""
+    if value is None or value.shape != () or value.dtype.kind != "U":
+        return None
+    try:
+        parsed = json.loads(str(value))
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _read_npz(path: Path, label: str) -> dict[str, np.ndarray]:

@@ -1,11 +1,13 @@
 """The model card (``README.md``) of every model mlx-fun writes, like the one ``mlx_lm.convert`` writes.
 
-A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds the
-new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``, ``abliteration_metadata.json``,
-``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter (``library_name: mlx``, ``base_model``
-(the repo id, or a local source's directory name), ``tags: [mlx, mlx-fun, <method>]``, and the source card's
-``license`` / ``pipeline_tag``), what mlx-fun did with which settings, the numbers the run measured, and how to load
-the output with mlx-lm. Nothing is fetched: the source card is read from the source directory, if it has one.
+A rewritten model must not keep its source's card, which describes a model it no longer is. :func:`card` builds
+the new one from the job's metadata file (``reap_metadata.json``, ``ream_metadata.json``,
+``abliteration_metadata.json``, ``amplification_metadata.json``, ``quantize_metadata.json``): YAML front matter
+(``library_name: mlx``, ``base_model`` (the repo id, or a local source's directory name), ``tags: [mlx, mlx-fun,
+<method>]``, and the source card's ``license`` / ``pipeline_tag``), what mlx-fun did with which settings (and the
+LoRA adapter fused into the source first, by its directory's name, when the metadata names one: the full path stays
+in the metadata file), the numbers the run measured, and how to load the output with mlx-lm. Nothing is fetched: the
+source card is read from the source directory, if it has one.
 """
 
 from __future__ import annotations
@@ -181,6 +183,9 @@ def card(metadata: dict | None, *, base: str, output: str, source_card: dict | N
     if provenance:
         at = ", ".join(f"{k} {str(provenance[k])[:12]}" for k in ("revision", "commit") if provenance.get(k))
         origin = f"[{base}](https://huggingface.co/{base})" + (f" ({at})" if at else "")
+    lora = found[2].get("adapter") if found else None
+    if isinstance(lora, dict) and lora.get("path"):  # mlx_fun.model.lora.describe: fused before the rewrite
+        origin += f" with the {lora.get('fine_tune_type', 'lora')} adapter `{Path(lora['path']).name}` fused into it"
     lines = [f"---\n{head}---", "", f"# {Path(output).name or output}", "",
              f"This model was made from {origin} by mlx-fun {__version__}, which {did}."]
     if isinstance(source_card.get("base_model"), (str, list)):
@@ -188,6 +193,9 @@ def card(metadata: dict | None, *, base: str, output: str, source_card: dict | N
         lineage = ", ".join(map(str, lineage)) if isinstance(lineage, list) else lineage
         lines.append(f"The source's own card names its base model: `{lineage}`.")
     rows = found[1][2](found[2]) if found else []
+    if isinstance(lora, dict) and lora.get("path"):
+        rows.append(("adapter fused first (mlx_lm.fuse's arithmetic)", f"{Path(lora['path']).name} (rank "
+                     f"{lora.get('rank')}, sha256 {str(lora.get('sha256'))[:12]})"))
     if size_after is not None:
         rows.append(("weights on disk", _arrow(None if size_before is None else fmt_bytes(size_before),
                                               fmt_bytes(size_after))))

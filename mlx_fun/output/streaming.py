@@ -14,9 +14,10 @@ for one shard, ``model-0000i-of-0000n.safetensors`` otherwise, always an index),
   the model's array is evaluated alone, written and dropped.
 
 A source tensor counts as untouched only when it is provably the one mlx-lm loaded: the model's parameter is the
-very array object it had after loading (:class:`Snapshot`), and ``model.sanitize`` hands that file tensor back as
+very array object it had after loading (:class:`Snapshot`), ``model.sanitize`` hands that file tensor back as
 the same object (so checkpoints that mlx-lm rewrites while loading — stacked per-expert tensors, AWQ / GPTQ — are
-evaluated, never copied wrongly). Files follow the safetensors format (8-byte header length, JSON header with
+evaluated, never copied wrongly), and no LoRA adapter was fused into it as it loaded
+(:func:`mlx_fun.model.lora.adapted`). Files follow the safetensors format (8-byte header length, JSON header with
 ``{"format": "mlx"}`` metadata, 8-byte aligned, then the data), which ``mx.load`` and ``mlx_lm.load`` read.
 """
 
@@ -100,6 +101,8 @@ class Snapshot:
     def __init__(self, model, model_dir: str | os.PathLike, config: dict):
         from mlx.utils import tree_flatten
 
+        from ..model.lora import adapted
+
         self.params = dict(tree_flatten(model.parameters()))
         self.sources = source_tensors(model_dir)
         qc = config.get("quantization_config") or {}
@@ -108,9 +111,10 @@ class Snapshot:
         for wf in weight_files(model_dir):
             raw.update(mx.load(wf))
         kept = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else raw
+        changed = adapted(model)  # fused with a LoRA adapter as it loaded: no longer the files' tensors
         self.verbatim = set() if rebuilt_on_load else {
             k for k, v in kept.items() if raw.get(k) is v and k in self.params and k in self.sources
-            and _matches(self.sources[k], self.params[k])}
+            and k not in changed and _matches(self.sources[k], self.params[k])}
 
     def source(self, name: str, current) -> SourceTensor | None:
         """The file tensor ``current`` (a parameter now) still is, or None."""

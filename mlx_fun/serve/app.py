@@ -22,6 +22,7 @@ from pathlib import Path
 from mlx_lm.server import get_system_fingerprint
 
 from ..errors import UserError, param
+from ..model import lora
 from ..model.genopts import GenOptions
 from .counting import DRAFT_PROBE, PADDING_PROBE, padding_probe_supported
 from .generator import CountingResponseGenerator, ServedModelProvider, ServedPromptCache, model_aliases, server_args
@@ -61,6 +62,7 @@ class ServeApp:
     started: float = field(default_factory=time.time)
     name: str | None = None  # the Hugging Face repo id the model was fetched as (None: a local directory)
     generation: dict = field(default_factory=dict)  # mlx-lm's generation options, as /v1/reap/info shows them
+    adapter: dict | None = None  # the LoRA adapter fused into the model (mlx_fun.model.lora.describe)
 
     @property
     def model_id(self) -> str:
@@ -104,7 +106,7 @@ class ServeApp:
             "dispatch": self.provider.dispatch_mode, **totals, "synced": synced, "counting": COUNTING,
             "max_tokens_limit": self.max_tokens_limit, "max_prompt_tokens": self.max_prompt_tokens,
             "max_connections": self.max_connections, "request_timeout": self.request_timeout,
-            "generation": self.generation,
+            "generation": self.generation, "adapter": self.adapter,
             "steering": None if steering is None else steering.to_json(),
             "data_dir": str(self.data_dir), "auto_save": None if self.auto_save is None else str(self.auto_save),
             "api_key_required": bool(self.api_key), "uptime_s": round(time.time() - self.started, 1),
@@ -278,14 +280,15 @@ def _app_generator(args) -> CountingResponseGenerator:
 
 def start(*, model: str, mode: str, server: ServerOptions, context: int, steering: StartupSteering | None = None,
           settings=None, generation: GenOptions | None = None, draft_model: str | Path | None = None,
-          auto_save: Path | None = None, log=lambda line: None) -> Server:
+          adapter_path: str | Path | None = None, auto_save: Path | None = None, log=lambda line: None) -> Server:
     """Bind, load (on mlx-lm's generation thread), hook, steer, serve. ``server``: how it listens and serves, as
     :func:`mlx_fun.jobs.serve.start` normalised it (``data_dir`` resolved, ``api_key`` / ``chat_template`` /
     ``max_tokens`` / ``max_tokens_limit`` / ``max_prompt_tokens`` decided); ``context``: the model's context length;
     ``steering``: the startup steering (None: none); ``settings``: the dispatch to install
     (:class:`mlx_fun.settings.RunSettings`, checked; None: its defaults); ``generation``: mlx-lm's generation options
-    (:class:`mlx_fun.model.genopts.GenOptions`, checked), ``draft_model`` its speculative decoding. A model the job
-    resolved from a repo id is served under that id (else under its directory's name)."""
+    (:class:`mlx_fun.model.genopts.GenOptions`, checked), ``draft_model`` its speculative decoding;
+    ``adapter_path``: a LoRA adapter fused into the model (checked). A model the job resolved from a repo id is
+    served under that id (else under its directory's name)."""
     options = generation or GenOptions()
     draft_model = None if draft_model is None else str(draft_model)
     name = _repo_id(model)
@@ -300,24 +303,23 @@ def start(*, model: str, mode: str, server: ServerOptions, context: int, steerin
         probes.append(DRAFT_PROBE)
     for probe in probes:
         probe.install()
-    args = server_args(model=model, max_tokens=server.max_tokens, chat_template=server.chat_template,
-                       decode_concurrency=server.decode_concurrency, prompt_concurrency=prompt_concurrency,
-                       prefill_step_size=server.prefill_step_size, prompt_cache_size=server.prompt_cache_size,
-                       prompt_cache_bytes=server.prompt_cache_bytes, allowed_origins=list(server.allowed_origins),
-                       options=options, draft_model=draft_model)
+    args = server_args(model=model, server=server, prompt_concurrency=prompt_concurrency, options=options,
+                       draft_model=draft_model, adapter_path=None if adapter_path is None else str(adapter_path))
     aliases = model_aliases(model, name)
     provider = ServedModelProvider(args, aliases=aliases, norms=mode == "full", settings=settings,
-                                   max_kv_size=options.max_kv_size)
+                                   max_kv_size=options.max_kv_size,
+                                   use_default_chat_template=server.use_default_chat_template)
     fresh = provider.fresh_cache if options.max_kv_size is not None else None
     max_prompt_tokens = server.max_prompt_tokens or context
     generator = CountingResponseGenerator(provider, ServedPromptCache(server.prompt_cache_size, fresh),
                                           max_prompt_tokens=max_prompt_tokens)
     port = httpd.server_address[1]
-    generation = {**dataclasses.asdict(options), "draft_model": draft_model}
+    generation = {**dataclasses.asdict(options), "draft_model": draft_model, "temp": server.temp,
+                  "top_p": server.top_p, "top_k": server.top_k, "min_p": server.min_p}
     app = ServeApp(Path(model), mode, Path(server.data_dir), server.api_key, server.max_body_bytes,
                    _allowed_hosts(host, port), provider, generator, server.max_tokens_limit, context, max_prompt_tokens,
                    float(server.request_timeout), server.max_connections, auto_save, aliases, name=name,
-                   generation=generation)
+                   generation=generation, adapter=lora.describe(adapter_path))
     httpd.app = app
     server = Server(httpd, app, probes)
     try:
@@ -330,6 +332,8 @@ def start(*, model: str, mode: str, server: ServerOptions, context: int, steerin
             err = provider.load_error
             raise UserError(f"could not load {param('model')} {model}: "
                             f"{err if err is not None else 'generation thread died'}")
+        if (line := lora.note(provider.model)) is not None:
+            log(f"Note: {line}")
         build = None if steering is None else steering.builder()
         if build is not None:
             s = build(provider.counter)

@@ -9,8 +9,10 @@
   steering change atomically (one bias swap for all layers) and empties the prompt cache when the routing
   changed, so no KV state computed under other steering is reused.
 
-mlx-lm's generation options (:mod:`mlx_fun.model.genopts`, checked by the job before anything binds or loads) go where
-mlx-lm's server takes them: ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` / ``num_draft_tokens`` in its
+A LoRA adapter (``--adapter-path``) is fused into the served model as it loads (:func:`mlx_fun.model.lora.apply`),
+and every name of the model maps to it, so a request's ``adapters`` never loads another. mlx-lm's generation options
+(:mod:`mlx_fun.model.genopts`, checked by the job before anything binds or loads) go where mlx-lm's server takes
+them: ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` / ``num_draft_tokens`` in its
 ``cli_args``; the draft model is loaded by :func:`mlx_fun.model.genopts.load_draft` (one line for another vocabulary,
 where mlx-lm only warns) and never hooked, so its forwards are not counted. ``max_kv_size``, which mlx-lm's server
 lacks, is :class:`ServedPromptCache`: a prompt the prompt cache has nothing for starts from the rotating cache
@@ -34,23 +36,25 @@ from ..model.genopts import GenOptions, load_draft
 from ..settings import RunSettings
 from .counting import TrafficCounter, attach
 from .errors import HTTPError
+from .options import ServerOptions
 
 
-def server_args(*, model: str, max_tokens: int, chat_template: str | None, decode_concurrency: int,
-                prompt_concurrency: int, prefill_step_size: int, prompt_cache_size: int,
-                prompt_cache_bytes: int | None, allowed_origins: list[str], options: GenOptions | None = None,
-                draft_model: str | None = None) -> argparse.Namespace:
-    """The namespace mlx-lm's server classes read (``mlx_lm.server.main``'s options, with its defaults), with
-    mlx-lm's generation ``options`` (``max_kv_size`` aside: :class:`ServedPromptCache`) and ``draft_model``."""
+def server_args(*, model: str, server: ServerOptions, prompt_concurrency: int, options: GenOptions | None = None,
+                draft_model: str | None = None, adapter_path: str | None = None) -> argparse.Namespace:
+    """The namespace mlx-lm's server classes read (``mlx_lm.server.main``'s options) from ``server`` (as
+    :func:`mlx_fun.jobs.serve.start` normalised it), with mlx-lm's generation ``options`` (``max_kv_size`` aside:
+    :class:`ServedPromptCache`), ``draft_model`` and ``adapter_path`` (which :class:`ServedModelProvider` loads
+    itself, as it does the default chat template)."""
     options = options or GenOptions()
     return argparse.Namespace(
-        model=model, adapter_path=None, draft_model=draft_model, num_draft_tokens=options.num_draft_tokens,
-        trust_remote_code=False, chat_template=chat_template or "", use_default_chat_template=False,
-        chat_template_args={}, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_tokens,
-        decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
-        prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size,
-        prompt_cache_bytes=prompt_cache_bytes, kv_bits=options.kv_bits, kv_group_size=options.kv_group_size,
-        quantized_kv_start=options.quantized_kv_start, pipeline=False, allowed_origins=allowed_origins,
+        model=model, adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=options.num_draft_tokens,
+        trust_remote_code=server.trust_remote_code, chat_template=server.chat_template or "",
+        use_default_chat_template=False, chat_template_args=dict(server.chat_template_args or {}), temp=server.temp,
+        top_p=server.top_p, top_k=server.top_k, min_p=server.min_p, max_tokens=server.max_tokens,
+        decode_concurrency=server.decode_concurrency, prompt_concurrency=prompt_concurrency,
+        prefill_step_size=server.prefill_step_size, prompt_cache_size=server.prompt_cache_size,
+        prompt_cache_bytes=server.prompt_cache_bytes, kv_bits=options.kv_bits, kv_group_size=options.kv_group_size,
+        quantized_kv_start=options.quantized_kv_start, pipeline=False, allowed_origins=list(server.allowed_origins),
         log_level="WARNING",
     )
 
@@ -59,12 +63,14 @@ class ServedModelProvider(ModelProvider):
     """mlx-lm's ``ModelProvider`` for one model, which it hooks for counting right after loading it."""
 
     def __init__(self, cli_args: argparse.Namespace, *, aliases: list[str], norms: bool,
-                 settings: RunSettings | None = None, max_kv_size: int | None = None):
+                 settings: RunSettings | None = None, max_kv_size: int | None = None,
+                 use_default_chat_template: bool = False):
         super().__init__(cli_args)
         self.max_kv_size = max_kv_size
+        self.use_default_chat_template = use_default_chat_template
         for name in aliases:  # every name a client may use → the one served model (no other path is ever loaded)
             self._model_map[name] = cli_args.model
-            self._adapter_map[name] = None
+            self._adapter_map[name] = cli_args.adapter_path  # a request's "adapters" never loads another
         self.norms = norms
         self.settings = settings or RunSettings()  # the dispatch installed once the model loads
         self.counter: TrafficCounter | None = None
@@ -73,11 +79,17 @@ class ServedModelProvider(ModelProvider):
         self.load_error: BaseException | None = None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        from ..model import chat, lora
+
         try:
-            super()._load(model_path, adapter_path, None)
+            super()._load(model_path, None, None)
+            if adapter_path is not None:  # fused, so the dispatch and the counting hooks see plain weights
+                lora.apply(self.model, adapter_path)
+            if self.use_default_chat_template:  # mlx-lm's, which fails where transformers has no default template
+                chat.use_default_template(self.tokenizer)
             if draft_model_path is not None:  # as mlx-lm's _load, through mlx-fun's loader and vocabulary check
                 self.draft_model = load_draft(draft_model_path, self.tokenizer)
-                self.model_key = (model_path, adapter_path, draft_model_path)
+            self.model_key = (model_path, adapter_path, draft_model_path)
             if self.draft_model is not None or self.max_kv_size is not None:
                 self.is_batchable = False  # mlx-lm's batched path: no draft model, caches of its own making
             self._hook()

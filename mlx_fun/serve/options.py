@@ -17,12 +17,14 @@ from pathlib import Path
 import click
 
 from ..core.options import Group, option
-from ..core.ranges import FiniteFloat
+from ..core.ranges import MIN_P, TEMPERATURE, TOP_K, TOP_P, FiniteFloat, JsonObject
 from ..errors import UserError, param
+from ..model.chat import USE_DEFAULT_CHAT_TEMPLATE
+from ..model.genopts import TRUST_REMOTE_CODE
 
 #: the environment variable :func:`mlx_fun.jobs.serve.run` (and ``mlx-fun ui``) read the API key from
 API_KEY_ENV = "MLX_FUN_API_KEY"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ByteSize(click.ParamType):
@@ -66,12 +68,16 @@ class ServerOptions(Group):
     may take to arrive (an idle connection is closed after as long); ``max_prompt_tokens``: the longest prompt
     (templated tokens; default: the model's context length); ``max_tokens``: a request's default (512, or
     ``max_tokens_limit`` when lower), ``max_tokens_limit``: the most a request may ask for (default: the model's
-    context length); ``chat_template``: a Jinja string or a file holding one; ``prompt_cache_size`` /
+    context length); ``temp`` / ``top_p`` / ``top_k`` / ``min_p``: the sampling of a request that gives none of
+    its own (mlx_lm.server's defaults: greedy); ``chat_template``: a Jinja string or a file holding one;
+    ``chat_template_args``: keyword arguments of every request's chat template (a request's
+    ``chat_template_kwargs`` add to them); ``use_default_chat_template``, ``trust_remote_code``: mlx-lm's;
+    ``prompt_cache_size`` /
     ``prompt_cache_bytes`` / ``decode_concurrency`` / ``prompt_concurrency`` / ``prefill_step_size``: mlx-lm's
     server options of those names (a prompt is prefilled ``prefill_step_size`` tokens per forward);
-    ``log_level`` (DEBUG / INFO / WARNING / ERROR; only :func:`mlx_fun.jobs.serve.run` reads it) sets up Python
-    logging for the server's and mlx-lm's messages (INFO logs every request); None leaves logging as it is (the
-    command line's default is WARNING). Sizes given as text (``"8MiB"``) are held in bytes, origins given as
+    ``log_level`` (DEBUG / INFO / WARNING / ERROR / CRITICAL; only :func:`mlx_fun.jobs.serve.run` reads it) sets up
+    Python logging for the server's and mlx-lm's messages (INFO logs every request); None leaves logging as it is
+    (the command line's default is WARNING). Sizes given as text (``"8MiB"``) are held in bytes, origins given as
     ``"a,b"`` as a tuple."""
 
     host: str = option("127.0.0.1", "Address to bind. Anything but loopback exposes the model: use --api-key then.")
@@ -82,7 +88,17 @@ class ServerOptions(Group):
     max_tokens_limit: int | None = option(
         None, "Most tokens a request may ask for (larger: 400)  [default: the model's context length "
         "(max_position_embeddings)]", type=click.IntRange(min=1))
+    temp: float = option(0.0, "Sampling temperature of a request that gives none (0: greedy).", type=TEMPERATURE)
+    top_p: float = option(1.0, "Nucleus top-p of a request that gives none (1 disables).", type=TOP_P)
+    top_k: int = option(0, "Top-k of a request that gives none (0 disables).", type=TOP_K)
+    min_p: float = option(0.0, "Min-p of a request that gives none (0 disables).", type=MIN_P)
     chat_template: str | None = option(None, "Chat template override: a Jinja string or a file holding one.")
+    chat_template_args: dict | None = option(
+        None, "Keyword arguments for the chat template of every request, as a JSON object (e.g. "
+        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs add to them.", type=JsonObject(),
+        metavar="JSON", default_text="{}")
+    use_default_chat_template: bool = option(False, USE_DEFAULT_CHAT_TEMPLATE.help)
+    trust_remote_code: bool = option(False, TRUST_REMOTE_CODE.help)
     data_dir: str | Path = option(".", "The only directory REST requests may read reports from or save statistics to.",
                                   type=click.Path(file_okay=False))
     # the job reads MLX_FUN_API_KEY when none is given (its messages name the variable then)

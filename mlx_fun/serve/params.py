@@ -3,12 +3,13 @@
 mlx-lm's server checks their types and some bounds itself, but lets NaN and infinities through (a NaN temperature
 answers 200 with junk text; a NaN ``min_p`` ends its generation thread, and with it the server), takes any
 ``max_tokens`` (2**63 generates until the client gives up, and on), and raises on its generation thread — again
-ending the server — for a ``top_k`` at or above the vocabulary size, a ``*_context_size`` past 2**62 or a seed
-past 2**64 - 1. Here every such value is a 400 naming the field (:func:`check_numbers`), except a ``top_k``
+ending the server — for a ``top_k`` at or above the vocabulary size, a ``*_context_size`` past 2**62, a seed
+past 2**64 - 1 or an ``xtc_threshold`` past 0.5 (its handler takes up to 1, its ``apply_xtc`` raises past 0.5). Here every such value is a 400 naming the field (:func:`check_numbers`), except a ``top_k``
 at or above the vocabulary size, which keeps every token as the CLI's ``--top-k`` does (sent on as 0).
 
 The sampling numbers the CLI also takes are checked by the CLI's own option types (``--temp``, ``--top-p``,
-``--top-k``, ``--seed``, ``--num-draft-tokens``, declared once in :mod:`mlx_fun.core.ranges`; mlx-lm
+``--top-k``, ``--min-p``, ``--xtc-probability``, ``--xtc-threshold``, ``--seed``, ``--num-draft-tokens``, declared
+once in :mod:`mlx_fun.core.ranges`; mlx-lm
 takes a ``num_draft_tokens`` of 0, which drafts nothing, as mlx-fun's own option does not); the rest by the same
 :class:`~mlx_fun.core.ranges.FiniteFloat` / ``click.IntRange`` with mlx-lm's bounds. ``max_tokens`` (and
 ``max_completion_tokens``) may be at most the server's ``--max-tokens-limit``, a ``*_context_size`` at most the
@@ -22,7 +23,8 @@ import json
 
 import click
 
-from ..core.ranges import DRAFT_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, FiniteFloat
+from ..core.ranges import (DRAFT_TOKENS, MIN_P, SEED, TEMPERATURE, TOP_K, TOP_P, XTC_PROBABILITY, XTC_THRESHOLD,
+                           FiniteFloat)
 from .errors import HTTPError
 
 #: fields that may be null (mlx-lm reads null as "not given")
@@ -38,9 +40,9 @@ def _rules() -> dict[str, tuple[type, click.ParamType]]:
     return {
         "temperature": (float, TEMPERATURE), "top_p": (float, TOP_P), "top_k": (int, TOP_K),
         "seed": (int, SEED), "num_draft_tokens": (int, DRAFT_TOKENS),
-        "min_p": (float, FiniteFloat(0.0, 1.0)), "repetition_penalty": (float, FiniteFloat(min=0.0)),
+        "min_p": (float, MIN_P), "repetition_penalty": (float, FiniteFloat(min=0.0)),
         "presence_penalty": (float, FiniteFloat()), "frequency_penalty": (float, FiniteFloat()),
-        "xtc_probability": (float, FiniteFloat(0.0, 1.0)), "xtc_threshold": (float, FiniteFloat(0.0, 1.0)),
+        "xtc_probability": (float, XTC_PROBABILITY), "xtc_threshold": (float, XTC_THRESHOLD),
         "top_logprobs": (int, click.IntRange(-1, 11)),  # mlx-lm: 0..11, or -1 for none
     }
 

@@ -210,3 +210,34 @@ def make_tiny_model(
         else:
             train_tokenizer(tmp, vocab_size=vocab_size)
     return out
+
+
+def make_tiny_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, rank: int = 4, scale: float = 20.0,
+                      num_layers: int = -1, keys: list[str] | None = None, seed: int = 0) -> Path:
+    """A LoRA adapter of the model in ``model_dir``, written to ``out_dir`` as ``mlx_lm.lora`` writes one:
+    mlx-lm's ``linear_to_lora_layers`` on the frozen model (the last ``num_layers`` decoder layers, -1 all; ``keys``:
+    which layers, default all linear / expert layers), ``adapters.safetensors`` holding the trainable parameters and
+    ``adapter_config.json`` its settings. ``lora_b`` starts at zero in mlx-lm (training moves it); here it is drawn
+    from ``seed`` (scaled so the adapter changes the routing), standing in for a trained adapter."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(model_dir))
+    model.freeze()
+    lora = {"rank": rank, "dropout": 0.0, "scale": scale, **({"keys": keys} if keys else {})}
+    linear_to_lora_layers(model, num_layers, lora)
+    key = mx.random.key(seed)
+    params = dict(tree_flatten(model.trainable_parameters()))
+    for name in sorted(params):
+        key, sub = mx.random.split(key)
+        if name.endswith("lora_b"):
+            params[name] = 0.05 * mx.random.normal(params[name].shape, key=sub).astype(params[name].dtype)
+    model.update(tree_unflatten(list(params.items())))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    config = {"model": str(model_dir), "fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=4))
+    return out
