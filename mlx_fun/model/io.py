@@ -123,7 +123,7 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str |
         check_tokenizer(model_path)
     try:
         if tokenizer:
-            from mlx_lm import load
+            from mlx_lm.utils import load  # mlx_lm.load itself; the package's __init__ would import generate too
 
             model, tok = load(str(model_path), lazy=lazy)
         else:
