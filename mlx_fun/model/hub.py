@@ -163,7 +163,7 @@ def _unreachable(repo_id: str, revision: str | None) -> str | None:
     None where it answers, whatever it answers (``snapshot_download`` then does what it does).
 
     One request, not retried, within huggingface_hub's ``HF_HUB_ETAG_TIMEOUT`` (10 s by default). Without it, an
-    unreachable Hub costs ~30 s before the cache is used: ``snapshot_download`` given a commit lists the repo's files
+    unreachable Hub costs 25-28 s before the cache is used: ``snapshot_download`` given a commit lists the repo's files
     with five retries, printing a line for each; mlx-lm, like this, falls back to the cache at once."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError

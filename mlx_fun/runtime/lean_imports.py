@@ -18,7 +18,7 @@ code and transformers: 2.4 s on a GPU host with PyTorch, even for the config che
   imported without its tokenizer module: ``mlx_lm.tokenizer_utils`` is a stand-in whose names are placeholders
   that import the real module (and transformers) the first time anything uses them (a call, an attribute, an
   ``isinstance``); ``huggingface_hub.snapshot_download``, which ``mlx_lm.utils`` takes by name, is such a
-  placeholder too (huggingface_hub's HTTP stack costs 0.2-0.8 s; a local model needs none of it). A command that
+  placeholder too (huggingface_hub's HTTP stack costs 0.2-0.5 s; a local model needs none of it). A command that
   loads no tokenizer never imports transformers.
 
 The console entry calls :func:`block_torch` and :func:`defer_mlx_lm` for every command and :func:`defer_tokenizers`
