@@ -13,12 +13,15 @@ when the installed mlx-lm lacks one of the table's names.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
 import inspect
 import re
 import sys
 from dataclasses import dataclass
-from importlib import metadata
+from pathlib import Path
 
 from .errors import UserError
 
@@ -65,7 +68,8 @@ _SERVER = "mlx_lm.server"
 TABLE: tuple[Private, ...] = (
     Private("mlx_lm.models.switch_layers", "_gather_sort", ("dispatch",)),
     Private("mlx_lm.models.switch_layers", "_scatter_unsort", ("dispatch",)),
-    Private("mlx_lm.utils", "_get_classes", ("tiny models", "smoke-test"), fallback=("config check",)),
+    # confirms what model_classes finds no model file for (a newer mlx-lm's own rule, or a type it lacks)
+    Private("mlx_lm.utils", "_get_classes", (), fallback=("tiny models", "smoke-test", "config check")),
     Private("mlx_lm.tokenizer_utils", "TokenizerWrapper._tokenizer", (), fallback=("eval",)),
     # the adapters' routing: each model file's own selection function (adapters.base.model_function)
     _routing("deepseek_v3", "group_expert_select", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_vl"),
@@ -116,6 +120,8 @@ def describe(feature: str) -> str:
 # ------------------------------------------------------------------------------------------ versions
 def installed(dist: str) -> str | None:
     """The installed version of ``dist`` (MLX built from source has no distribution metadata: its own), or None."""
+    from importlib import metadata  # here: reading the installed distributions' index costs 20-60 ms at a start
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -258,6 +264,74 @@ def _missing_at_run_time(module: str, name: str) -> Exception:
     if row is None:
         return LookupError(f"{module}.{name} is not in mlx_fun.mlx_lm_compat.TABLE; add it there")
     return missing_error(row)
+
+
+# ------------------------------------------------------------------------------------------ model classes
+#: mlx-lm's tables of the model types built by another type's file (``mlx_lm.utils``): by type, by (type, architecture)
+REMAPPING = ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")
+
+
+@functools.cache
+def remapping() -> tuple[dict, dict]:
+    """mlx-lm's :data:`REMAPPING` tables: from ``mlx_lm.utils`` where it is imported, else read from its file as the
+    literals they are (importing it costs huggingface_hub and mlx-lm's tokenizer code, transformers: 0.5-2.4 s before
+    a command starts), else (a file that no longer holds them so) imported."""
+    if "mlx_lm.utils" not in sys.modules:
+        read = _read_remapping()
+        if read is not None:
+            return read
+    utils = importlib.import_module("mlx_lm.utils")
+    return tuple(dict(getattr(utils, name, {})) for name in REMAPPING)
+
+
+def _read_remapping() -> tuple[dict, dict] | None:
+    """The tables as ``mlx_lm/utils.py`` writes them (``NAME = {...}`` at the start of a line, a literal), or None."""
+    spec = importlib.util.find_spec("mlx_lm")  # the package's location only: nothing of it runs
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        source = (Path(next(iter(spec.submodule_search_locations))) / "utils.py").read_text(encoding="utf-8")
+        tables = []
+        for name in REMAPPING:
+            m = re.search(rf"^{name}\s*=\s*(\{{.*?^\}})", source, re.M | re.S)
+            table = ast.literal_eval(m.group(1)) if m else None
+            if not isinstance(table, dict):
+                return None
+            tables.append(table)
+    except (OSError, ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return tables[0], tables[1]
+
+
+def model_module(config: dict) -> str:
+    """The mlx-lm model file that builds ``config`` (``mlx_lm.models.<type>``), chosen by ``_get_classes``' rule: an
+    architecture remapped for its type first, then the type's remapping, then the type itself."""
+    by_type, by_architecture = remapping()
+    model_type = config["model_type"]
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    for architecture in architectures:
+        remapped = by_architecture.get((model_type, architecture))
+        if remapped is not None:
+            return f"mlx_lm.models.{remapped}"
+    return f"mlx_lm.models.{by_type.get(model_type, model_type)}"
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """``(Model, ModelArgs)`` of ``config``'s model type, as ``mlx_lm.utils._get_classes`` finds them, importing only
+    the model file (:func:`model_module`): nothing of mlx-lm's loading or tokenizer code. Where that file does not
+    import or lacks the classes, ``_get_classes`` itself answers (a newer mlx-lm's rule), and its ``ValueError``
+    says that mlx-lm does not support the type."""
+    try:
+        module = importlib.import_module(model_module(config))
+        return module.Model, module.ModelArgs
+    except (ImportError, ValueError, AttributeError):
+        pass
+    _get_classes = lookup("mlx_lm.utils", "_get_classes")
+    if _get_classes is None:
+        raise ValueError(f"Model type {config['model_type']} not supported.")
+    return _get_classes(config)
 
 
 # ------------------------------------------------------------------------------------------ doctor

@@ -188,15 +188,48 @@ def test_a_missing_routing_name_refuses_the_model_before_loading(monkeypatch, ma
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_a_missing_private_get_classes_fails_smoke_test_in_one_line(monkeypatch, qwen_model):
+def test_model_classes_chooses_the_model_file_as_get_classes_does(monkeypatch):
+    """compat.model_module against mlx-lm's own _get_classes, for every model file, every alias of its
+    MODEL_REMAPPING and every (type, architecture) of its MODEL_ARCHITECTURE_REMAPPING (no model file imported:
+    _get_classes' import_module answers the name it was given); the tables read from mlx_lm/utils.py equal the
+    imported ones."""
+    import types
+
     import mlx_lm.utils
 
-    from mlx_fun.model.io import read_config
+    assert compat._read_remapping() == (mlx_lm.utils.MODEL_REMAPPING, mlx_lm.utils.MODEL_ARCHITECTURE_REMAPPING)
+    monkeypatch.setattr(mlx_lm.utils, "importlib", types.SimpleNamespace(
+        import_module=lambda name: types.SimpleNamespace(Model=name, ModelArgs=name)))
+    files = [p.stem for p in (Path(mlx_lm.__file__).parent / "models").glob("*.py") if not p.stem.startswith("_")]
+    configs = [{"model_type": t} for t in [*files, *mlx_lm.utils.MODEL_REMAPPING]]
+    configs += [{"model_type": t, "architectures": [a]} for t, a in mlx_lm.utils.MODEL_ARCHITECTURE_REMAPPING]
+    configs += [{"model_type": t, "architectures": a} for t, a in mlx_lm.utils.MODEL_ARCHITECTURE_REMAPPING]
+    assert len(configs) > 100
+    for config in configs:
+        assert compat.model_module(config) == mlx_lm.utils._get_classes(config)[0], config
 
+
+def test_the_model_check_needs_no_private_get_classes(monkeypatch, qwen_model, tmp_path):
+    """smoke-test's model check and the config check find mlx-lm's classes by its tables and model files, where
+    _get_classes is gone; it only confirms a type that has no model file (mlx-lm's ValueError: not supported)."""
+    import json
+    import shutil
+
+    import mlx_lm.models.deepseek_v3 as deepseek_v3
+    import mlx_lm.utils
+
+    from mlx_fun.jobs.smoke_test import check_generatable
+
+    unknown = shutil.copytree(qwen_model, tmp_path / "m")
+    (unknown / "config.json").write_text(json.dumps({**json.loads((unknown / "config.json").read_text()),
+                                                     "model_type": "no_such_type"}))
+    with pytest.raises(UserError, match="model_type 'no_such_type' .* is not supported by the installed mlx-lm"):
+        check_generatable(unknown)
     monkeypatch.delattr(mlx_lm.utils, "_get_classes")
-    expect_error(run("smoke-test", "--model", qwen_model, "--max-tokens", 2),
-                 _line("mlx_lm.utils._get_classes", "smoke-test's model check"))
-    assert read_config(qwen_model)["model_type"] == "qwen3_moe"  # the config check works around it (a fallback)
+    assert check_generatable(qwen_model)["model_type"] == "qwen3_moe"
+    assert compat.model_classes({"model_type": "kimi_k2"}) == (deepseek_v3.Model, deepseek_v3.ModelArgs)
+    with pytest.raises(ValueError, match="no_such_type not supported"):
+        compat.model_classes({"model_type": "no_such_type"})
 
 
 @pytest.mark.parametrize("model_type, module, name, path", [

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -262,6 +263,27 @@ def test_the_hubs_refusals_are_one_line_and_nothing_is_written(online, hf, tmp_p
     expect_error(run("prune", "--model", model, *args, "--saliency", "s.npz", "--n-prune", 2, "--output", "out"),
                  *needles)
     assert tree(tmp_path) == before
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache_at_once(cached, tmp_path):
+    """As mlx-lm does: HF_HUB_OFFLINE unset, the Hub's address a closed port, a cached repo id is used at once with
+    one line saying so. It took 27 s here (five "Retrying in Ns" lines, from listing the commit's files again); the
+    bound is generous, no timing test."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(cached), HF_ENDPOINT="http://127.0.0.1:9", MLX_FUN_NO_FAST_BLAS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mlx_fun", "quantize", "--model", REPO, "--output", "q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 20, elapsed
+    said = [line for line in proc.stderr.splitlines() if "Hugging Face" in line or "Retry" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"--model {REPO} (main): the Hugging Face Hub cannot be reached (ConnectError")
+    snapshot = cached / "models--org--tiny-moe" / "snapshots" / MAIN
+    assert said[0].endswith(f"using the cached snapshot {MAIN[:12]} in {snapshot}")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["bits"] == 4
 
 
 #: revisions that are no branch, tag or commit: paths into the cache (another repo's ref), empty, git-invalid names

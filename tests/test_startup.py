@@ -1,9 +1,11 @@
-"""A command pays only for what it uses (issue 32, part 1): no command imports PyTorch, even where it is installed,
-and the commands that never tokenize do not import transformers at all (:mod:`mlx_fun.runtime.lean_imports`).
+"""A command pays only for what it uses (issues 32 and 44, part 1): no command imports PyTorch, even where it is
+installed; the commands that never tokenize import neither transformers nor mlx-lm's tokenizer, convert or generate
+code, nor huggingface_hub's HTTP stack or scipy.stats; the config check imports no tokenizer code
+(:mod:`mlx_fun.runtime.lean_imports`).
 
 Each command runs in a fresh interpreter through the console entry point (``mlx_fun.launcher.main``) with a stub
 ``torch`` package first on ``sys.path`` that raises on import: a command that imports PyTorch fails. At exit the
-process reports which of ``torch`` / ``transformers`` it imported.
+process reports which of :data:`HEAVY` it imported (mlx-lm's tokenizer module only when the real one is).
 """
 
 from __future__ import annotations
@@ -21,17 +23,26 @@ from mlx_fun import jobs
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "calibration_sample.jsonl"
 
-PROBE = """
+#: what a command that never tokenizes must not import: PyTorch, transformers, mlx-lm's tokenizer code and its
+#: modules that import it, huggingface_hub's HTTP stack (mlx_lm.utils takes its snapshot_download by name) and
+#: scipy.stats (1-2 s of stats-merge's rank merge)
+HEAVY = ("torch", "transformers", "mlx_lm.tokenizer_utils", "mlx_lm.convert", "mlx_lm.generate",
+         "huggingface_hub.hf_api", "scipy.stats")
+#: Python: which of HEAVY this process has imported (a stand-in of mlx-lm's tokenizer module is not it)
+IMPORTED = f"""
+def imported():
+    return {{name: sys.modules.get(name) is not None and not getattr(sys.modules[name], "_mlx_fun_standin", False)
+            for name in {HEAVY!r}}}
+"""
+PROBE = f"""
 import atexit, json, sys
-def report():
-    t = sys.modules.get("torch")
-    print("MODULES=" + json.dumps({"torch": t is not None, "transformers": sys.modules.get("transformers") is not None}),
-          file=sys.stderr)
-atexit.register(report)
+{IMPORTED}
+atexit.register(lambda: print("MODULES=" + json.dumps(imported()), file=sys.stderr))
 sys.argv = ["mlx-fun"] + sys.argv[1:]
 from mlx_fun.launcher import main
 main()
 """
+NONE = dict.fromkeys(HEAVY, False)
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +77,64 @@ def test_the_stub_would_catch_an_import_of_torch(stub_torch):
     assert proc.returncode != 0 and "PyTorch was imported" in proc.stderr
 
 
-def test_commands_that_never_tokenize_import_neither_transformers_nor_torch(stub_torch, qwen_model, saliency,
-                                                                            tmp_path):
+def test_commands_that_never_tokenize_import_no_tokenizer_code(stub_torch, qwen_model, make_model, saliency, tmp_path):
+    from mlx_fun.cli import TOKENIZER_FREE
+
     other = tmp_path / "other.npz"
     jobs.collect.run(model=qwen_model, dataset=DATA, output=other, max_samples=3, max_tokens=24, seed=1)
+    dsv3 = make_model("deepseek_v3")  # a router bias for amplify to boost
+    config = json.loads((dsv3 / "config.json").read_text())
+    moe = [i for i in range(config["num_hidden_layers"]) if i >= config["first_k_dense_replace"]]
+    domain = tmp_path / "domain.json"
+    composite = [[2.0, 2.0] + [0.0] * (config["n_routed_experts"] - 2) for _ in moe]
+    domain.write_text(json.dumps({"domain_name": "d", "scores": {"composite": composite},
+                                  "domain_experts": {str(moe[0]): [0, 1]}}))
     runs = {
-        "prune": ["prune", "--model", qwen_model, "--saliency", saliency, "--n-prune", "1", "--output",
-                  tmp_path / "pruned"],
-        "quantize": ["quantize", "--model", qwen_model, "--output", tmp_path / "q4"],
-        "stats-merge": ["stats-merge", "--files", saliency, "--files", other, "--output", tmp_path / "m.npz"],
+        "prune": ["--model", qwen_model, "--saliency", saliency, "--n-prune", "1", "--output", tmp_path / "pruned"],
+        "quantize": ["--model", qwen_model, "--output", tmp_path / "q4"],
+        "amplify": ["--model", dsv3, "--domain-map", domain, "--output", tmp_path / "amplified"],
+        "tune-dispatch": ["--shape", "64,32,8,2", "--quant", "float32", "--max-m", "1",
+                          "--output", tmp_path / "t.json"],
+        "stats-diff": ["--file1", saliency, "--file2", other],
+        "stats-merge": ["--files", saliency, "--files", other, "--output", tmp_path / "m.npz"],
+        "stats-purge": ["--input", other, "--output", tmp_path / "purged.npz", "--min-freq", "1"],
     }
+    assert set(runs) == set(TOKENIZER_FREE)
     for name, args in runs.items():
-        proc, modules = mlx_fun(stub_torch, *args)
+        proc, modules = mlx_fun(stub_torch, name, *args)
         assert proc.returncode == 0, (name, proc.stderr[-2000:])
-        assert modules == {"torch": False, "transformers": False}, (name, modules)
-    assert (tmp_path / "pruned" / "config.json").is_file() and (tmp_path / "q4" / "config.json").is_file()
-    assert (tmp_path / "m.npz").is_file()
+        assert modules == NONE, (name, modules)
+    for written in ("pruned/config.json", "q4/config.json", "amplified/config.json", "t.json", "m.npz", "purged.npz"):
+        assert (tmp_path / written).is_file(), written
+
+
+def test_the_config_check_imports_no_tokenizer_code(qwen_model, tmp_path):
+    """read_config as a library call, in a fresh interpreter: mlx-lm's ModelArgs of the model's own file checks the
+    config (a missing key is refused) without mlx-lm's package __init__, tokenizer, convert or generate code."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    config = json.loads((Path(qwen_model) / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_hidden_layers"}))
+    code = f"""
+import json, sys
+{IMPORTED}
+from mlx_fun.errors import UserError
+from mlx_fun.model.io import read_config
+assert read_config({str(qwen_model)!r})["model_type"] == "qwen3_moe"
+try:
+    read_config({str(broken)!r})
+except UserError as e:
+    print("REFUSED=" + str(e))
+print("MODULES=" + json.dumps(imported()))
+print("MODEL_FILE=" + json.dumps("mlx_lm.models.qwen3_moe" in sys.modules))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert json.loads(out["MODULES"]) == NONE and json.loads(out["MODEL_FILE"]) is True
+    assert "does not describe a qwen3_moe model mlx-lm can build" in out["REFUSED"]
+    assert "num_hidden_layers" in out["REFUSED"]
 
 
 def test_the_written_models_still_load_with_their_tokenizer(stub_torch, qwen_model, saliency, tmp_path):
@@ -99,7 +152,7 @@ def test_commands_that_tokenize_load_the_tokenizer_without_torch(stub_torch, qwe
     proc, modules = mlx_fun(stub_torch, "collect", "--model", qwen_model, "--dataset", DATA, "--max-samples", "2",
                             "--max-tokens", "16", "--output", tmp_path / "s.npz")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert modules == {"torch": False, "transformers": True}
+    assert modules["transformers"] and not modules["torch"]
     assert "PyTorch was not found" not in proc.stderr  # transformers' advisory line is not shown
 
 
@@ -142,12 +195,14 @@ from mlx_fun.runtime import lean_imports
 assert lean_imports.defer_tokenizers()
 from mlx_lm.utils import load_model
 load_model(Path({str(ROOT / 'data' / 'tiny-moe')!r}), lazy=True)
-assert "transformers" not in sys.modules
+assert "transformers" not in sys.modules and "huggingface_hub.hf_api" not in sys.modules
 from mlx_lm import load
+import huggingface_hub
 import mlx_lm.utils
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 model, tokenizer = load({str(ROOT / 'data' / 'tiny-moe')!r})
 assert isinstance(tokenizer, TokenizerWrapper) and mlx_lm.utils.TokenizerWrapper is TokenizerWrapper
+assert mlx_lm.utils.snapshot_download is huggingface_hub.snapshot_download  # the real one, rebound
 print(tokenizer.encode("def f(x): return x"))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

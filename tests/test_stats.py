@@ -158,6 +158,20 @@ def test_layer_ranks_by_hand(files):
         np.testing.assert_array_equal(stats.layer_ranks(SaliencyAccumulator.load(files[key]).scores("reap")), want)
 
 
+def test_layer_ranks_are_scipys_average_ranks():
+    """layer_ranks, without importing scipy.stats, is rankdata(-scores, method="average", axis=1): ties, infinities,
+    and rows holding a NaN (all NaN, scipy's nan_policy="propagate")."""
+    from scipy.stats import rankdata
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        x = rng.integers(0, 4, size=(3, 7)).astype(np.float64)
+        x[rng.random(x.shape) < 0.05] = np.inf
+        x[rng.random(x.shape) < 0.05] = -np.inf
+        x[rng.random(x.shape) < 0.03] = np.nan
+        np.testing.assert_array_equal(stats.layer_ranks(x), rankdata(-x, method="average", axis=1))
+
+
 def test_stats_merge_cli_rank_sums_and_scores(files, tmp_path):
     out = tmp_path / "merged.npz"
     res = run("stats-merge", "--files", files["a"], "--files", files["b"], "--output", out)

@@ -1,20 +1,30 @@
-"""The ``mlx-fun`` click group. One module per command; each only parses, calls its job, prints."""
+"""The ``mlx-fun`` click group. One module per command; each only parses, calls its job, prints. A run imports the
+chosen command's module alone (:class:`_Commands`)."""
 
 from __future__ import annotations
+
+import importlib
+from collections.abc import MutableMapping
 
 import click
 
 from .. import __version__
 
 
-def _version_message() -> str:
+def _show_version(ctx, _param, value) -> None:
+    """``--version``: the version and the BLAS line, worked out only when asked for (the BLAS status reads the
+    installed distributions: 50-100 ms that no command should pay)."""
+    if not value or ctx.resilient_parsing:
+        return
     from ..runtime.blas import blas_status
 
-    return f"mlx-fun {__version__}\n{blas_status()}"
+    click.echo(f"mlx-fun {__version__}\n{blas_status()}")
+    ctx.exit()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.version_option(__version__, "--version", message=_version_message())
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of unexpected errors (also MLX_FUN_DEBUG=1).")
 @click.pass_context
 def main(ctx, debug):
@@ -42,13 +52,35 @@ def module_name(command: str) -> str:
     return command.replace("-", "_")
 
 
-def _register_commands() -> None:
-    import importlib
+class _Commands(MutableMapping):
+    """The group's commands by name; a command's module (and so its job's) is imported the first time the command
+    is asked for, so a run imports its own command's code, not all nineteen (``--help`` lists them all, and so
+    imports them all). Names added with ``add_command`` are kept as they are."""
 
-    for name in COMMANDS:
-        cmd = importlib.import_module(f"{__name__}.{module_name(name)}").command
-        assert cmd.name == name, (cmd.name, name)
-        main.add_command(cmd)
+    def __init__(self):
+        self._loaded: dict[str, click.Command] = {}
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            if name not in COMMANDS:
+                raise KeyError(name)
+            cmd = importlib.import_module(f"{__name__}.{module_name(name)}").command
+            assert cmd.name == name, (cmd.name, name)
+            self._loaded[name] = cmd
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, cmd: click.Command) -> None:
+        self._loaded[name] = cmd
+
+    def __delitem__(self, name: str) -> None:
+        del self._loaded[name]
+
+    def __iter__(self):
+        yield from COMMANDS
+        yield from (name for name in self._loaded if name not in COMMANDS)
+
+    def __len__(self) -> int:
+        return len(set(COMMANDS) | set(self._loaded))
 
 
-_register_commands()
+main.commands = _Commands()

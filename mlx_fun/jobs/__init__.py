@@ -21,31 +21,29 @@ Errors are one-line ``UserError`` s that name the parameter at fault (``n_prune=
 CLI: :func:`mlx_fun.errors.param`).
 """
 
-from . import (  # noqa: E402,F401 - the jobs, one per command (mlx_fun.cli.COMMANDS)
-    abliterate,
-    amplify,
-    collect,
-    demo,
-    doctor,
-    domain_scan,
-    eval,
-    merge,
-    prune,
-    quantize,
-    safety_scan,
-    serve,
-    smoke_test,
-    steer,
-    stats_diff,
-    stats_merge,
-    stats_purge,
-    tune_dispatch,
-    ui,
-)
+from __future__ import annotations
 
-#: every job, once: command name order of mlx_fun.cli.COMMANDS
-ALL = (collect, prune, merge, eval, smoke_test, demo, serve, safety_scan, domain_scan, steer, amplify, abliterate,
-       quantize, ui, tune_dispatch, stats_diff, stats_merge, stats_purge, doctor)
-#: jobs that take any model mlx-lm loads (dense ones too: ``@job(any_model=True)``); the others refuse a repo that
-#: is no supported MoE before its weights are downloaded
-ANY_MODEL = tuple(j for j in ALL if j.run.any_model)
+import importlib
+
+#: every job, once, in the command order of mlx_fun.cli.COMMANDS; each module is imported the first time it is used
+#: (``jobs.prune``, ``from mlx_fun.jobs import prune``), so a command imports its own job only
+NAMES = ("collect", "prune", "merge", "eval", "smoke_test", "demo", "serve", "safety_scan", "domain_scan", "steer",
+         "amplify", "abliterate", "quantize", "ui", "tune_dispatch", "stats_diff", "stats_merge", "stats_purge",
+         "doctor")
+
+
+def __getattr__(name: str):
+    """``jobs.<name>`` (the job module, imported now), ``ALL`` (every job module, in :data:`NAMES` order) and
+    ``ANY_MODEL`` (the jobs that take any model mlx-lm loads, dense ones too: ``@job(any_model=True)``; the others
+    refuse a repo that is no supported MoE before its weights are downloaded)."""
+    if name in NAMES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "ALL":
+        return tuple(importlib.import_module(f"{__name__}.{n}") for n in NAMES)
+    if name == "ANY_MODEL":
+        return tuple(j for j in __getattr__("ALL") if j.run.any_model)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *NAMES, "ALL", "ANY_MODEL"})

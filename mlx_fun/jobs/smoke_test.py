@@ -43,8 +43,6 @@ def check_generatable(model_path, *, trust_remote_code: bool = False) -> dict:
     from .. import mlx_lm_compat
     from ..model.io import read_config
 
-    _get_classes = mlx_lm_compat.get("smoke-test", "mlx_lm.utils", "_get_classes")
-
     config = read_config(model_path)
     if "model_type" not in config:
         raise UserError(f"{model_path}/config.json has no model_type; {param('model')} must be an mlx-lm model "
@@ -52,7 +50,7 @@ def check_generatable(model_path, *, trust_remote_code: bool = False) -> dict:
     if trust_remote_code and config.get("model_file"):
         return config
     try:
-        _get_classes(config)
+        mlx_lm_compat.model_classes(config)
     except ValueError:
         raise UserError(
             f"model_type '{config['model_type']}' of {model_path} is not supported by the installed mlx-lm; "

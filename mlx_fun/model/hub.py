@@ -138,17 +138,22 @@ def resolve(value, *, name: str = "model", revision: str | None = None, needs_mo
         raise UserError(f"MLXLM_USE_MODELSCOPE is set, but mlx-fun fetches {param(name)} {value} from the Hugging "
                         f"Face Hub only; unset it, or download the model and pass its local directory.")
     flag, asked = param(name), revision or "main"
-    if not _offline():
+    unreachable = None if _offline() else _unreachable(value, revision)
+    if not _offline() and unreachable is None:
         log(f"{flag} {value}: fetching the Hugging Face repo ({asked}) into its cache, only the files mlx-lm loads ...")
-    head = _snapshot(value, revision, ["config.json"], flag, asked)
+    head = _snapshot(value, revision, ["config.json"], flag, asked, unreachable)
     commit = head.name
     _check_config(head, value, commit, flag, needs_moe)
-    path = _snapshot(value, commit, allow_patterns(), flag, asked)
+    path = _snapshot(value, commit, allow_patterns(), flag, asked, unreachable)
     if not any(path.glob("model*.safetensors")):
         raise UserError(f"{flag} {value} (commit {commit[:12]}) has no model*.safetensors weights: it is not an mlx-lm "
                         f"model; pick an MLX conversion of it (e.g. from mlx-community) or convert it with "
                         f"`mlx_lm.convert`.")
-    log(f"{flag} {value} ({asked}): snapshot {commit[:12]} in {path}")
+    if unreachable is not None:
+        log(f"{flag} {value} ({asked}): the Hugging Face Hub cannot be reached ({unreachable}); using the cached "
+            f"snapshot {commit[:12]} in {path}")
+    else:
+        log(f"{flag} {value} ({asked}): snapshot {commit[:12]} in {path}")
     return str(path), {"repo_id": value, "revision": asked, "commit": commit}
 
 
@@ -168,16 +173,46 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _snapshot(repo_id: str, revision: str | None, patterns: list[str], flag: str, asked: str) -> Path:
-    """``snapshot_download`` as mlx-lm calls it (from the cache alone when offline), its failures in one line;
-    ``asked``: the revision the user asked for (``revision`` may be its commit by now)."""
+#: the Hub's answers that mean "not now" (huggingface_hub retries on the same statuses)
+_NOT_NOW = (408, 429, 500, 502, 503, 504)
+
+
+def _unreachable(repo_id: str, revision: str | None) -> str | None:
+    """Why the Hugging Face Hub gives no answer about ``repo_id`` now (a refused or dropped connection, a name that
+    does not resolve, a failing proxy, a timeout, the Hub down or rate-limiting: :data:`_NOT_NOW`), in a few words;
+    None where it answers, whatever it answers (``snapshot_download`` then does what it does).
+
+    One request, not retried, within huggingface_hub's ``HF_HUB_ETAG_TIMEOUT`` (10 s by default). Without it, an
+    unreachable Hub costs 25-28 s before the cache is used: ``snapshot_download`` given a commit lists the repo's files
+    with five retries, printing a line for each; mlx-lm, like this, falls back to the cache at once."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        return f"HTTP {status}" if status in _NOT_NOW else None
+    except Exception as e:  # noqa: BLE001 - the HTTP client's own errors (httpx's, httpx2's TransportError)
+        if isinstance(e, OSError) or any(c.__name__ == "TransportError" for c in type(e).__mro__):
+            return f"{type(e).__name__}: {_brief(e)}"
+        return None  # anything else: snapshot_download's own handling, as before this look
+    return None
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], flag: str, asked: str,
+              unreachable: str | None = None) -> Path:
+    """``snapshot_download`` as mlx-lm calls it (from the cache alone when offline, or when the Hub is
+    ``unreachable``: why, from :func:`_unreachable`), its failures in one line; ``asked``: the revision the user
+    asked for (``revision`` may be its commit by now)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, IncompleteSnapshotError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
     offline = _offline()
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline))
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                      local_files_only=offline or unreachable is not None))
     except GatedRepoError:
         raise UserError(f"{flag} {repo_id} is a gated Hugging Face repo and this machine has no access to it: accept "
                         f"its terms on {constants.ENDPOINT}/{repo_id} and log in (`hf auth login`, or set HF_TOKEN)."
@@ -195,7 +230,8 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], flag: str
                         f"{f' ({missing.group(0)})' if missing else ''}; {_fetch_again(repo_id, asked, offline)}."
                         ) from None
     except LocalEntryNotFoundError as e:
-        raise UserError(_not_cached(repo_id, asked, flag, offline, e.__cause__)) from None
+        why = unreachable or (_brief(e.__cause__) if e.__cause__ else "no connection")
+        raise UserError(_not_cached(repo_id, asked, flag, offline, why)) from None
     except HfHubHTTPError as e:
         raise UserError(f"the Hugging Face Hub failed on {flag} {repo_id} ({_brief(e)}); try again later, or pass a "
                         f"local directory.") from None
@@ -224,14 +260,14 @@ def _fetch_again(repo_id: str, asked: str, offline: bool) -> str:
             if offline else f"fetch it again with {fetch}")
 
 
-def _not_cached(repo_id: str, asked: str, flag: str, offline: bool, cause) -> str:
-    """Why a repo is not usable from the cache: the repo is not there at all, or not at this revision."""
+def _not_cached(repo_id: str, asked: str, flag: str, offline: bool, reason: str) -> str:
+    """Why a repo is not usable from the cache: the repo is not there at all, or not at this revision (``reason``:
+    why the Hub could not be asked, where it was not offline)."""
     from huggingface_hub import constants
 
     cache = Path(constants.HF_HUB_CACHE)
     storage = cache / f"models--{repo_id.replace('/', '--')}"
-    why = ("HF_HUB_OFFLINE is set" if offline else
-           f"the Hugging Face Hub could not be reached ({_brief(cause) if cause else 'no connection'})")
+    why = "HF_HUB_OFFLINE is set" if offline else f"the Hugging Face Hub could not be reached ({reason})"
     fix = "unset HF_HUB_OFFLINE to download it" if offline else "check the network"
     commit = _cached_ref(storage / "refs" / asked)
     if commit is not None:  # the ref is cached, its snapshot is not: the download stopped between the two

@@ -72,14 +72,15 @@ def _check_counts(config: dict, where, fix: str) -> None:
 
 def _check_model_args(config: dict, where, fix: str) -> None:
     """mlx-lm's ``ModelArgs.from_dict(config)``, the step of its loader that a missing key fails, before any
-    weight is read; an unknown ``model_type`` is left to the caller."""
+    weight is read; an unknown ``model_type`` is left to the caller. It imports the model's file alone
+    (:func:`mlx_fun.mlx_lm_compat.model_classes`, with mlx-lm's package ``__init__`` deferred:
+    :func:`mlx_fun.runtime.lean_imports.defer_mlx_lm`): no tokenizer code, no transformers."""
     from .. import mlx_lm_compat
+    from ..runtime import lean_imports
 
-    _get_classes = mlx_lm_compat.lookup("mlx_lm.utils", "_get_classes")  # where it is gone, mlx-lm's loader
-    if _get_classes is None:  # says the same later
-        return
+    lean_imports.defer_mlx_lm()
     try:
-        _model, args_class = _get_classes(config)
+        _model, args_class = mlx_lm_compat.model_classes(config)
     except ValueError:
         return
     try:
@@ -130,7 +131,7 @@ def load_model(model_path: str | os.PathLike, lazy: bool = False, *, flag: str |
     remote = {"trust_remote_code": True, "tokenizer_config": {"trust_remote_code": True}} if trust_remote_code else {}
     try:
         if tokenizer:
-            from mlx_lm import load
+            from mlx_lm.utils import load  # mlx_lm.load itself; the package's __init__ would import generate too
 
             model, tok = load(str(model_path), lazy=lazy, **remote)
         else:

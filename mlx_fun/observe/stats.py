@@ -155,10 +155,20 @@ def diff_files(file1, file2, metric: str = "reap") -> dict:
 
 # ---------------------------------------------------------------------------------------------- merge
 def layer_ranks(scores: np.ndarray) -> np.ndarray:
-    """Rank experts within each layer: 1 = highest score, num_experts = lowest; ties get their average rank."""
-    from scipy.stats import rankdata
-
-    return rankdata(-np.asarray(scores, dtype=np.float64), method="average", axis=1).astype(np.float64)
+    """Rank experts within each layer: 1 = highest score, num_experts = lowest; ties get their average rank (what
+    ``scipy.stats.rankdata(-scores, method="average", axis=1)`` gives, NaN rows included, without importing
+    scipy.stats: 1-2 s of a stats-merge that takes 0.1 s)."""
+    values = -np.asarray(scores, dtype=np.float64)
+    ranks = np.full(values.shape, np.nan)
+    for row, out in zip(values, ranks):  # one layer each (rows of the 2-D arrays, views)
+        if np.isnan(row).any():  # scipy's nan_policy="propagate": the whole row is NaN
+            continue
+        order = np.argsort(row, kind="stable")
+        ordered = row[order]
+        first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])  # where each run of equal values starts
+        ends = np.r_[first[1:], ordered.size]
+        out[order] = np.repeat((first + 1 + ends) / 2.0, ends - first)  # positions first+1 .. ends, averaged
+    return ranks
 
 
 def rank_merge(

@@ -24,7 +24,6 @@ This module must not import ``mlx`` at import time (it runs before ``mlx`` may b
 from __future__ import annotations
 
 import os
-import platform
 import sys
 
 DISABLE_ENV = "MLX_FUN_NO_FAST_BLAS"
@@ -61,6 +60,8 @@ def _is_linux() -> bool:
 
 
 def _multiarch() -> str:
+    import platform
+
     machine = platform.machine().lower()
     machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
     return f"{machine}-linux-gnu"

@@ -156,9 +156,8 @@ def build_model(config: dict, seed: int = 0):
 
     from .. import mlx_lm_compat
 
-    _get_classes = mlx_lm_compat.get("tiny models", "mlx_lm.utils", "_get_classes")
     mx.random.seed(seed)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = mlx_lm_compat.model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     _randomize_zero_router_params(model, seed)
     mx.eval(model.parameters())

@@ -53,8 +53,8 @@ def save_with_bundled_tokenizer(model, config: dict, out: Path) -> Path:
     return out
 
 
-#: Python run in a child process (argv: model directory, output .npz): random REAP statistics of the right shape
-#: (no collect run); prints the layers, the experts and the MoE layer indices
+#: Python run in a child process (argv: model directory, output .npz[, seed]): random REAP statistics of the right
+#: shape (no collect run); prints the layers, the experts and the MoE layer indices
 RANDOM_SALIENCY = """
 import sys
 import numpy as np
@@ -63,7 +63,7 @@ from mlx_fun.model.io import load_model
 from mlx_fun.observe.saliency import SaliencyAccumulator
 model, _, config = load_model(sys.argv[1], lazy=True)
 acc = SaliencyAccumulator.for_adapter(get_adapter(model, config))
-rng = np.random.default_rng(0)
+rng = np.random.default_rng(int(sys.argv[3]) if len(sys.argv) > 3 else 0)
 shape = (acc.num_layers, acc.num_experts)
 acc.freq[...] = rng.integers(50, 500, shape)
 acc.reap_count[...] = acc.freq
@@ -77,9 +77,9 @@ print(acc.num_layers, acc.num_experts, acc.moe_layer_indices)
 """
 
 
-def random_saliency(model: Path, out: Path) -> Path:
+def random_saliency(model: Path, out: Path, *, seed: int = 0) -> Path:
     """:data:`RANDOM_SALIENCY` for ``model``, written to ``out`` by a child Python (the run's output on failure)."""
-    proc = subprocess.run([sys.executable, "-c", RANDOM_SALIENCY, str(model), str(out)], env=root_env(),
+    proc = subprocess.run([sys.executable, "-c", RANDOM_SALIENCY, str(model), str(out), str(seed)], env=root_env(),
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
