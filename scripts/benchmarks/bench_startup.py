@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the fixed start of mlx-fun commands: lean imports (today) against eager ones (before), same run.
 
-    python -m scripts.benchmarks.bench_startup [--model DIR] [--build-gpu-model DIR] [--repeats 3]
+    python -m scripts.benchmarks.bench_startup [--model DIR] [--build-gpu-model DIR] [--repeats 3] [--lean-only]
 
 Every timing is the wall time of a fresh ``python -m mlx_fun <command>`` (the console entry: BLAS re-exec, CLI,
 job) as seen from here. ``eager`` runs with ``MLX_FUN_EAGER_IMPORTS=1``: imports as mlx-lm makes them
@@ -103,6 +103,8 @@ def main() -> int:
     add_model(p)
     p.add_argument("--build-gpu-model", default=None, metavar="DIR")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lean-only", action="store_true",
+                   help="skip the eager runs (with PyTorch installed each takes ~20 s): the fixed starts alone")
     args = p.parse_args()
     torch = importlib.util.find_spec("torch") is not None
     model = Path(args.model)
@@ -132,7 +134,7 @@ def main() -> int:
     try:
         for r in range(args.repeats):
             for name, rest in commands.items():
-                for eager in ((False, True) if r % 2 else (True, False)):
+                for eager in (False,) if args.lean_only else ((False, True) if r % 2 else (True, False)):
                     key = f"{name}_{'eager' if eager else 'lean'}_s"
                     shutil.rmtree(out, ignore_errors=True)  # as for cp: a clean destination,
                     out.mkdir()
