@@ -48,3 +48,41 @@ def full_and_lazy(path):
     model, _, config = load_model(path)
     lazy, _, lazy_config = load_model(path, lazy=True)
     return model, get_adapter(model, config), lazy, get_adapter(lazy, lazy_config)
+
+
+#: Python that makes a child process SIGKILL itself once a streamed run's checkpoint is saved at layer (or phase)
+#: ``$KILL_AFTER`` (a save after every layer, however quick; ``$ROOM``, if set: the memory left); a test appends
+#: what the child runs (:data:`CLI_MAIN`, or a job call)
+KILLED_AFTER_SAVE = """
+import json, os, signal, sys
+import mlx_fun.observe.checkpoint as c
+import mlx_fun.runtime.memory as m
+if os.environ.get("ROOM"):
+    m.available_bytes = lambda: int(os.environ["ROOM"])
+real = c.StreamCheckpoint.save
+def save(self, layer, *a, **k):
+    real(self, layer, *a, **k)
+    if layer == int(os.environ.get("KILL_AFTER", "-1")):
+        os.kill(os.getpid(), signal.SIGKILL)
+c.StreamCheckpoint.save = save
+c.StreamCheckpoint.EVERY = 0  # a save after every layer, however quick (the policy: test_checkpoint_policy)
+"""
+CLI_MAIN = 'from mlx_fun.cli import main\nmain(sys.argv[1:], prog_name="mlx-fun")\n'
+
+
+def interrupting_checkpoint(path, job: str, stop_after: int | None = None):
+    """A :class:`mlx_fun.observe.checkpoint.StreamCheckpoint` at ``path`` that saves after every layer and raises
+    ``KeyboardInterrupt`` (Ctrl-C, in-process) once layer ``stop_after`` is saved."""
+    from mlx_fun.observe.checkpoint import StreamCheckpoint
+
+    ck = StreamCheckpoint(path, {"run": 1}, job=job)
+    ck.EVERY, real = 0, ck.save
+
+    def save(layer, *a, **k):
+        real(layer, *a, **k)
+        if layer == stop_after:
+            raise KeyboardInterrupt
+
+    ck.save = save
+    return ck
+

@@ -26,7 +26,7 @@ from mlx_fun.model.layer_files import LayerFiles, per_call
 from mlx_fun.model.layered import release_layer
 from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 
-from .cli_helpers import ROOT, expect_error, full_and_lazy
+from .cli_helpers import KILLED_AFTER_SAVE, ROOT, expect_error, full_and_lazy
 from .cli_helpers import run as cli
 from .conftest import FAMILIES
 
@@ -172,15 +172,7 @@ def test_the_search_streamed_holds_one_layer_at_a_time(searched):
     assert os.listdir(streamed.output.parent) == ["streamed"]
 
 
-KILLED = """
-import json, os, signal, sys
-import mlx_fun.observe.checkpoint as c
-real = c.StreamCheckpoint.save
-def save(self, layer, *a, **k):
-    real(self, layer, *a, **k)
-    if layer == int(os.environ["KILL_AFTER"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-c.StreamCheckpoint.save = save
+KILLED = KILLED_AFTER_SAVE + """
 from mlx_fun import jobs
 from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 groups = dict(estimate=Estimate, projection=Projection, evaluation=Evaluation)

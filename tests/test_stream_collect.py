@@ -14,7 +14,7 @@ from mlx_fun.jobs.common import StreamPlan
 from mlx_fun.observe.collect import collect, collect_streamed
 from mlx_fun.observe.saliency import ARRAY_KEYS
 
-from .cli_helpers import full_and_lazy
+from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE, full_and_lazy
 from .conftest import FAMILIES
 
 SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
@@ -259,22 +259,7 @@ def test_the_cgroup_limit_is_read_where_this_process_sits(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- resume
-CHILD = """
-import os, signal, sys
-import mlx_fun.observe.checkpoint as c
-import mlx_fun.runtime.memory as m
-if os.environ.get("ROOM"):
-    m.available_bytes = lambda: int(os.environ["ROOM"])
-real = c.StreamCheckpoint.save
-def save(self, layer, *a, **k):
-    real(self, layer, *a, **k)
-    if layer == int(os.environ["KILL_AFTER"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-c.StreamCheckpoint.save = save
-c.StreamCheckpoint.EVERY = 0  # a save after every layer, however quick (the policy: test_checkpoint_policy)
-from mlx_fun.cli import main
-main(sys.argv[1:], prog_name="mlx-fun")
-"""
+CHILD = KILLED_AFTER_SAVE + CLI_MAIN
 
 
 def _child(model, out, data=DATA, kill_after=-1, room=""):

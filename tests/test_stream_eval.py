@@ -19,7 +19,7 @@ from mlx_fun.observe.evaluate import evaluate
 from mlx_fun.observe.evaluate_streamed import evaluate_streamed
 from mlx_fun.runtime import memory
 
-from .cli_helpers import ROOT, expect_error, run
+from .cli_helpers import ROOT, expect_error, interrupting_checkpoint, run
 from .conftest import FAMILIES
 
 SAMPLES = {"a": [list(range(5, 21)), list(range(40, 52))], "b": [list(range(60, 76)), [3]]}  # 2 × 16 tokens, ...
@@ -145,8 +145,6 @@ def test_eval_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_path
 def test_a_streamed_eval_interrupted_after_a_layer_resumes_there_with_the_same_numbers(tmp_path, make_model):
     """Both models' drivers of every dataset saved after each layer (``EVERY = 0``); interrupted once layer 1 is
     saved, a second run with the same checkpoint resumes at layer 2 and gives the uninterrupted run's numbers."""
-    from mlx_fun.observe.checkpoint import StreamCheckpoint
-
     model, ref = make_model("qwen3_moe", num_hidden_layers=4), make_model("qwen3_moe", num_hidden_layers=4, bits=4)
 
     def streamed(**kw):
@@ -154,16 +152,7 @@ def test_a_streamed_eval_interrupted_after_a_layer_resumes_there_with_the_same_n
         return evaluate_streamed(m, a, SAMPLES, r, ra, batch_size=2, **kw)
 
     def checkpoint(stop_after=None):
-        ck = StreamCheckpoint(tmp_path / "ck", {"run": 1}, job="eval")
-        ck.EVERY, real = 0, ck.save
-
-        def save(layer, *a, **k):
-            real(layer, *a, **k)
-            if layer == stop_after:
-                raise KeyboardInterrupt
-
-        ck.save = save
-        return ck
+        return interrupting_checkpoint(tmp_path / "ck", "eval", stop_after)
 
     whole = streamed()
     with pytest.raises(KeyboardInterrupt):

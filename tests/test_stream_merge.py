@@ -25,6 +25,7 @@ from mlx_fun.observe.checkpoint import StreamCheckpoint
 from mlx_fun.rewrite.merge import merge_model
 from mlx_fun.runtime import memory
 
+from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE
 from .test_merge import SAMPLES
 
 
@@ -114,19 +115,7 @@ def test_merge_stream_layers_writes_the_in_memory_model(merged):
     assert os.listdir(streamed.parent) == ["stream"]  # the checkpoint is gone once the output is written
 
 
-CHILD = """
-import os, signal, sys
-import mlx_fun.observe.checkpoint as c
-real = c.StreamCheckpoint.save
-def save(self, layer, *a, **k):
-    real(self, layer, *a, **k)
-    if layer == int(os.environ["KILL_AFTER"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-c.StreamCheckpoint.save = save
-c.StreamCheckpoint.EVERY = 0  # a save after every layer, however quick
-from mlx_fun.cli import main
-main(sys.argv[1:], prog_name="mlx-fun")
-"""
+CHILD = KILLED_AFTER_SAVE + CLI_MAIN
 
 
 def test_a_killed_streamed_merge_resumes_at_the_next_layer(tmp_path, merged):

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_fun.errors import UserError, cli_names
 from mlx_fun.observe.differential import report, scan, scan_streamed
 
-from .cli_helpers import full_and_lazy
+from .cli_helpers import full_and_lazy, interrupting_checkpoint
 from .conftest import FAMILIES
 
 HARMFUL = [list(range(5, 21)), list(range(40, 56))]  # 2 samples × 16 tokens per dataset
@@ -151,8 +151,6 @@ def test_a_scan_streams_by_itself_when_the_weights_exceed_the_memory_left(tmp_pa
 def test_a_streamed_scan_interrupted_after_a_layer_resumes_there_with_the_same_sums(tmp_path, make_model):
     """A checkpoint after every layer (``EVERY = 0``); interrupted once layer 1 is saved, a second run with the
     same checkpoint resumes at layer 2 and ends with the uninterrupted run's sums, bit for bit."""
-    from mlx_fun.observe.checkpoint import StreamCheckpoint
-
     path = make_model("qwen3_moe", num_hidden_layers=4)
 
     def lazy():
@@ -161,16 +159,7 @@ def test_a_streamed_scan_interrupted_after_a_layer_resumes_there_with_the_same_s
     whole = scan_streamed(*lazy(), [HARMFUL, BENIGN], batch_size=2)
 
     def checkpoint(stop_after=None):
-        ck = StreamCheckpoint(tmp_path / "ck", {"run": 1}, job="safety-scan")
-        ck.EVERY, real = 0, ck.save
-
-        def save(layer, *a, **k):
-            real(layer, *a, **k)
-            if layer == stop_after:
-                raise KeyboardInterrupt
-
-        ck.save = save
-        return ck
+        return interrupting_checkpoint(tmp_path / "ck", "safety-scan", stop_after)
 
     with pytest.raises(KeyboardInterrupt):
         scan_streamed(*lazy(), [HARMFUL, BENIGN], batch_size=2, checkpoint=checkpoint(stop_after=1))
