@@ -113,6 +113,55 @@ def build(out: Path, args) -> Path:
                            num_key_value_heads=4, head_dim=args.hidden // 8)
 
 
+def shape_args(ap, *, limit: str, experts: int, hidden: int = 1024, width: int = 1024, layers: int = 9) -> None:
+    """The model-shape and limit options of the cgroup benchmarks (bench_stream_merge, bench_stream_abliterate)."""
+    ap.add_argument("--limit", default=limit, help=f"memory cgroup limit of runs 2 and 3 (default {limit})")
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--width", type=int, default=width, help="expert width (moe_intermediate_size)")
+    ap.add_argument("--keep", type=Path, default=None, help="build the model here (kept) instead of a temp dir")
+
+
+def setup(args, name: str) -> tuple[Path, Path, int]:
+    """``(work directory, model, limit in bytes)`` of a cgroup benchmark: root checked, the model built (or the one
+    ``--keep`` holds), its size against the limit printed."""
+    if os.geteuid() != 0:
+        sys.exit(f"{name} needs root for its memory cgroup; run it with sudo.")
+    limit = parse_bytes(args.limit)
+    work = Path(tempfile.mkdtemp(prefix=f"{name.replace('_', '-')}-"))
+    model = args.keep or work / "model"
+    if not (model / "config.json").exists():
+        build(model, args)
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    print(f"weights_bytes={weights} limit_bytes={limit} ratio={weights / limit:.2f}", flush=True)
+    return work, model, limit
+
+
+def limited_runs(go, limit: int):
+    """Runs 1-3 (module docstring) of one command, ``go(name, *flags, cgroup=None)`` → :func:`run`'s tuple: in
+    memory without a limit, in memory in a cgroup of ``limit`` (killed: shown, not assumed), and with no flag in
+    the cgroup (it streams by itself). Prints their figures; returns runs 1 and 3."""
+    first = go("inmem", "--no-stream-layers")
+    assert first[0] == 0, first[3][-3000:]
+    print(f"inmem_seconds={first[1]:.1f} inmem_peak_rss={first[4]}", flush=True)
+    cgroup = MemoryCgroup(limit)
+    try:
+        rc, _s, peak, _out, _rss = go("limited", "--no-stream-layers", cgroup=cgroup)
+        print(f"inmem_limited_returncode={rc} inmem_limited_killed={str(rc < 0 or rc == 137).lower()} "
+              f"inmem_limited_peak={peak}", flush=True)
+        third = go("streamed", cgroup=cgroup)
+    finally:
+        cgroup.remove()
+    rc, seconds, peak, out, rss = third
+    assert rc == 0, out[-3000:]
+    notes = [line for line in out.splitlines() if "streaming the layers" in line]
+    print(f"streamed_seconds={seconds:.1f} streamed_cgroup_peak={peak} streamed_peak_rss={rss} "
+          f"streamed_time_ratio={seconds / first[1]:.2f}")
+    print(f"streamed_auto_note={notes[:1]}", flush=True)
+    return first, third
+
+
 def run(cmd: list[str], cgroup: MemoryCgroup | None):
     """``(returncode, seconds, peak bytes, output, peak RSS bytes)`` of one child (``output``: its stderr and stdout
     together): the peak is the cgroup's inside it (page cache included), else the child's own peak resident set
@@ -274,43 +323,25 @@ def main() -> None:
     for name, value in SHAPES["spill" if args.spill else "stream"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if os.geteuid() != 0:
-        sys.exit("bench_stream needs root for its memory cgroup; run it with sudo.")
-    limit = parse_bytes(args.limit)
-    work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    work, model, limit = setup(args, "bench_stream")
     try:
-        model = args.keep or work / "model"
-        if not (model / "config.json").exists():
-            build(model, args)
-        weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-        print(f"weights_bytes={weights} limit_bytes={limit} ratio={weights / limit:.2f}", flush=True)
         if args.spill:
             return spill(model, work, args, limit)
-        rc, s_mem, p_mem, err, _ = collect(model, work / "inmem.npz", args, "--no-stream-layers")
-        assert rc == 0, err
-        print(f"inmem_seconds={s_mem:.1f} inmem_peak_rss={p_mem}", flush=True)
+        limited_runs(lambda name, *flags, cgroup=None: collect(model, work / f"{name}.npz", args, *flags,
+                                                               cgroup=cgroup), limit)
+        print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
+        rc, e_mem, _p, out, ep_mem = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
+        assert rc == 0, out
         cgroup = MemoryCgroup(limit)
         try:
-            rc, s, p, err, _ = collect(model, work / "limited.npz", args, "--no-stream-layers", cgroup=cgroup)
-            killed = rc in (-9, 137) or rc < 0
-            print(f"inmem_limited_returncode={rc} inmem_limited_killed={str(killed).lower()} "
-                  f"inmem_limited_peak={p}", flush=True)
-            rc, s_st, p_st, err, _ = collect(model, work / "streamed.npz", args, cgroup=cgroup)
-            assert rc == 0, err
-            notes = [line for line in err.splitlines() if "stream" in line.lower()]
-            print(f"streamed_seconds={s_st:.1f} streamed_peak={p_st} streamed_time_ratio={s_st / s_mem:.2f}")
-            print(f"streamed_auto_note={notes[:1]}")
-            print(f"streamed_equal={str(equal(work / 'inmem.npz', work / 'streamed.npz')).lower()}", flush=True)
-            rc, e_mem, ep_mem, err, _ = evaluate(model, work / "eval-inmem.json", args, "--no-stream-layers")
-            assert rc == 0, err
-            rc, e_st, ep_st, err, _ = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
-            assert rc == 0, err
-            print(f"eval_inmem_seconds={e_mem:.1f} eval_inmem_peak_rss={ep_mem} eval_streamed_seconds={e_st:.1f} "
-                  f"eval_streamed_peak={ep_st} eval_time_ratio={e_st / e_mem:.2f}")
-            same = eval_equal(work / "eval-inmem.json", work / "eval-streamed.json")
-            print(f"eval_streamed_equal={str(same).lower()}")
+            rc, e_st, ep_st, out, _rss = evaluate(model, work / "eval-streamed.json", args, cgroup=cgroup)
         finally:
             cgroup.remove()
+        assert rc == 0, out
+        print(f"eval_inmem_seconds={e_mem:.1f} eval_inmem_peak_rss={ep_mem} eval_streamed_seconds={e_st:.1f} "
+              f"eval_streamed_peak={ep_st} eval_time_ratio={e_st / e_mem:.2f}")
+        same = eval_equal(work / "eval-inmem.json", work / "eval-streamed.json")
+        print(f"eval_streamed_equal={str(same).lower()}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
