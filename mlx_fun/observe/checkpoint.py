@@ -5,7 +5,7 @@ streamed merge, :func:`mlx_fun.rewrite.merge.merge_model`; a streamed abliterate
 It lives in ``.<output name>.stream/`` beside the output: not in the writer's reservation, which is removed on
 every failure and on Ctrl-C (:mod:`mlx_fun.core.writer`), and not of the writer's temp naming, which the next
 run's stale sweep removes. It survives SIGKILL, SIGTERM and Ctrl-C alike; the job removes it once the output is
-written. It holds:
+written (:func:`mlx_fun.jobs.common.model_job`'s ``checkpointed``). It holds:
 
 - ``identity.json``: what the run is (the job, model and the hash of its config.json, dataset and the hash of the
   sample token ids, calibration, batching and the job's own options, the output): a run of anything else refuses
@@ -218,9 +218,6 @@ class StreamCheckpoint:
         except (OSError, ValueError) as e:
             raise UserError(f"the checkpoint {self.path} is damaged ({e}); remove {self.path} to start "
                             "afresh.") from None
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def carried(drivers: LayerDriver | Sequence[LayerDriver]) -> dict[str, mx.array | Path]:
