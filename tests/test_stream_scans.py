@@ -95,6 +95,7 @@ def test_safety_scan_stream_layers_writes_the_in_memory_report(tmp_path):
                 flag)
         assert r.exit_code == 0, r.output
         reports.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    assert not (tmp_path / ".stream.json.stream").exists()  # the checkpoint, removed once the report is written
     full, streamed = reports
     assert streamed["datasets"]["harmful"]["path"] == full["datasets"]["harmful"]["path"]
     assert [d["tokens"] for d in streamed["datasets"].values()] == [d["tokens"] for d in full["datasets"].values()]

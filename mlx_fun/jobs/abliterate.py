@@ -157,7 +157,7 @@ def run(
         settings = dataclasses.replace(settings, dequant_cache="0")
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
                    before_load=lambda: _check_distinct(harmful_dataset, benign_dataset), lazy=stream,
-                   adapter_path=adapter_path) as job_:
+                   adapter_path=adapter_path, checkpointed=stream) as job_:
         n_layers = _check_layers(job_.adapter, estimate, projection)
         warnings = []
         how = dict(estimate=estimate, projection=projection, evaluation=evaluation, calibration=calibration,
@@ -178,8 +178,6 @@ def run(
         log(f"Writing {output} ...")
         write_model_dir(job_.res, job_.model, job_.config, source=model,
                         metadata={"abliteration_metadata.json": meta}, donate=stream)
-    if stream:  # written: the checkpoint (and the rewritten layers kept in it) has served
-        abl.phases.checkpoint.remove()
     norms = got["norms"]
     return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
                             {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],

@@ -110,14 +110,9 @@ def run(
 
     with model_job(model, output=output if w.writer else None, suffix=".npz", force=force, settings=settings,
                    log=say, checked=checked, load=pipeline_load if pipeline else None, lazy=plan.layers,
-                   adapter_path=adapter_path) as job_:
+                   adapter_path=adapter_path, checkpointed=plan.layers) as job_:
         result = _collect(job_, model, dataset, output, calibration, settings, w, tuple(split) or None, say, plan,
                           adapter_path)
-        target = job_.res.path if job_.res is not None else None
-    if plan.layers and target is not None:  # written: the checkpoint has served
-        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
-
-        StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return result
 
 

@@ -136,7 +136,7 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
     plan = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="scanning", log=log,
                          tokens=2 * calibration.max_samples * calibration.max_tokens)
     with model_job(model, output=output, kind="file", force=force, settings=settings, log=log, checked=checked,
-                   lazy=plan.layers, adapter_path=adapter_path) as job_:
+                   lazy=plan.layers, adapter_path=adapter_path, checkpointed=plan.layers) as job_:
         names = [name.replace("_dataset", "") for name, _path in (dataset_a, dataset_b)]
         paths = [path for _name, path in (dataset_a, dataset_b)]
         sets = [calibration.load(path, job_.tokenizer, generation_prompt=True) for path in paths]
@@ -158,11 +158,6 @@ def differential_job(kind: str, *, model, dataset_a: tuple[str, object], dataset
         out = report(kind, taps[0], taps[1], job_.adapter, percentile=float(threshold_percentile),
                      datasets=datasets, extra={"model": str(model), **lora.recorded(adapter_path), **(extra or {})})
         job_.res.write_json(out)
-        target = job_.res.path
-    if plan.layers:  # written: the checkpoint has served
-        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
-
-        StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return out
 
 
@@ -355,7 +350,8 @@ def stream_checkpoint(job_: "Loaded", job: str, *, model, dataset, samples: Sequ
     """A streamed ``job``'s checkpoint beside its output (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`),
     named by what the run reads (the model and its config's hash, the dataset and its samples' hash), how it
     batches, the job's own ``options`` (JSON-able values; a file's hash where a run reads one), the LoRA adapter fused
-    into the model (its weights' hash) and the output."""
+    into the model (its weights' hash) and the output; removed once the output is written where the job's
+    :func:`model_job` is ``checkpointed``."""
     import dataclasses
     from pathlib import Path
 
@@ -442,7 +438,7 @@ class Loaded:
 def model_job(model, *, output=None, kind: str = "file", suffix: str | None = None, force: bool = False,
               settings: RunSettings | None = None, log: Log = quiet, checked: tuple[dict, type] | None = None,
               before_load: Callable[[], None] | None = None, lazy: bool = False, tokenizer: bool = True,
-              load: Callable[[], tuple] | None = None, adapter_path=None):
+              load: Callable[[], tuple] | None = None, adapter_path=None, checkpointed: bool = False):
     """The steps every model job takes, in order: check the model (:func:`check_moe`: config, family, tokenizer
     files; without weights; ``checked``: already done) and the LoRA adapter at ``adapter_path``
     (:func:`mlx_fun.model.lora.check`), ``before_load`` (the job's own checks), reserve ``output``
@@ -450,7 +446,9 @@ def model_job(model, *, output=None, kind: str = "file", suffix: str | None = No
     only with ``force``), load the model (the adapter fused into it), install the dispatch (``settings.apply``) and
     work out the token budget. Yields :class:`Loaded`; the output is committed when the block ends without error.
     ``load``: the job's own loader (``(model, tokenizer, config, adapter)``: one rank's layers under
-    ``--pipeline``; it fuses the adapter itself)."""
+    ``--pipeline``; it fuses the adapter itself). ``checkpointed``: a layer-streamed run, whose checkpoint beside
+    the output (:func:`stream_checkpoint`) is removed once the output is committed (it has served; a failed or
+    interrupted run leaves it to resume from)."""
     from ..core import writer
     from ..model import lora
 
@@ -470,3 +468,9 @@ def model_job(model, *, output=None, kind: str = "file", suffix: str | None = No
             loaded.dispatch = settings.apply(mdl, log=log)
             loaded.budget = settings.budget(config, dispatch_mode=loaded.dispatch.mode, top_k=adapter.top_k)
         yield loaded
+    if checkpointed and res is not None:  # committed: the checkpoint has served
+        import shutil
+
+        from ..observe.checkpoint import checkpoint_dir
+
+        shutil.rmtree(checkpoint_dir(res.path), ignore_errors=True)

@@ -107,7 +107,7 @@ def run(
         return (*loaded, None)
 
     with model_job(model, output=output or None, kind="file", force=force, log=log, checked=(model_config, None),
-                   load=load, adapter_path=adapter_path) as job_:
+                   load=load, adapter_path=adapter_path, checkpointed=plan.layers) as job_:
         ref = None
         report = settings.apply(job_.model, log=log)
         if reference is not None:
@@ -117,11 +117,6 @@ def run(
             check_compatible(job_.tokenizer, ref_tokenizer, model_config, ref_config)
         result = _score(job_, ref, paths, calibration, settings, report.mode, model=model, reference=reference,
                         ref_config=ref_config, output=output, log=log, plan=plan, adapter_path=adapter_path)
-        target = None if job_.res is None else job_.res.path
-    if plan.layers and target is not None:  # written: the checkpoint has served
-        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
-
-        StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return result
 
 

@@ -92,15 +92,11 @@ def run(
     stream = plan.layers
     start = time.perf_counter()
     with model_job(model, output=output, kind="dir", force=force, settings=settings, log=log, checked=checked,
-                   lazy=True, adapter_path=adapter_path) as job_:  # dequant_cache is 0 (checked): merging rewrites
+                   lazy=True, adapter_path=adapter_path,
+                   checkpointed=stream) as job_:  # dequant_cache is 0 (checked): merging rewrites
         result = _merge(job_, model=model, saliency=saliency, expert_list=expert_list, dataset=dataset,
                         output=output, selection=selection, ream=ream, calibration=calibration, settings=settings,
                         log=log, start=start, plan=plan, adapter_path=adapter_path)
-        target = job_.res.path
-    if stream:  # written: the checkpoint has served
-        from ..observe.checkpoint import StreamCheckpoint, checkpoint_dir
-
-        StreamCheckpoint(checkpoint_dir(target), {}).remove()
     return result
 
 

@@ -5,7 +5,7 @@ streamed merge, :func:`mlx_fun.rewrite.merge.merge_model`; a streamed abliterate
 It lives in ``.<output name>.stream/`` beside the output: not in the writer's reservation, which is removed on
 every failure and on Ctrl-C (:mod:`mlx_fun.core.writer`), and not of the writer's temp naming, which the next
 run's stale sweep removes. It survives SIGKILL, SIGTERM and Ctrl-C alike; the job removes it once the output is
-written. It holds:
+written (:func:`mlx_fun.jobs.common.model_job`'s ``checkpointed``). It holds:
 
 - ``identity.json``: what the run is (the job, model and the hash of its config.json, dataset and the hash of the
   sample token ids, calibration, batching and the job's own options, the output): a run of anything else refuses
@@ -40,7 +40,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -48,6 +48,9 @@ import numpy as np
 from ..core.paths import link_or_copy
 from ..errors import UserError
 from .saliency import SaliencyAccumulator
+
+if TYPE_CHECKING:
+    from ..model.layered import LayerDriver
 
 
 def samples_hash(samples: Sequence[Sequence[int]]) -> str:
@@ -216,8 +219,44 @@ class StreamCheckpoint:
             raise UserError(f"the checkpoint {self.path} is damaged ({e}); remove {self.path} to start "
                             "afresh.") from None
 
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+
+def carried(drivers: LayerDriver | Sequence[LayerDriver]) -> dict[str, mx.array | Path]:
+    """The hidden states a streamed run's :meth:`StreamCheckpoint.save` keeps: one driver's by batch name (its
+    files when it spills, :meth:`~mlx_fun.model.layered.LayerDriver.hidden_files`, else the arrays); several
+    drivers' (a streamed eval's: every dataset's, per model) as ``d<n>.b<i>``, ``n`` the driver's place in order."""
+    if not isinstance(drivers, Sequence):
+        return drivers.hidden_files() or drivers.hidden_states()
+    return {f"d{n}.{k}": v for n, d in enumerate(drivers) for k, v in carried(d).items()}
+
+
+def resume(checkpoint: StreamCheckpoint | None, drivers: LayerDriver | Sequence[LayerDriver], *, layers: int,
+           log: Callable[[str], None] | None = None) -> tuple[int, Resumed | None]:
+    """Where a layer-streamed run starts, and the checkpoint's state: ``(0, None)`` without a checkpoint holding a
+    layer; else ``(k + 1, resumed)`` after its layer ``k``, every driver's hidden states restored (named as
+    :func:`carried` names them), decoder layers ``0..k`` of every driver's model released unread, and ``log`` told
+    "Resuming at layer k + 1 of ``layers`` from PATH." (or that all ``layers`` are done); the job restores its own
+    payload (statistics, sums, maps) from ``resumed``. A checkpoint of another run is refused (:meth:`~StreamCheckpoint.
+    load`)."""
+    from ..model.layered import release_layer
+
+    resumed = checkpoint.load() if checkpoint is not None else None
+    if resumed is None:
+        return 0, None
+    several = isinstance(drivers, Sequence)
+    released: set[int] = set()  # several drivers of one model share its layers
+    for n, driver in enumerate(drivers if several else [drivers]):
+        prefix = f"d{n}."
+        driver.restore({k.removeprefix(prefix): v for k, v in resumed.states.items() if k.startswith(prefix)}
+                       if several else resumed.states)
+        for layer in driver.layers[: resumed.layer + 1]:
+            if id(layer) not in released:
+                release_layer(layer)
+                released.add(id(layer))
+    start = resumed.layer + 1
+    if log is not None:
+        log(f"Resuming at layer {start} of {layers} from {checkpoint.path}." if start < layers else
+            f"Resuming from {checkpoint.path}: all {layers} layers are done.")
+    return start, resumed
 
 
 def _replace_text(path: Path, text: str) -> None:

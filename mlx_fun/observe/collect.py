@@ -168,25 +168,20 @@ def collect_streamed(
     layers hand on (``adapter.layerwise_blocker()``) is refused in one line naming ``--pipeline``.
     """
     from ..errors import param
-    from ..model.layered import LayerDriver, release_layer
+    from ..model.layered import LayerDriver
+    from .checkpoint import carried, resume
 
     check_streamable(adapter, run="a streamed collect", instead=f"collect it without {param('stream_layers')}, or "
                      f"split its layers across machines with {param('pipeline')} under mlx.launch")
-    say = log or (lambda _line: None)
     with LayerDriver(model, adapter, samples, batch_size=batch_size, pad_id=pad_id, token_budget=token_budget,
                      spill=spill) as driver:
-        acc = SaliencyAccumulator.for_adapter(adapter)
-        acc.total_tokens = driver.n_tokens
         last = adapter.moe_layers()[-1]
-        start = 0
-        resumed = checkpoint.load() if checkpoint is not None else None
+        start, resumed = resume(checkpoint, driver, layers=last + 1, log=log)
         if resumed is not None:
-            driver.restore(resumed.states)
             acc = resumed.acc
-            for i in range(resumed.layer + 1):
-                release_layer(driver.layers[i])
-            start = resumed.layer + 1
-            say(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}.")
+        else:
+            acc = SaliencyAccumulator.for_adapter(adapter)
+            acc.total_tokens = driver.n_tokens
         tap = SaliencyTap(norms=norms)
 
         def after_batch(i, batch, out):  # the layer's routing, evaluated with its output, counted at once
@@ -197,7 +192,7 @@ def collect_streamed(
 
         def on_done(i):
             if checkpoint is not None and i < last and checkpoint.due():
-                checkpoint.save(i, driver.hidden_files() or driver.hidden_states(), acc)
+                checkpoint.save(i, carried(driver), acc)
 
         with moe_hook.hooked(adapter, [tap]):
             driver.run(last=last, start=start, release=True, after_batch=after_batch, on_done=on_done,

@@ -98,6 +98,7 @@ def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequen
     layer when due, and resumed from when it holds a layer (``log`` says where)."""
     from ..errors import param
     from ..model.layered import LayerDriver
+    from .checkpoint import carried, resume
 
     check_streamable(adapter, run=refusal, instead=f"run it without {param('stream_layers')}")
     first, *more = datasets
@@ -113,11 +114,14 @@ def scan_streamed(model, adapter: MoEAdapter, datasets: Sequence[Sequence[Sequen
                      more=more, spill=spill) as driver:
         for group, tap in enumerate(taps):
             tap.acc.total_tokens = driver.group_tokens(group)
-        last, start = adapter.moe_layers()[-1], _resume(driver, taps, checkpoint, log)
+        last = adapter.moe_layers()[-1]
+        start, resumed = resume(checkpoint, driver, layers=last + 1, log=log)
+        if resumed is not None:
+            _restore_sums(taps, resumed.arrays)
 
         def on_done(i):
             if checkpoint is not None and i < last and checkpoint.due():
-                checkpoint.save(i, driver.hidden_files() or driver.hidden_states(), arrays=_sums(taps))
+                checkpoint.save(i, carried(driver), arrays=_sums(taps))
 
         with moe_hook.hooked(adapter, [recorder]):
             driver.run(release=True, start=start, after_batch=after_batch, on_done=on_done, progress=progress,
@@ -136,26 +140,14 @@ def _sums(taps: Sequence[RoutingTap]) -> dict[str, np.ndarray]:
     return out
 
 
-def _resume(driver, taps: Sequence[RoutingTap], checkpoint, log) -> int:
-    """The layer a streamed scan starts at: after the checkpoint's layer (its hidden states and sums restored,
-    the layers it covers released unread), else 0."""
-    from ..model.layered import release_layer
+def _restore_sums(taps: Sequence[RoutingTap], arrays: dict[str, np.ndarray]) -> None:
+    """Every set's routing sums from a checkpoint's arrays (:func:`_sums`' names)."""
     from .saliency import ARRAY_KEYS
 
-    resumed = checkpoint.load() if checkpoint is not None else None
-    if resumed is None:
-        return 0
-    driver.restore(resumed.states)
     for g, tap in enumerate(taps):
         for key in ARRAY_KEYS:
-            setattr(tap.acc, key, resumed.arrays[f"t{g}.{key}"])
-        tap.logit_sum = resumed.arrays[f"t{g}.logit_sum"]
-    for i in range(resumed.layer + 1):
-        release_layer(driver.layers[i])
-    if log is not None:
-        log(f"Resuming at layer {resumed.layer + 1} of {driver.adapter.moe_layers()[-1] + 1} from "
-            f"{checkpoint.path}.")
-    return resumed.layer + 1
+            setattr(tap.acc, key, arrays[f"t{g}.{key}"])
+        tap.logit_sum = arrays[f"t{g}.logit_sum"]
 
 
 def _scaled(x: np.ndarray) -> np.ndarray:

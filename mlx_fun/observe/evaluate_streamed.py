@@ -77,8 +77,8 @@ def evaluate_streamed(
         drivers = {name: [driver(n * len(streams) + j, m, a, [s[:-1] for s in full[name]])
                           for j, (m, a) in enumerate(streams)] for n, name in enumerate(full)}
         if any(d.batches for ds in drivers.values() for d in ds):
-            carried = [(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)]
-            _carry(carried, progress, start=_resume(carried, checkpoint, log), checkpoint=checkpoint)
+            _carry([(a, [ds[j] for ds in drivers.values()]) for j, (_, a) in enumerate(streams)], progress,
+                   checkpoint=checkpoint, log=log)
         for name, samples in samples_by_name.items():
             sums = Sums()
             for batches in zip(*(d.batches for d in drivers[name])):
@@ -97,44 +97,22 @@ def _remove_if_empty(path: Path) -> None:
         path.rmdir()
 
 
-def _states(streams: list[tuple[MoEAdapter, list]]) -> dict:
-    """Every driver's hidden states by name (``d<n>.b<i>``: driver ``n`` in ``streams`` order), for a checkpoint."""
-    drivers = [d for _, ds in streams for d in ds]
-    return {f"d{n}.{k}": v for n, d in enumerate(drivers) for k, v in (d.hidden_files() or d.hidden_states()).items()}
-
-
-def _resume(streams: list[tuple[MoEAdapter, list]], checkpoint, log) -> int:
-    """The layer to start at: after the checkpoint's (every driver's hidden states restored, the layers it covers
-    released unread), else 0."""
+def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool, *, checkpoint=None, log=None) -> None:
+    """Step every driver through its model's decoder layers, the models side by side (layer ``i`` of each, then
+    ``i + 1``), each layer released once all its model's drivers have passed it, the ``checkpoint`` saved after a
+    layer when due (every driver's hidden states, in ``streams`` order: :func:`mlx_fun.observe.checkpoint.carried`)
+    and resumed from (:func:`mlx_fun.observe.checkpoint.resume`: ``log`` says where); the last hidden states stay."""
     from ..model.layered import release_layer
-
-    resumed = checkpoint.load() if checkpoint is not None else None
-    if resumed is None:
-        return 0
-    drivers = [d for _, ds in streams for d in ds]
-    for n, d in enumerate(drivers):
-        d.restore({k.split(".", 1)[1]: v for k, v in resumed.states.items() if k.split(".", 1)[0] == f"d{n}"})
-    for adapter, _ in streams:
-        for layer in adapter.decoder_layers()[: resumed.layer + 1]:
-            release_layer(layer)
-    depth = max(len(a.decoder_layers()) for a, _ in streams)
-    if log is not None:
-        log(f"Resuming at layer {resumed.layer + 1} of {depth} from {checkpoint.path}.")
-    return resumed.layer + 1
-
-
-def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool, *, start: int = 0, checkpoint=None) -> None:
-    """Step every driver through its model's decoder layers from ``start``, the models side by side (layer ``i``
-    of each, then ``i + 1``), each layer released once all its model's drivers have passed it, the ``checkpoint``
-    saved after a layer when due; the last hidden states stay."""
-    from ..model.layered import release_layer
+    from .checkpoint import carried, resume
 
     depth = max(len(a.decoder_layers()) for a, _ in streams)
+    every = [d for _, drivers in streams for d in drivers]
+    start, _ = resume(checkpoint, every, layers=depth, log=log)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        tokens = sum(d.n_tokens for _, ds in streams for d in ds)
+        tokens = sum(d.n_tokens for d in every)
         bar = tqdm(total=depth, initial=start, unit="layer", desc="eval", dynamic_ncols=True,
                    postfix=f"{tokens:,} tokens a layer")
     try:
@@ -146,7 +124,7 @@ def _carry(streams: list[tuple[MoEAdapter, list]], progress: bool, *, start: int
                         d.step(i)
                     release_layer(layers[i])
             if checkpoint is not None and i < depth - 1 and checkpoint.due():
-                checkpoint.save(i, _states(streams))
+                checkpoint.save(i, carried(every))
             if bar is not None:
                 bar.update(1)
     finally:

@@ -12,25 +12,20 @@ def run_streamed(driver: LayerDriver, on_layer, checkpoint, maps: dict[str, dict
     the hidden states through it and releases it, and the checkpoint saves the hidden states with ``maps`` (merge's
     centroid and group maps, filled by ``on_layer``) and the layer times when it is due (``checkpoint.due()``: every
     layer but where layers are quick beside a save). A checkpoint holding layer ``k`` resumes
-    at ``k + 1``: its hidden states restored, ``maps`` and times refilled, layers ``0..k`` released unread."""
+    at ``k + 1`` (:func:`mlx_fun.observe.checkpoint.resume`: its hidden states restored, layers ``0..k`` released
+    unread), ``maps`` and times refilled."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import get_total_parameters
 
-    from ..model.layered import release_layer
+    from ..observe.checkpoint import carried, resume
 
     last = driver.adapter.moe_layers()[-1]
     names = {id(m): name for name, m in driver.model.named_modules()}
-    start = 0
-    if (resumed := checkpoint.load()) is not None:
-        driver.restore(resumed.states)
-        for i in range(resumed.layer + 1):
-            release_layer(driver.layers[i])
+    start, resumed = resume(checkpoint, driver, layers=last + 1, log=log)
+    if resumed is not None:
         for key, values in maps.items():
             values.update(resumed.data[key])
         driver.seconds.update({int(i): s for i, s in resumed.data["layer_seconds"].items()})
-        start = resumed.layer + 1
-        log(f"Resuming at layer {start} of {last + 1} from {checkpoint.path}." if start <= last else
-            f"Resuming from {checkpoint.path}: all {last + 1} layers are merged.")
 
     def visit(i: int) -> None:
         on_layer(i)
@@ -42,8 +37,7 @@ def run_streamed(driver: LayerDriver, on_layer, checkpoint, maps: dict[str, dict
     def done(i: int) -> None:
         seconds = {str(k): v for k, v in sorted(driver.seconds.items())}
         if checkpoint.due():
-            checkpoint.save(i, driver.hidden_files() or driver.hidden_states(),
-                            data={**maps, "layer_seconds": seconds})
+            checkpoint.save(i, carried(driver), data={**maps, "layer_seconds": seconds})
 
     driver.run(visit, last=last, start=start, release=True, on_done=done, progress=progress, desc="merge")
 
