@@ -342,6 +342,22 @@ def test_a_busy_machine_is_told_from_an_idle_one():
     assert Load(1.26, 2, 3.0).describe() == "other processes used 1.3 of its 2 cores"
 
 
+def test_the_busy_check_counts_the_start_up_towards_its_window(monkeypatch):
+    """The load before measuring is read over the window since the command started (a Watch made then); only what
+    is left of the half second is slept (tune-dispatch's start slept all of it: 0.5 s of a 2.2 s start)."""
+    from mlx_fun.runtime import cpu_load
+
+    started = cpu_load.Watch()
+    slept = []
+    real_sleep = cpu_load.time.sleep
+    real_sleep(0.3)
+    monkeypatch.setattr(cpu_load.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    load = cpu_load.sample(0.5, since=started)
+    assert load.seconds >= 0.5 and len(slept) == 1 and slept[0] <= 0.2
+    load = cpu_load.sample(0.2, since=started)  # the window is already longer: no sleep at all
+    assert slept[1] == 0.0 and load.seconds >= 0.5
+
+
 def test_tune_dispatch_on_a_busy_machine_does_not_install_its_table(tmp_path, monkeypatch):
     """Issue 44: a table measured beside other work silently became the default. With two processes spinning, the
     user table stays as it was, the entries go beside it (usable with --dispatch-table) and a warning says why;

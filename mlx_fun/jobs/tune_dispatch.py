@@ -72,7 +72,9 @@ def run(
     ``measure`` (:class:`mlx_fun.dispatch.tune_options.Measurement`): token counts, largest M, block sizes, whether to
     try dequantized plans, the margin a plan must win by and the minimum repeats."""
     from ..dispatch import experts as dsp
+    from ..runtime import cpu_load
 
+    started = cpu_load.Watch()  # the busy check's window opens now: the start-up below counts towards it
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
     ms_list, block_list = measure.token_counts(), measure.block_sizes()
@@ -87,13 +89,14 @@ def run(
     tables = {out_path: (param("output") if output else "the user dispatch table", force or not output)}
     if merge_into:
         tables.setdefault(Path(merge_into), (param("merge_into"), True))
-    return _tune_into(tables, output=output, force=force, log=log, measure=lambda: _measure_all(
+    return _tune_into(tables, output=output, force=force, log=log, started=started, measure=lambda: _measure_all(
         targets, ms_list, block_list, backend, measure, progress, log, on_entry))
 
 
-def _tune_into(tables: dict, *, output, force: bool, log: Log, measure) -> TuneResult:
+def _tune_into(tables: dict, *, output, force: bool, log: Log, measure, started=None) -> TuneResult:
     """Reserve ``tables`` (path → (flag, merge into it)), run ``measure()`` (the entries) while watching the load,
-    and merge the entries into each table; on a busy machine, without ``force``, the user table (the first table
+    and merge the entries into each table (``started``: a :class:`cpu_load.Watch` opened when the command started, so
+    the load before measuring is read over the start-up rather than over a sleep of its own); on a busy machine, without ``force``, the user table (the first table
     without ``output``) is left as it was and the entries go to :func:`busy_table_path`."""
     import contextlib
 
@@ -106,7 +109,7 @@ def _tune_into(tables: dict, *, output, force: bool, log: Log, measure) -> TuneR
         reserved = [(path, stack.enter_context(writer.output(path, kind="file", flag=flag, force=merge)))
                     for path, (flag, merge) in tables.items()]
         old = {path: _read_table(path) for path in tables}  # under the locks: what the new entries merge into
-        before = cpu_load.sample()
+        before = cpu_load.sample(since=started)
         if before.busy:
             log(f"Warning: this machine is busy ({before.describe()}): the timings will be noisy"
                 + ("" if force or default is None else f"; they will not become the default ({param('force')} "

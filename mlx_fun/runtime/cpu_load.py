@@ -118,10 +118,12 @@ def _own_seconds() -> float:
     return t.user + t.system
 
 
-def sample(seconds: float = 0.5) -> Load:
-    """Other processes' work over the next ``seconds`` (this process sleeps meanwhile)."""
-    watch = Watch()
-    time.sleep(seconds)
+def sample(seconds: float = 0.5, *, since: Watch | None = None) -> Load:
+    """Other processes' work over a window of at least ``seconds``: from ``since`` (a watch started when the
+    command started, so its own start-up counts towards the window) or from now; this process sleeps only for what
+    is left of the window."""
+    watch = since or Watch()
+    time.sleep(max(0.0, seconds - (time.monotonic() - watch._wall)))
     return watch.load()
 
 
