@@ -179,7 +179,11 @@ def directories(tmp_path_factory, tokenizer_dir) -> tuple[list[Path], list[Path]
     tj["model"]["vocab"][a], tj["model"]["vocab"][b] = tj["model"]["vocab"][b], tj["model"]["vocab"][a]
     (swapped / "tokenizer.json").write_text(json.dumps(tj))
     fast.append(swapped)
-    FULL[:] = [str(d) for d in (*BUNDLED, root / "qwen3_moe", swapped)]
+    bare = copy("bare", tiny_config("qwen3_moe"))  # no chat template (test_serve_flags)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    fast.append(bare)
+    FULL[:] = [str(d) for d in (*BUNDLED, root / "qwen3_moe", swapped, bare)]
     for name, change in (("gpt2-class", {"tokenizer_class": "GPT2TokenizerFast"}),
                          ("auto-map", {"auto_map": {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}}),
                          ("extra-key", {"legacy": False})):
@@ -217,7 +221,10 @@ def test_the_fast_path_gives_transformers_ids_text_and_prompts(directories, fres
         else:
             want = {**outputs(tokenizer), **refusals(tokenizer)}
             assert want["both"] == want["empty"] == "raised ValueError"
-            assert want["has_chat_template"] and want["chat0-True-False"][1].endswith("<|im_start|>assistant\n")
+            assert want["has_chat_template"] is (d.name != "bare")  # mlx-lm sees no custom renderer
+            assert want["chat0-True-False"][1] == ("raised ValueError" if d.name == "bare" else
+                                                   "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                                   "<|im_start|>assistant\n")
         if got != want:
             unequal[d.name] = [k for k in want if got.get(k) != want[k]]
     assert not unequal

@@ -277,6 +277,8 @@ class FastTokenizer:
         """transformers' ``apply_chat_template`` (``render_jinja_template``) for one conversation of role /
         content messages, rendered to text or ids (``return_dict=False``); anything else is transformers'."""
         template = self.chat_template if chat_template is None else chat_template
+        if template is None:  # transformers' error, without importing it
+            raise ValueError(NO_TEMPLATE)
         options = {key: value for key, value in kwargs.items() if key in _TRANSFORMERS_OPTIONS}
         if (not _plain_chat(conversation) or not _plain(tools) or not _plain(documents) or not _plain(kwargs)
                 or continue_final_message not in (False, True) or (tokenize and return_dict)
@@ -298,6 +300,10 @@ class FastTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
+NO_TEMPLATE = ("Cannot use chat template functions because tokenizer.chat_template is not set and no template "
+               "argument was passed! For information about writing templates and setting the "
+               "tokenizer.chat_template attribute, please see the documentation at "
+               "https://huggingface.co/docs/transformers/main/en/chat_templating")
 #: apply_chat_template's own options (not template variables): any other value than the default is transformers'
 _TRANSFORMERS_OPTIONS = frozenset({"sanitize_control_tokens", "padding", "truncation", "max_length",
                                    "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs"})
