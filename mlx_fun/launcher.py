@@ -1,6 +1,8 @@
 """Console entry point: re-exec once with a fast BLAS preloaded (Linux CPU), keep PyTorch (and, for commands that
 never tokenize, transformers) out of the process and mlx-lm's tokenizer code out of every command's start
-(:mod:`mlx_fun.runtime.lean_imports`), then run the click group, which imports the chosen command's module only.
+(:mod:`mlx_fun.runtime.lean_imports`), load a tokenizer without transformers where the ``tokenizers`` library
+gives transformers' ids and prompts (:mod:`mlx_fun.model.fast_tokenizer`), then run the click group, which
+imports the chosen command's module only.
 
 ``maybe_reexec`` must run before anything imports ``mlx``, and the import set-up before anything imports
 ``mlx_lm``, hence the import of the CLI inside ``main``. Both are process-wide, so they happen here, in the console
@@ -28,8 +30,12 @@ def main():
     lean_imports.block_torch()  # no command uses PyTorch; transformers would import it (15-18 s) where installed
     if command_name(sys.argv[1:]) in TOKENIZER_FREE:
         lean_imports.defer_tokenizers()
-    else:  # mlx-lm's __init__ (its tokenizer code, transformers) waits until the command loads a tokenizer
-        lean_imports.defer_mlx_lm()
+    else:  # mlx-lm's __init__ (its tokenizer code) waits until the command loads a tokenizer, which needs no
+        lean_imports.defer_mlx_lm()  # transformers where the tokenizers library reads it as transformers does
+        from .model import fast_tokenizer
+
+        lean_imports.defer_transformers(fast=fast_tokenizer.load,
+                                        renderer=fast_tokenizer.FastTokenizer.apply_chat_template)
 
     from .cli import main as cli_main
     from .cli.common import sparing_stderr

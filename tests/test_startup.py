@@ -148,12 +148,32 @@ def test_the_written_models_still_load_with_their_tokenizer(stub_torch, qwen_mod
     assert tokenizer.encode("def f(x): return x") == load(str(qwen_model))[1].encode("def f(x): return x")
 
 
-def test_commands_that_tokenize_load_the_tokenizer_without_torch(stub_torch, qwen_model, tmp_path):
-    proc, modules = mlx_fun(stub_torch, "collect", "--model", qwen_model, "--dataset", DATA, "--max-samples", "2",
-                            "--max-tokens", "16", "--output", tmp_path / "s.npz")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert modules["transformers"] and not modules["torch"]
-    assert "PyTorch was not found" not in proc.stderr  # transformers' advisory line is not shown
+def test_commands_that_tokenize_need_no_transformers_for_a_tokenizer_json(stub_torch, tmp_path):
+    """collect, eval and smoke-test on the bundled chat model load its tokenizer without transformers
+    (:mod:`mlx_fun.model.fast_tokenizer`) and write what they write with it (here, in-process): the same saliency,
+    perplexity and greedy text."""
+    import numpy as np
+
+    model = ROOT / "data" / "tiny-moe-chat"
+    sample = ["--dataset", DATA, "--max-samples", "2", "--max-tokens", "16"]
+    prompt = "What is the capital of France?"
+    runs = {"collect": ["--model", model, *sample, "--seed", "1", "--output", tmp_path / "s.npz"],
+            "eval": ["--model", model, *sample, "--output", tmp_path / "e.json"],
+            "smoke-test": ["--model", model, "--prompt", prompt, "--max-tokens", "12", "--verbose", "False"]}
+    out = {}
+    for name, args in runs.items():
+        proc, modules = mlx_fun(stub_torch, name, *args)
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+        assert modules["mlx_lm.tokenizer_utils"] and not modules["transformers"] and not modules["torch"], name
+        assert not modules["huggingface_hub.hf_api"], name  # a local model downloads nothing
+        out[name] = proc.stdout
+    jobs.collect.run(model=model, dataset=DATA, output=tmp_path / "t.npz", max_samples=2, max_tokens=16, seed=1)
+    lean, usual = np.load(tmp_path / "s.npz"), np.load(tmp_path / "t.npz")
+    assert lean.files == usual.files and all(np.array_equal(lean[k], usual[k]) for k in lean.files)
+    ppl = jobs.eval.run(model=model, dataset=[DATA], max_samples=2, max_tokens=16)
+    assert json.loads((tmp_path / "e.json").read_text())["datasets"] == json.loads(json.dumps(ppl.report["datasets"]))
+    text = jobs.smoke_test.run(model=model, prompt=prompt, max_tokens=12).generation.text
+    assert out["smoke-test"].strip() == text.strip() and text.strip()
 
 
 def test_eager_imports_bring_torch_back(stub_torch, qwen_model, tmp_path):

@@ -20,13 +20,18 @@ code and transformers: 2.4 s on a GPU host with PyTorch, even for the config che
   ``isinstance``); ``huggingface_hub.snapshot_download``, which ``mlx_lm.utils`` takes by name, is such a
   placeholder too (huggingface_hub's HTTP stack costs 0.2-0.5 s; a local model needs none of it). A command that
   loads no tokenizer never imports transformers.
+- :func:`defer_transformers`: mlx-lm's real tokenizer and generate modules imported without transformers (2.4-3 s
+  on a GPU host with PyTorch): while they import, ``transformers`` is a stand-in whose
+  ``AutoTokenizer.from_pretrained`` answers a tokenizer without transformers where the caller's loader
+  (:mod:`mlx_fun.model.fast_tokenizer`) accepts the directory, and every other name imports transformers itself
+  and rebinds what mlx-lm took from the stand-in. A command that tokenizes such a model never imports transformers.
 
-The console entry calls :func:`block_torch` and :func:`defer_mlx_lm` for every command and :func:`defer_tokenizers`
-for those that never tokenize (:mod:`mlx_fun.launcher`), before anything imports mlx-lm; the config check calls
-:func:`defer_mlx_lm` (a process that has not imported mlx-lm yet gets the package whole on first use of one of its
-names, as before); importing ``mlx_fun`` as a library changes nothing. ``MLX_FUN_EAGER_IMPORTS=1`` turns all three
-off (imports as mlx-lm makes them: for a tokenizer with remote code that needs PyTorch, and the before/after of
-``scripts/benchmarks/bench_startup.py``).
+The console entry calls :func:`block_torch` and :func:`defer_mlx_lm` for every command, :func:`defer_tokenizers`
+for those that never tokenize and :func:`defer_transformers` for the others (:mod:`mlx_fun.launcher`), before
+anything imports mlx-lm; the config check calls :func:`defer_mlx_lm` (a process that has not imported mlx-lm yet
+gets the package whole on first use of one of its names, as before); importing ``mlx_fun`` as a library changes
+nothing. ``MLX_FUN_EAGER_IMPORTS=1`` turns them all off (imports as mlx-lm makes them: for a tokenizer with remote
+code that needs PyTorch, and the before/after of ``scripts/benchmarks/bench_startup.py``).
 """
 
 from __future__ import annotations
@@ -261,9 +266,125 @@ def defer_tokenizers() -> bool:
     return True
 
 
+_TRANSFORMERS = "transformers"
+_BASE = "transformers.tokenization_utils_base"
+#: mlx-lm's modules that take names from transformers when they are imported (tokenizer_utils: AutoTokenizer,
+#: PreTrainedTokenizerFast, PreTrainedTokenizerBase; generate: PreTrainedTokenizer, for type hints only)
+_TAKERS = ("mlx_lm.tokenizer_utils", "mlx_lm.generate")
+
+
+class _Transformers(types.ModuleType):
+    """transformers as mlx-lm's tokenizer and generate modules see it while they are imported
+    (:func:`defer_transformers`): ``AutoTokenizer.from_pretrained`` answers ``fast(path, kwargs)`` where that is not
+    None and is transformers' own otherwise; any other name is transformers' own (:meth:`real`)."""
+
+    def __init__(self, fast, renderer):
+        super().__init__(_TRANSFORMERS)
+        setattr(self, _STANDIN, True)
+        self._fast, self._real, self._registered, self._subclasses = fast, None, [], []
+        standin = self
+
+        class AutoTokenizer:
+            @staticmethod
+            def from_pretrained(path, *args, **kwargs):
+                tokenizer = None if args or standin._real is not None else standin._fast(path, kwargs)
+                if tokenizer is not None:
+                    return tokenizer
+                return standin.real().AutoTokenizer.from_pretrained(path, *args, **kwargs)
+
+            @staticmethod
+            def register(*args, **kwargs):
+                if standin._real is not None:
+                    return standin._real.AutoTokenizer.register(*args, **kwargs)
+                standin._registered.append((args, kwargs))
+
+        class PreTrainedTokenizerFast:  # a base for mlx-lm's NewlineTokenizer until transformers' own replaces it
+            def __init_subclass__(cls, **kwargs):
+                super().__init_subclass__(**kwargs)
+                standin._subclasses.append(cls)
+
+        base = types.ModuleType(_BASE)
+        #: mlx-lm compares a tokenizer's apply_chat_template with this one's to tell a custom renderer
+        base.PreTrainedTokenizerBase = type("PreTrainedTokenizerBase", (), {"apply_chat_template": renderer})
+        self.tokenization_utils_base = base
+        self.AutoTokenizer, self.PreTrainedTokenizerFast = AutoTokenizer, PreTrainedTokenizerFast
+        self.PreTrainedTokenizer = _placeholder("PreTrainedTokenizer", _TRANSFORMERS,
+                                                lambda: self.real().PreTrainedTokenizer)
+        self._names = {name: getattr(self, name) for name in (
+            "AutoTokenizer", "PreTrainedTokenizerFast", "PreTrainedTokenizer")}
+        self._names["PreTrainedTokenizerBase"] = base.PreTrainedTokenizerBase
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(self.real(), name)
+
+    def real(self):
+        """transformers itself, imported now (PyTorch hidden, :func:`block_torch`): mlx-lm's NewlineTokenizer
+        rebased on its PreTrainedTokenizerFast, the recorded ``register`` calls replayed, and every name mlx-lm's
+        modules took from the stand-in rebound to transformers' own."""
+        if self._real is not None:
+            return self._real
+        for name in (_TRANSFORMERS, _BASE):
+            if sys.modules.get(name) is self or sys.modules.get(name) is self.tokenization_utils_base:
+                del sys.modules[name]
+        real = importlib.import_module(_TRANSFORMERS)
+        own = {"AutoTokenizer": real.AutoTokenizer, "PreTrainedTokenizerFast": real.PreTrainedTokenizerFast,
+               "PreTrainedTokenizer": real.PreTrainedTokenizer,
+               "PreTrainedTokenizerBase": importlib.import_module(_BASE).PreTrainedTokenizerBase}
+        for cls in self._subclasses:
+            cls.__bases__ = tuple(own["PreTrainedTokenizerFast"] if b is self.PreTrainedTokenizerFast else b
+                                  for b in cls.__bases__)
+        for args, kwargs in self._registered:
+            real.AutoTokenizer.register(*args, **kwargs)
+        self._real = real
+        for taker in _TAKERS:
+            module = sys.modules.get(taker)
+            for name, value in list(vars(module).items()) if module is not None else ():
+                if name in self._names and value is self._names[name]:
+                    setattr(module, name, own[name])
+        return real
+
+
+@contextlib.contextmanager
+def _transformers_standing_in(standin: _Transformers):
+    """While one of :data:`_TAKERS` is imported, ``import transformers`` is ``standin`` (unless transformers itself
+    is imported by then); afterwards it is transformers again for everyone else."""
+    if standin._real is not None or sys.modules.get(_TRANSFORMERS) is not None:
+        yield
+        return
+    sys.modules[_TRANSFORMERS], sys.modules[_BASE] = standin, standin.tokenization_utils_base
+    try:
+        yield
+    finally:
+        for name, module in ((_TRANSFORMERS, standin), (_BASE, standin.tokenization_utils_base)):
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+
+
+def defer_transformers(*, fast, renderer) -> bool:
+    """Let mlx-lm's tokenizer and generate modules import without transformers: they take their transformers
+    names from a stand-in whose ``AutoTokenizer.from_pretrained(path, **kwargs)`` answers ``fast(path, kwargs)``
+    (a tokenizer without transformers, :mod:`mlx_fun.model.fast_tokenizer`, or None where transformers must load
+    it) and is transformers' own otherwise; ``renderer`` is the fast tokenizer's ``apply_chat_template`` (mlx-lm
+    compares it with ``PreTrainedTokenizerBase``'s to tell a custom chat renderer). The first name that needs
+    transformers imports it and rebinds every name mlx-lm took from the stand-in. ``mlx_lm.utils`` takes
+    huggingface_hub's ``snapshot_download`` as a placeholder, as under :func:`defer_tokenizers`. Returns whether it
+    was set up (not under :func:`eager`, nor where transformers or those modules are already imported)."""
+    if eager() or sys.modules.get(_TRANSFORMERS) is not None or any(t in sys.modules for t in _TAKERS):
+        return False
+    standin = _Transformers(fast, renderer)
+    for taker in _TAKERS:
+        _install(taker, lambda: _transformers_standing_in(standin))
+    if "mlx_lm.utils" not in sys.modules:  # a local model needs no download: no HTTP stack either
+        _install("mlx_lm.utils", _download_deferred)
+    return True
+
+
 def transformers_imported() -> bool:
     """Whether transformers has been imported in this process."""
     return sys.modules.get("transformers") is not None
 
 
-__all__ = ["EAGER_ENV", "block_torch", "defer_mlx_lm", "defer_tokenizers", "eager", "transformers_imported"]
+__all__ = ["EAGER_ENV", "block_torch", "defer_mlx_lm", "defer_tokenizers", "defer_transformers", "eager",
+           "transformers_imported"]
