@@ -24,7 +24,9 @@ def main():
 
     maybe_reexec()
 
-    from .runtime import lean_imports
+    from .runtime import cpu_load, lean_imports
+
+    cpu_load.started()  # the window tune-dispatch reads the load over before measuring opens here, not in a sleep
     from .cli import TOKENIZER_FREE
 
     lean_imports.block_torch()  # no command uses PyTorch; transformers would import it (15-18 s) where installed

@@ -29,6 +29,13 @@ def expect_error(result, *needles):
         assert needle in lines[0], lines[0]
 
 
+def python_path(*first) -> str:
+    """A child's ``PYTHONPATH``: ``first`` (stub packages), then the repository root, then this process's own
+    ``PYTHONPATH`` (kept: where mlx or mlx-lm is installed by ``PYTHONPATH``, as on the lent GPU machines, a child
+    that lost it could not import them)."""
+    return os.pathsep.join(filter(None, [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def script(name: str, *args, **kwargs) -> subprocess.CompletedProcess:
     """``python -m scripts.NAME ARGS…`` (``name`` such as ``"tools.prepare_dataset"``) in a child process, output
     captured as text; the repository root leads its ``PYTHONPATH``, so the checkout's ``scripts`` and ``mlx_fun``

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from .cli_helpers import python_path
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "data" / "tiny-moe"
 
 
 def _mlx_fun(*args, stderr: str):
     """``python -m mlx_fun ARGS`` with descriptor 2 closed (``closed``) or on /dev/full (``full``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     cmd = [sys.executable, "-m", "mlx_fun", *map(str, args)]
     if stderr == "closed":
         return subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=300,

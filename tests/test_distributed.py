@@ -15,7 +15,7 @@ import pytest
 
 from mlx_fun.observe.distributed import World, gather, my_share
 
-from .cli_helpers import script
+from .cli_helpers import script, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, DATA = ROOT / "data" / "tiny-moe", ROOT / "data" / "calibration_sample.jsonl"
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 # ranks on one host get OPENBLAS_NUM_THREADS = cores / ranks (mlx_fun.runtime.blas.local_ranks); both runs use one
 # thread so that every float32 forward is the same computation
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+ENV = dict(os.environ, PYTHONPATH=python_path(), OPENBLAS_NUM_THREADS="1")
 
 
 def launch(n: int, *cli: str, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from .cli_helpers import python_path
+
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = [ROOT / "data" / "tiny-moe", ROOT / "data" / "tiny-moe-chat"]
 
@@ -121,7 +123,7 @@ lean_imports.defer_mlx_lm()
 assert lean_imports.defer_transformers(fast=fast_tokenizer.load,
                                        renderer=fast_tokenizer.FastTokenizer.apply_chat_template)
 from mlx_lm.tokenizer_utils import load
-from test_fast_tokenizer import outputs, refusals
+from tests.test_fast_tokenizer import outputs, refusals
 fast, dirs, full = json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 result, loaded = {}, {}
 for d in fast + dirs:  # the directories the fast path covers first: transformers is not imported for them
@@ -198,10 +200,10 @@ def directories(tmp_path_factory, tokenizer_dir) -> tuple[list[Path], list[Path]
 @pytest.fixture(scope="module")
 def fresh(directories) -> dict:
     fast, other = directories
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(Path(__file__).parent),
+    proc = subprocess.run([sys.executable, "-c", FRESH, str(Path(__file__).parents[1]),
                            json.dumps(list(map(str, fast))), json.dumps(list(map(str, other))), json.dumps(FULL)],
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT=")]
     return json.loads(line[-1].split("=", 1)[1])

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .cli_helpers import python_path
+
 from mlx_fun import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +56,7 @@ def stub_torch(tmp_path_factory) -> Path:
 
 
 def mlx_fun(stub: Path, *args, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), str(ROOT)]), "MLX_FUN_NO_FAST_BLAS": "1",
+    environ = {**os.environ, "PYTHONPATH": python_path(stub), "MLX_FUN_NO_FAST_BLAS": "1",
                **(env or {})}
     proc = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True,
                           env=environ, timeout=300)
@@ -73,7 +75,7 @@ def saliency(tmp_path_factory, qwen_model) -> Path:
 def test_the_stub_would_catch_an_import_of_torch(stub_torch):
     """The probe itself: with PyTorch allowed, importing it through transformers' check fails loudly."""
     proc = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(stub_torch)})
+                          env={**os.environ, "PYTHONPATH": python_path(stub_torch)})
     assert proc.returncode != 0 and "PyTorch was imported" in proc.stderr
 
 
@@ -129,7 +131,7 @@ print("MODULES=" + json.dumps(imported()))
 print("MODEL_FILE=" + json.dumps("mlx_lm.models.qwen3_moe" in sys.modules))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     assert json.loads(out["MODULES"]) == NONE and json.loads(out["MODEL_FILE"]) is True
@@ -200,7 +202,7 @@ import numpy as np
 print(linear_sum_assignment(np.array([[1.0, 2.0], [2.0, 1.0]]))[1].tolist())
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(stub_torch), str(ROOT)])})
+                          env={**os.environ, "PYTHONPATH": python_path(stub_torch)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[0, 1]"
 
@@ -225,7 +227,7 @@ assert isinstance(tokenizer, TokenizerWrapper) and mlx_lm.utils.TokenizerWrapper
 assert mlx_lm.utils.snapshot_download is huggingface_hub.snapshot_download  # the real one, rebound
 print(tokenizer.encode("def f(x): return x"))
 """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from mlx_lm import load

@@ -26,7 +26,7 @@ from mlx_fun.model.layer_files import LayerFiles, per_call
 from mlx_fun.model.layered import release_layer
 from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
 
-from .cli_helpers import KILLED_AFTER_SAVE, ROOT, expect_error, full_and_lazy
+from .cli_helpers import KILLED_AFTER_SAVE, expect_error, full_and_lazy, python_path
 from .cli_helpers import run as cli
 from .conftest import FAMILIES
 
@@ -192,7 +192,7 @@ def test_a_killed_streamed_abliterate_resumes_after_its_last_phase(searched, tmp
     child = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v if isinstance(v, int) else str(v)
              for k, v in how.items()}
     killed = subprocess.run([sys.executable, "-c", KILLED, json.dumps(dict(child, output=str(out), stream_layers=True))],
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER="2"), capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=python_path(), KILL_AFTER="2"), capture_output=True, text=True,
                             timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     ckpt = out.parent / ".abl.stream"

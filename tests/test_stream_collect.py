@@ -14,7 +14,7 @@ from mlx_fun.jobs.common import StreamPlan
 from mlx_fun.observe.collect import collect, collect_streamed
 from mlx_fun.observe.saliency import ARRAY_KEYS
 
-from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE, full_and_lazy
+from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE, full_and_lazy, python_path
 from .conftest import FAMILIES
 
 SAMPLES = [list(range(5, 21)), list(range(40, 52))]  # 2 samples of 16 and 12 tokens: one padded batch
@@ -263,7 +263,7 @@ CHILD = KILLED_AFTER_SAVE + CLI_MAIN
 
 
 def _child(model, out, data=DATA, kill_after=-1, room=""):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER=str(kill_after), ROOM=str(room))
+    env = dict(os.environ, PYTHONPATH=python_path(), KILL_AFTER=str(kill_after), ROOM=str(room))
     return subprocess.run([sys.executable, "-c", CHILD, "collect", "--model", str(model), "--dataset", str(data),
                            "--output", str(out), "--stream-layers", *ARGS], env=env, capture_output=True, text=True,
                           timeout=300)

@@ -25,7 +25,7 @@ from mlx_fun.observe.checkpoint import StreamCheckpoint
 from mlx_fun.rewrite.merge import merge_model
 from mlx_fun.runtime import memory
 
-from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE
+from .cli_helpers import CLI_MAIN, KILLED_AFTER_SAVE, python_path
 from .test_merge import SAMPLES
 
 
@@ -121,7 +121,7 @@ CHILD = KILLED_AFTER_SAVE + CLI_MAIN
 def test_a_killed_streamed_merge_resumes_at_the_next_layer(tmp_path, merged):
     model, experts, _mem, whole, _output = merged
     out = tmp_path / "out" / "m"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KILL_AFTER="1")
+    env = dict(os.environ, PYTHONPATH=python_path(), KILL_AFTER="1")
     killed = subprocess.run([sys.executable, "-c", CHILD, "merge", "--model", str(model), "--expert-list",
                              str(experts), "--dataset", str(DATA), "--output", str(out), "--stream-layers", *ARGS],
                             env=env, capture_output=True, text=True, timeout=300)

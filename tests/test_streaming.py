@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from .cli_helpers import python_path
+
 from mlx_fun import jobs
 from mlx_fun.errors import UserError
 from mlx_fun.model.io import load_model
@@ -195,7 +197,7 @@ def test_interrupted_streaming_prune_leaves_nothing(tmp_path, make_model, sig):
     src = reshard(make_model("qwen3_moe", bits=4), tmp_path / "src", 48 << 10)
     keep = expert_list(tmp_path / "keep.json", src)
     out = tmp_path / "result" / "pruned"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path())
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "prune", "--model", str(src), "--expert-list", str(keep),
                              "--output", str(out), "--max-shard-size", "40KB"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

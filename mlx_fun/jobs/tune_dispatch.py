@@ -74,7 +74,7 @@ def run(
     from ..dispatch import experts as dsp
     from ..runtime import cpu_load
 
-    started = cpu_load.Watch()  # the busy check's window opens now: the start-up below counts towards it
+    started = cpu_load.started()  # the busy check's window opened when the command started: its start counts
     if bool(model) == bool(shape):
         raise UserError(f"pass either {param('model')} or {param('shape')} (not both).")
     ms_list, block_list = measure.token_counts(), measure.block_sizes()

@@ -118,6 +118,17 @@ def _own_seconds() -> float:
     return t.user + t.system
 
 
+_STARTED: Watch | None = None
+
+
+def started() -> Watch:
+    """The watch opened when this command started (:mod:`mlx_fun.launcher` opens it first thing), else now."""
+    global _STARTED
+    if _STARTED is None:
+        _STARTED = Watch()
+    return _STARTED
+
+
 def sample(seconds: float = 0.5, *, since: Watch | None = None) -> Load:
     """Other processes' work over a window of at least ``seconds``: from ``since`` (a watch started when the
     command started, so its own start-up counts towards the window) or from now; this process sleeps only for what
@@ -127,4 +138,5 @@ def sample(seconds: float = 0.5, *, since: Watch | None = None) -> Load:
     return watch.load()
 
 
-__all__ = ["Load", "Ticks", "Watch", "busy", "machine_ticks", "others", "own_ticks", "sample", "threshold", "ticks"]
+__all__ = ["Load", "Ticks", "Watch", "busy", "machine_ticks", "others", "own_ticks", "sample", "started", "threshold",
+           "ticks"]
