@@ -164,6 +164,20 @@ def _close(wanted: str, got: str) -> bool:
     return g == w if w < 1000 else abs(g - w) <= 0.02 * w
 
 
+#: the ports the docs name (serve's 8080, the dashboard's 7860): the session runs them on free ports instead, the
+#: same in every command, file and shown output, so another program (or a second run of this suite) holding them
+#: cannot fail the docs
+DOC_PORTS = (8080, 7860)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class Session:
     """One user's session over the docs: one directory, servers in the background, what ran and printed."""
@@ -175,6 +189,13 @@ class Session:
     printed: list[str] = field(default_factory=list)  # what each Python block printed
     outputs: dict = field(default_factory=dict)  # command name -> its CompletedProcess (the last one of that name)
     last: str = ""  # stdout + stderr of the last command run
+    ports: dict = field(default_factory=lambda: {p: _free_port() for p in DOC_PORTS})
+
+    def here(self, text: str) -> str:
+        """``text`` with the docs' ports replaced by this session's (``:8080``, ``--port 8080``)."""
+        for doc, port in self.ports.items():
+            text = re.sub(rf"(?<=[: ]){doc}\b", str(port), text)
+        return text
 
     def stop_servers(self):
         while self.servers:
@@ -182,15 +203,16 @@ class Session:
 
     def block(self, block: Block):
         if block.kind.startswith("file:"):  # the text asked the user to save this file, here
-            (self.work / block.kind[5:]).write_text(block.body)
+            (self.work / block.kind[5:]).write_text(self.here(block.body))
         elif block.kind == "output":
             printed = re.split(r"[\r\n]+", self.last)
-            for line in block.body.splitlines():
+            for line in self.here(block.body).splitlines():
                 assert not line.strip() or _shown_line_matches(line, printed), \
                     f"{block.page}: shown output line {line!r} is not what {self.ran[-1]!r} printed:\n{self.last[-3000:]}"
         elif block.kind == "python":  # as a user runs it: `python` in the same directory, servers stopped
             self.stop_servers()
-            proc = _run(f"python <<{block.page} block>>", [sys.executable, "-"], self.work, self.env, stdin=block.body)
+            proc = _run(f"python <<{block.page} block>>", [sys.executable, "-"], self.work, self.env,
+                        stdin=self.here(block.body))
             self.printed.append(proc.stdout)
             self.ran.append(f"python block {len(self.printed)}")
             self.last = proc.stdout + "\n" + proc.stderr
@@ -199,6 +221,7 @@ class Session:
                 self.command(cmd)
 
     def command(self, cmd: str):
+        cmd = self.here(cmd)
         if any(cmd.startswith(prefix) for prefix in NOT_RUN):
             self.skipped.append(cmd)
             return
