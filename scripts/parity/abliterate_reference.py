@@ -48,7 +48,7 @@ def main() -> int:
     from safetensors.torch import save_file
     import transformers
 
-    settings = Settings(model=model_dir, dtypes=["float32"], device_map="cpu",
+    settings = Settings(model=model_dir, dtypes=["float32"], device_map="cpu", seed=0,
                         row_normalization=args.row_normalization)
     model = Model(settings)
     before = {k.replace(".base_layer", ""): v.detach().clone()
