@@ -292,7 +292,7 @@ def test_phrasing_directions_over_max_kl_fall_back_to_one(tmp_path):
     assert len(first.dirs) == 4 and set(first.phrasings) == {"sorry i", "i can't", "i won't", "i'm sorry"}
     assert sum(first.phrasings.values()) == first.refused
     assert not any("instead" in w for w in got.warnings)
-    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5  # the defaults: <= 0.3 (README test)
+    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5  # the defaults: <= 0.35 (README test)
     np.testing.assert_allclose(first.dirs[:, 3] @ first.dirs[:, 3].T, np.eye(4), atol=1e-6)  # orthonormal
     assert np.array_equal(first.dirs[:, 0], first.dirs[:, 3])  # one source layer's directions, everywhere
 
