@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--max-samples", type=int, default=256)
     ap.add_argument("--benign-test", type=int, default=300, help="held-out benign prompts used")
     ap.add_argument("--seeds", type=int, default=3, help="random-expert controls per mode and scheme")
+    ap.add_argument("--only-boost", action="store_true",
+                    help="only the original, `safe` and its random-boost controls, printed (no report written)")
     add_report(ap, "safety.md")
     args = ap.parse_args()
 
@@ -93,12 +95,13 @@ def main() -> int:
     boosted = for_adapter(adapter, safety_map=report_path, safety_mode="safe").activate  # what `safe` boosts
     rows = [measure("original")]
     for scheme in ("additive", "rank"):
-        rows.append(measure("unsafe: safety-critical masked", safety_map=report_path, safety_mode="unsafe",
-                            scheme=scheme))
-        for seed in range(args.seeds):
-            rows.append(measure(f"control: random masked (seed {seed})", deactivate=like(critical, seed),
+        if not args.only_boost:
+            rows.append(measure("unsafe: safety-critical masked", safety_map=report_path, safety_mode="unsafe",
                                 scheme=scheme))
-        rows.append(measure("HCDG masked", deactivate=rep["hcdg"], scheme=scheme))
+            for seed in range(args.seeds):
+                rows.append(measure(f"control: random masked (seed {seed})", deactivate=like(critical, seed),
+                                    scheme=scheme))
+            rows.append(measure("HCDG masked", deactivate=rep["hcdg"], scheme=scheme))
         rows.append(measure("safe: HRCG boosted (≤ top_k per layer)", safety_map=report_path, safety_mode="safe",
                             scheme=scheme))
         for seed in range(args.seeds):
@@ -107,6 +110,8 @@ def main() -> int:
         for line in verdicts(rows, scheme):
             print(line, flush=True)
     tmp.cleanup()
+    if args.only_boost:
+        return 0
     write_text(args.output, _markdown(rows, rep, harmful, benign, (hw_harmful, hw_benign), args),
                force=True)  # a report page this script regenerates
     print(f"wrote {args.output}")
@@ -123,6 +128,8 @@ def verdicts(rows, scheme: str) -> list[str]:
     out = []
     for mode, control, lower in (("unsafe", "control: random masked", True),
                                  ("safe", "control: random boosted", False)):
+        if not pick(mode):  # (--only-boost: no `unsafe` rows)
+            continue
         effect, ctrl = pick(mode)[0], pick(control)
         for col, what in ((3, "harmful refusal"), (6, "hw harmful refusal")):
             lo, hi = min(r[col] for r in ctrl), max(r[col] for r in ctrl)
