@@ -64,7 +64,7 @@ class AbliterateResult:
     rounds: list[Round] = field(default_factory=list)
     streamed: bool = False  # run one decoder layer at a time (--stream-layers)
     peak_bytes: int = 0  # this process's peak resident memory at the end
-    kl_set: str = ""  # the prompts after.held_out_kl (what max_kl bounds) is measured on, e.g. "32 held-out benign prompts"
+    kl_set: str = ""  # where after.held_out_kl (what max_kl bounds) is measured: "32 held-out benign prompts"
 
 
 #: ``--stream-layers`` of abliterate: its layers are read once per pass over the model, not once
@@ -284,7 +284,7 @@ def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, e
     after = after or job.measure(chosen, float(weight), len(done), source)
     if after.held_out_kl > max_kl:
         warnings.append(f"the written model's first-token KL on the {job.kl_set} is {after.held_out_kl:.3f}, over "
-                        f"{param('max_kl')} {max_kl:g} (no fewer directions were left to remove); pass "
+                        f"{param('max_kl')} {max_kl:g} (the bound undoes later rounds and extra phrasings only); pass "
                         f"{param('weight')} below {weight:g} or fewer {param('layers')} to stay under it.")
     return dict(norms=norms, layers=chosen, weight=weight, source=source, before=before, after=after, done=done,
                 modified=modified, trials=trials)

@@ -8,9 +8,9 @@ refusal **phrasing** (:func:`mlx_fun.observe.refusal.phrasing`; up to ``phrasing
 measures them again on the model abliterated so far and removes them too; a round that takes the first-token KL
 on the held-out benign prompts (drawn beside the capture ones, never fitted on: ``kl_holdout``) over ``max_kl`` is
 undone (a first round of several phrasings' directions that does falls back to one direction from all refused
-prompts), and the search keeps the fewest refusals under ``max_kl`` on the same prompts. Every round starts from the original weights, so a quantized
-model is rounded once. Every forward (captures, first-token log-probs) runs through :mod:`mlx_fun.model.engine` within
-the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
+prompts), and the search keeps the fewest refusals under ``max_kl`` on the same prompts. Every round starts from
+the original weights, so a quantized model is rounded once. Every forward (captures, first-token log-probs) runs
+through :mod:`mlx_fun.model.engine` within the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
 log-probs, so measuring a model's refusals and its KL is one generation.
 """
 
