@@ -267,7 +267,7 @@ def test_search_keeps_the_fewest_refusals_under_max_kl(make_model, tmp_path):
                               output=out, evaluation=Evaluation(search=3, max_kl=10.0, eval_samples=2, reply_tokens=2),
                               max_samples=4, seed=0, estimate=Estimate(refusal_filter=False))
     assert len(got.trials) == 3 and len({(tuple(t.layers), t.weight, t.direction_layer) for t in got.trials}) == 3
-    best = min(got.trials, key=lambda t: (t.harmful_refusal, t.benign_kl))
+    best = min(got.trials, key=lambda t: (t.harmful_refusal, t.held_out_kl))  # the bound's own KL (issue 45)
     assert (got.layers, got.weight, got.direction_layer) == (best.layers, best.weight, best.direction_layer)
     assert got.after == best
     meta = json.loads((out / "abliteration_metadata.json").read_text())
@@ -292,7 +292,7 @@ def test_phrasing_directions_over_max_kl_fall_back_to_one(tmp_path):
     assert len(first.dirs) == 4 and set(first.phrasings) == {"sorry i", "i can't", "i won't", "i'm sorry"}
     assert sum(first.phrasings.values()) == first.refused
     assert not any("instead" in w for w in got.warnings)
-    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5  # the defaults: <= 0.3 (README test)
+    assert got.after.harmful_refusal <= 0.1 and got.after.benign_kl > 0.5  # the defaults: <= 0.35 (README test)
     np.testing.assert_allclose(first.dirs[:, 3] @ first.dirs[:, 3].T, np.eye(4), atol=1e-6)  # orthonormal
     assert np.array_equal(first.dirs[:, 0], first.dirs[:, 3])  # one source layer's directions, everywhere
 
@@ -329,13 +329,36 @@ def test_rounds_round_a_quantized_model_once_from_its_original_weights(chat_4bit
 
 
 def test_a_round_over_max_kl_is_undone(chat_4bit, tmp_path):
+    """--max-kl is checked on benign prompts the directions were not fitted on (issue 45: on its own capture prompts
+    the KL read 0.29 where held-out ones read 1.32): 16 + 32 drawn, 32 held out, and the result says so."""
     q4, common = chat_4bit
     got = jobs.abliterate.run(model=q4, output=tmp_path / "abl", estimate=Estimate(rounds=3),
                               evaluation=Evaluation(eval_samples=8, reply_tokens=8, max_kl=1e-4), **common)
-    assert len(got.rounds) == 1
-    assert any("round 2 took the capture benign prompts' KL to" in w and "undone" in w for w in got.warnings)
+    assert len(got.rounds) == 1 and got.rounds[0].benign == 16
+    assert any("round 2 took the first-token KL on the 32 held-out benign prompts to" in w and "undone" in w
+               for w in got.warnings)
+    assert any(w.startswith("the written model's first-token KL on the 32 held-out benign prompts is ")
+               for w in got.warnings)  # one direction left, still over the (tiny) bound: said, not hidden
     meta = json.loads((tmp_path / "abl" / "abliteration_metadata.json").read_text())
     assert len(meta["rounds"]) == 1
+    bound = meta["evaluation"]["kl_bound"]
+    assert bound == {"max_kl": 1e-4, "held_out_kl": meta["evaluation"]["after"]["held_out_kl"], "prompts": 32,
+                     "held_out": True, "on": "first-token KL on the 32 held-out benign prompts"}
+    assert bound["held_out_kl"] > 1e-4 and got.kl_set == "32 held-out benign prompts"
+
+
+def test_the_benign_prompts_held_out_of_the_directions():
+    """split_benign: --kl-holdout of the prompts drawn, never more than half when fewer came, never leaving more than
+    --max-samples to fit on; both sides in the dataset's order; 0 holds none out."""
+    from mlx_fun.rewrite.abliterate_options import split_benign
+
+    fit, held = split_benign(list(range(48)), fit=16, holdout=32, seed=0)
+    assert (len(fit), len(held)) == (16, 32) and sorted(fit + held) == list(range(48)) and fit == sorted(fit)
+    assert split_benign(list(range(48)), fit=16, holdout=32, seed=0) == (fit, held)  # seeded
+    assert [len(x) for x in split_benign(list(range(10)), fit=16, holdout=32, seed=0)] == [5, 5]  # a small dataset
+    assert [len(x) for x in split_benign(list(range(40)), fit=32, holdout=8, seed=1)] == [32, 8]
+    assert split_benign(list(range(16)), fit=16, holdout=0, seed=0) == (list(range(16)), [])
+    assert split_benign([7], fit=16, holdout=32, seed=0) == ([7], [])
 
 
 def test_phrasing_names_how_a_reply_opens():

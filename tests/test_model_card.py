@@ -106,6 +106,9 @@ def test_abliterate_card(carded, tmp_path):
     before, after = meta["evaluation"]["before"], meta["evaluation"]["after"]
     assert f"| harmful refusal | {before['harmful_refusal']:.1%} → {after['harmful_refusal']:.1%} |" in text
     assert f"| benign first-token KL vs. the source | {after['benign_kl']:.4f} |" in text
+    # 4 benign prompts in the file: 2 fitted on, 2 held out for --max-kl's KL (issue 45)
+    assert (f"| KL bound (--max-kl) | {after['held_out_kl']:.4f} (first-token KL on the 2 held-out benign prompts; "
+            "bound 0.5) |") in text
     n = len(meta["abliterated_layers"])
     assert f"| abliterated layers | 0-{n - 1} |" in text and "| weight | 0.5 |" in text
     assert f"| rounds | {len(meta['rounds'])} |" in text

@@ -38,9 +38,10 @@ def command(**kwargs):
 def show(result) -> None:
     if result.trials:
         rows = [[",".join(map(str, t.layers)), f"{t.weight:g}", _source(t.direction_layer), str(t.rounds),
-                 f"{t.harmful_refusal:.1%}", f"{t.benign_refusal:.1%}", f"{t.benign_kl:.4f}"] for t in result.trials]
+                 f"{t.harmful_refusal:.1%}", f"{t.benign_refusal:.1%}", f"{t.benign_kl:.4f}",
+                 f"{t.held_out_kl:.4f}"] for t in result.trials]
         click.echo(text_table(["layers", "weight", "direction", "rounds", "harmful refusal", "benign refusal",
-                               "benign KL"], rows))
+                               "benign KL", "held-out KL"], rows))
     for n, r in enumerate(result.rounds, 1):
         said = ", ".join(f"'{k}' ({v})" for k, v in r.phrasings.items())
         click.echo(f"round {n}: {len(r.dirs)} direction(s) ({said}), norm {r.norm:.3f}, from the {r.refused} of "
@@ -54,6 +55,7 @@ def show(result) -> None:
                f"direction {_source(result.direction_layer)}, {len(result.rounds)} round(s); "
                f"harmful refusal {b.harmful_refusal:.1%} -> {a.harmful_refusal:.1%}, benign refusal "
                f"{b.benign_refusal:.1%} -> {a.benign_refusal:.1%}, benign first-token KL {a.benign_kl:.4f}; "
+               f"KL {a.held_out_kl:.4f} on {result.kl_set} (--max-kl bounds it); "
                f"abliteration_metadata.json beside the weights; peak memory {format_bytes(result.peak_bytes)}"
                f"{streamed})")
 

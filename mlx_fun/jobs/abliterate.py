@@ -38,7 +38,7 @@ from ..core.options import Opt
 from ..datasets.calibration import Calibration
 from ..errors import UserError, param
 from ..model.lora import ADAPTER_PATH
-from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection
+from ..rewrite.abliterate_options import DIRECTIONS, Estimate, Evaluation, Projection, split_benign
 from ..rewrite.abliterate_rounds import Abliteration, Prompts, Round, Trial, candidates
 from ..settings import RunSettings
 from .common import FORCE_DIR, MODEL, Log, check_moe, job, model_job, quiet, stream_choice, stream_layers_opt
@@ -64,6 +64,7 @@ class AbliterateResult:
     rounds: list[Round] = field(default_factory=list)
     streamed: bool = False  # run one decoder layer at a time (--stream-layers)
     peak_bytes: int = 0  # this process's peak resident memory at the end
+    kl_set: str = ""  # where after.held_out_kl (what max_kl bounds) is measured: "32 held-out benign prompts"
 
 
 #: ``--stream-layers`` of abliterate: its layers are read once per pass over the model, not once
@@ -96,14 +97,18 @@ def _prompts(path, tokenizer, what: str, calibration: Calibration) -> list[list[
 
 def _load_prompts(tokenizer, harmful_dataset, benign_dataset, evaluation: Evaluation,
                   calibration: Calibration) -> Prompts:
-    """The capture prompts (``calibration.max_samples`` each) and the evaluation prompts (``eval_samples`` each, from
-    the held-out sets or else the capture datasets), every one read with its generation prompt."""
+    """The capture prompts (``calibration.max_samples`` each; the benign ones drawn with ``kl_holdout`` more, which
+    are kept out of the directions for the KL bound, :func:`~mlx_fun.rewrite.abliterate_options.split_benign`) and
+    the evaluation prompts (``eval_samples`` each, from the held-out sets or else the capture datasets), every one
+    read with its generation prompt."""
     held = dataclasses.replace(calibration, max_samples=evaluation.eval_samples)
+    drawn = dataclasses.replace(calibration, max_samples=calibration.max_samples + evaluation.kl_holdout)
+    benign, kl_b = split_benign(_prompts(benign_dataset, tokenizer, "benign_dataset", drawn),
+                                fit=calibration.max_samples, holdout=evaluation.kl_holdout, seed=calibration.seed)
     return Prompts(
-        _prompts(harmful_dataset, tokenizer, "harmful_dataset", calibration),
-        _prompts(benign_dataset, tokenizer, "benign_dataset", calibration),
+        _prompts(harmful_dataset, tokenizer, "harmful_dataset", calibration), benign,
         _prompts(evaluation.eval_harmful_dataset or harmful_dataset, tokenizer, "eval_harmful_dataset", held),
-        _prompts(evaluation.eval_benign_dataset or benign_dataset, tokenizer, "eval_benign_dataset", held))
+        _prompts(evaluation.eval_benign_dataset or benign_dataset, tokenizer, "eval_benign_dataset", held), kl_b)
 
 
 @job
@@ -182,7 +187,7 @@ def run(
     return AbliterateResult(Path(output), got["layers"], float(got["weight"]), got["before"], got["after"],
                             {str(i): float(norms[i]) for i in range(n_layers)}, got["done"][0].dirs[0],
                             {str(k): v for k, v in got["modified"].items()}, got["trials"], warnings,
-                            estimate.direction, got["source"], got["done"], stream, peak_rss_bytes())
+                            estimate.direction, got["source"], got["done"], stream, peak_rss_bytes(), abl.kl_set)
 
 
 def _streamed(job_, model, harmful_dataset, benign_dataset, prompts: Prompts, how: dict):
@@ -204,7 +209,7 @@ def _streamed(job_, model, harmful_dataset, benign_dataset, prompts: Prompts, ho
         job_, "abliterate", model=model, dataset=harmful_dataset, samples=prompts.harmful,
         calibration=how["calibration"], benign_dataset=str(Path(benign_dataset).resolve()),
         prompts_sha256={name: samples_hash(getattr(prompts, name)) for name in ("harmful", "benign", "eval_h",
-                                                                                "eval_b")},
+                                                                                "eval_b", "kl_b")},
         **{name: _identity(how[name]) for name in ("estimate", "projection", "evaluation")})
     files = LayerFiles(job_.model, job_.adapter, model, scratch=checkpoint.path / SCRATCH)
     target = how["projection"].target
@@ -259,9 +264,9 @@ def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, e
     if evaluation.search:
         trials, kept = job.search(first, candidates(chosen, norms, float(weight), source, evaluation.search),
                                   estimate.rounds, progress)
-        ok = [i for i, t in enumerate(trials) if t.benign_kl <= max_kl]
+        ok = [i for i, t in enumerate(trials) if t.held_out_kl <= max_kl]
         if ok:
-            i = min(ok, key=lambda i: (trials[i].harmful_refusal, trials[i].benign_kl))
+            i = min(ok, key=lambda i: (trials[i].harmful_refusal, trials[i].held_out_kl))
             after, done = trials[i], kept[i]
             chosen, weight, source = after.layers, after.weight, after.direction_layer
         else:
@@ -275,6 +280,10 @@ def _abliterate(job: Abliteration, estimate: Estimate, projection: Projection, e
     if not modified:
         warnings.append("nothing matched the target in the chosen layers; the model is written unchanged.")
     after = after or job.measure(chosen, float(weight), len(done), source)
+    if after.held_out_kl > max_kl:
+        warnings.append(f"the written model's first-token KL on the {job.kl_set} is {after.held_out_kl:.3f}, over "
+                        f"{param('max_kl')} {max_kl:g} (the bound undoes later rounds and extra phrasings only); pass "
+                        f"{param('weight')} below {weight:g} or fewer {param('layers')} to stay under it.")
     return dict(norms=norms, layers=chosen, weight=weight, source=source, before=before, after=after, done=done,
                 modified=modified, trials=trials)
 
@@ -293,5 +302,8 @@ def _metadata(got: dict, job: Abliteration, estimate: Estimate, projection: Proj
             "safety_map": None if projection.safety_map is None else str(projection.safety_map),
             "evaluation": {"harmful_prompts": len(job.eval_h), "benign_prompts": len(job.eval_b),
                            "reply_tokens": evaluation.reply_tokens, "before": got["before"].row(),
-                           "after": got["after"].row(), "held_out": evaluation.held_out},
+                           "after": got["after"].row(), "held_out": evaluation.held_out,
+                           "kl_bound": {"max_kl": evaluation.max_kl, "held_out_kl": round(got["after"].held_out_kl, 4),
+                                        "prompts": len(job.kl_b), "held_out": job.kl_b is not job.benign,
+                                        "on": f"first-token KL on the {job.kl_set}"}},
             "search": {"trials": [t.row() for t in trials], "max_kl": evaluation.max_kl} if trials else None}

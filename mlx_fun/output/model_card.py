@@ -122,7 +122,12 @@ def _abliterate(m: dict) -> list[tuple[str, object]]:
             ("harmful refusal", _arrow(_pct(before.get("harmful_refusal")), _pct(after.get("harmful_refusal")))),
             ("benign refusal", _arrow(_pct(before.get("benign_refusal")), _pct(after.get("benign_refusal")))),
             ("benign first-token KL vs. the source", None if kl is None else f"{kl:.4f}"),
-            ("measured on", where)]
+            ("measured on", where), ("KL bound (--max-kl)", _bound(ev.get("kl_bound")))]
+
+
+def _bound(b: dict | None) -> str | None:
+    """The KL ``--max-kl`` bounds, on the prompts it was measured on (held out of the directions, or not)."""
+    return None if not b else f"{b['held_out_kl']:.4f} ({b['on']}; bound {b['max_kl']:g})"
 
 
 def _amplify(m: dict) -> list[tuple[str, object]]:

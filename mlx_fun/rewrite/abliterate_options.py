@@ -98,7 +98,9 @@ class Evaluation(Group):
     """How the result is measured and searched: the refusal rate and benign first-token KL on
     ``eval_harmful_dataset`` / ``eval_benign_dataset`` (held out; default: the capture datasets), ``eval_samples``
     prompts each, greedy replies of ``reply_tokens`` tokens; ``search``: settings of (layers, weight, direction
-    layer) tried, the fewest refusals under ``max_kl`` kept (also the KL a later round may reach)."""
+    layer) tried, the fewest refusals under ``max_kl`` kept (also the KL a later round may reach); ``kl_holdout``:
+    benign prompts of the capture dataset the directions are not fitted on, where ``max_kl`` is checked
+    (:func:`split_benign`)."""
 
     eval_harmful_dataset: str | Path | None = option(
         None, "Held-out harmful prompts for the refusal rate (default: --harmful-dataset).", missing=_DATASET)
@@ -112,12 +114,30 @@ class Evaluation(Group):
         0, "Try this many (layers, weight, direction layer) settings, each measured after every round, and keep the "
         "fewest refusals under --max-kl.", type=click.IntRange(min=0))
     max_kl: float = option(
-        0.5, "Largest benign first-token KL (nats) --search accepts and a later round may reach; a first round of "
-        "several phrasings' directions over it falls back to one direction.", type=FiniteFloat(0.0, min_open=True))
+        0.5, "Largest first-token KL (nats) on the held-out benign prompts (--kl-holdout) that --search accepts and a "
+        "later round may reach; a first round of several phrasings' directions over it falls back to one direction.",
+        type=FiniteFloat(0.0, min_open=True))
+    kl_holdout: int = option(
+        32, "Benign prompts drawn beside the capture ones and kept out of the directions: --max-kl is checked, and "
+        "the written model's KL reported, on them (at most half the prompts drawn; 0: on the capture prompts the "
+        "directions were fitted on).", type=click.IntRange(min=0))
 
     @property
     def held_out(self) -> bool:
         return self.eval_harmful_dataset is not None and self.eval_benign_dataset is not None
+
+
+def split_benign(samples: list, *, fit: int, holdout: int, seed: int | None) -> tuple[list, list]:
+    """The benign prompts drawn (up to ``fit`` + ``holdout``: ``--max-samples`` + ``--kl-holdout``) split into those
+    the directions are fitted on (at most ``fit``) and those held out for the KL bound: ``holdout``, or half of
+    them when fewer were drawn (never leaving more than ``fit`` to fit on), chosen by ``random.Random(seed)``, each
+    side kept in the dataset's order. Returns ``(fit, held_out)``; ``held_out`` is empty for ``holdout=0`` or a
+    single prompt."""
+    import random
+
+    n = max(min(holdout, len(samples) // 2), len(samples) - fit)
+    held = set(random.Random(seed).sample(range(len(samples)), n))
+    return ([s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held])
 
 
 def switched_off(name: str) -> str:
@@ -128,4 +148,5 @@ def switched_off(name: str) -> str:
     return f"{on}False" if on.endswith("=") else "--no-" + on.removeprefix("--")
 
 
-__all__ = ["DIRECTIONS", "POSITIONS", "TARGETS", "Estimate", "Evaluation", "Projection", "switched_off"]
+__all__ = ["DIRECTIONS", "POSITIONS", "TARGETS", "Estimate", "Evaluation", "Projection", "split_benign",
+           "switched_off"]

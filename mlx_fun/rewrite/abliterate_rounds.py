@@ -5,11 +5,12 @@ rounds, refusal-phrasing grouping, measuring and the settings search, beside the
 Capture (:mod:`mlx_fun.observe.residual`) over the harmful prompts the model refuses and the benign ones it answers
 (Arditi et al.'s filter, :func:`mlx_fun.observe.refusal.is_refusal`) → per-layer directions; a round takes one direction per
 refusal **phrasing** (:func:`mlx_fun.observe.refusal.phrasing`; up to ``phrasings``, orthonormal), each further round
-measures them again on the model abliterated so far and removes them too; a round that takes the capture benign
-prompts' first-token KL over ``max_kl`` is undone (a first round of several phrasings' directions that does falls
-back to one direction from all refused prompts). Every round starts from the original weights, so a quantized
-model is rounded once. Every forward (captures, first-token log-probs) runs through :mod:`mlx_fun.model.engine` within
-the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
+measures them again on the model abliterated so far and removes them too; a round that takes the first-token KL
+on the held-out benign prompts (drawn beside the capture ones, never fitted on: ``kl_holdout``) over ``max_kl`` is
+undone (a first round of several phrasings' directions that does falls back to one direction from all refused
+prompts), and the search keeps the fewest refusals under ``max_kl`` on the same prompts. Every round starts from
+the original weights, so a quantized model is rounded once. Every forward (captures, first-token log-probs) runs
+through :mod:`mlx_fun.model.engine` within the job's token budget; the greedy replies are mlx-lm's ``BatchGenerator`` and hand back their first-token
 log-probs, so measuring a model's refusals and its KL is one generation.
 """
 
@@ -37,11 +38,13 @@ class Trial:
     benign_kl: float
     rounds: int = 0
     direction_layer: int | None = None  # the single direction's source layer (None: one per layer)
+    held_out_kl: float = 0.0  # first-token KL on the held-out benign prompts (Prompts.kl_b): what max_kl bounds
 
     def row(self) -> dict:
         return {"layers": self.layers, "weight": self.weight, "direction_layer": self.direction_layer,
                 "rounds": self.rounds, "harmful_refusal": round(self.harmful_refusal, 4),
-                "benign_refusal": round(self.benign_refusal, 4), "benign_kl": round(self.benign_kl, 4)}
+                "benign_refusal": round(self.benign_refusal, 4), "benign_kl": round(self.benign_kl, 4),
+                "held_out_kl": round(self.held_out_kl, 4)}
 
 
 @dataclass
@@ -118,11 +121,13 @@ class Stats:
 @dataclass
 class Prompts:
     """The tokenized prompts of one abliteration: the harmful and benign capture prompts (the directions), the
-    harmful and benign evaluation prompts (the refusal rates and the benign KL)."""
+    harmful and benign evaluation prompts (the refusal rates and the benign KL), and the benign prompts held out of
+    the directions (``kl_b``: where ``max_kl`` is checked; empty: on the benign capture prompts)."""
     harmful: list
     benign: list
     eval_h: list
     eval_b: list
+    kl_b: list = field(default_factory=list)
 
 
 class Abliteration:
@@ -143,6 +148,9 @@ class Abliteration:
                            if loaded.dispatch is not None and loaded.dispatch.cached_layers else None)
         self.harmful, self.benign = prompts.harmful, prompts.benign
         self.eval_h, self.eval_b = prompts.eval_h, prompts.eval_b
+        self.kl_b = prompts.kl_b or prompts.benign  # where max_kl is checked (the capture prompts: none held out)
+        self.kl_set = (f"{len(prompts.kl_b)} held-out benign prompts" if prompts.kl_b
+                       else f"{len(prompts.benign)} benign capture prompts (none held out)")
         self.position, self.phrasings = estimate.extraction_position, estimate.phrasings
         self.refusal_filter = estimate.refusal_filter
         self.reply_tokens, self.max_kl = evaluation.reply_tokens, float(evaluation.max_kl)
@@ -150,7 +158,7 @@ class Abliteration:
         self.target, self.safety = projection.target, safety_experts(self.adapter, projection)
         self.warnings, self.progress, self.log = warnings, settings.progress, log
         self.reference = None  # evaluation benign first-token log-probs of the original (measure(original=True))
-        self._capture_reference = None  # capture benign first-token log-probs of the original (round 1's replies)
+        self._bound_reference = None  # the original's first-token log-probs on kl_b (statistics(1))
         self.over_kl: str | None = None  # why the last abliteration stopped a round early, if it did
         self.fallback: str | None = None  # why its first round took one direction where it had several
 
@@ -167,9 +175,12 @@ class Abliteration:
                  f"capture prompts ({self.reply_tokens} tokens each) ...")
         replies = self._replies(self.harmful, f"round {r} harmful replies")
         hs = [(s, phrasing(t) if self.phrasings > 1 else "all") for s, t in zip(self.harmful, replies) if is_refusal(t)]
-        benign_replies = self._replies(self.benign, f"round {r} benign replies", logprobs=r == 1)
-        if r == 1:  # the original model: the reference of a later round's KL
-            benign_replies, self._capture_reference = benign_replies
+        own = r == 1 and self.kl_b is self.benign  # no prompts held out: the replies' own log-probs are the reference
+        benign_replies = self._replies(self.benign, f"round {r} benign replies", logprobs=own)
+        if own:
+            benign_replies, self._bound_reference = benign_replies
+        elif r == 1:  # the original model: the reference of the held-out KL
+            self._bound_reference = self._logprobs(self.kl_b, "held-out benign log-probs")
         bs = [s for s, t in zip(self.benign, benign_replies) if not is_refusal(t)]
         refused, answered = len(hs), len(bs)
         if r > 1 and (refused < MIN_REFUSED or not bs):
@@ -266,9 +277,9 @@ class Abliteration:
                 touched, undo = self._one_direction_if_over(stats, done, layers, weight, source, undo) or (
                     touched, undo)
             if r > 1:
-                kl = self._capture_kl(r)
+                kl = self._bound_kl(r)
                 if kl > self.max_kl:
-                    self.over_kl = (f"round {r} took the capture benign prompts' KL to {kl:.3f}, over "
+                    self.over_kl = (f"round {r} took the first-token KL on the {self.kl_set} to {kl:.3f}, over "
                                     f"{param('max_kl')} {self.max_kl:g}; it was undone and the rounds stopped there.")
                     done.pop()
                     self.restore(undo)
@@ -279,28 +290,33 @@ class Abliteration:
         return done, touched, undo
 
     def _one_direction_if_over(self, stats: Stats, done: list[Round], layers, weight, source, undo):
-        """Round 1 with one direction per phrasing: when that takes the capture benign prompts' first-token KL over
+        """Round 1 with one direction per phrasing: when that takes the held-out benign prompts' first-token KL over
         ``max_kl``, it is replaced by one direction from all refused prompts (the phrasings' directions together
         can remove more than refusing). Returns ``(touched, undo)`` where it replaced, else ``None``."""
         from dataclasses import replace
 
-        kl = self._capture_kl(1)
+        kl = self._bound_kl(1)
         if kl <= self.max_kl:
             return None
         one = replace(stats, groups=[("all", stats.refused, stats.dirs)])
         dirs, names = self._directions(one, [], source)
         done[0] = replace(done[0], dirs=dirs, phrasings=names)
         self.restore(undo)
-        self.fallback = (f"round 1's {len(stats.groups)} directions (one per refusal phrasing) took the capture "
-                         f"benign prompts' KL to {kl:.3f}, over {param('max_kl')} {self.max_kl:g}; one direction from "
-                         "all refused prompts was removed instead.")
+        self.fallback = (f"round 1's {len(stats.groups)} directions (one per refusal phrasing) took the first-token "
+                         f"KL on the {self.kl_set} to {kl:.3f}, over {param('max_kl')} {self.max_kl:g}; one direction "
+                         "from all refused prompts was removed instead.")
         return self.apply(done, layers, weight, source)
 
-    def _capture_kl(self, r: int) -> float:
-        """The capture benign prompts' first-token KL of the model as it is now from the original (round 1's)."""
+    def _bound_kl(self, r: int) -> float:
+        """Round ``r``'s check of ``max_kl``: :meth:`held_out_kl` (a phase of its own when streamed)."""
+        return self.held_out_kl(f"round {r} held-out KL")
+
+    def held_out_kl(self, desc: str) -> float:
+        """The first-token KL of the model as it is now from the original on the prompts ``max_kl`` bounds
+        (``kl_b``: held out of the directions, unless none were)."""
         from ..observe.refusal import mean_kl
 
-        return mean_kl(self._capture_reference, self._logprobs(self.benign, f"round {r} benign KL"))
+        return mean_kl(self._bound_reference, self._logprobs(self.kl_b, desc))
 
     def apply(self, done: list[Round], layers, weight, source):
         """Remove all of ``done``'s directions from the model as it is; returns ``(touched, undo)``."""
@@ -332,7 +348,8 @@ class Abliteration:
         if original:
             self.reference = lp
         kl = 0.0 if original else mean_kl(self.reference, lp)
-        return Trial(layers, weight, harmful, refusal_rate(benign), kl, rounds, source)
+        bound = 0.0 if original else self.held_out_kl("held-out benign KL")
+        return Trial(layers, weight, harmful, refusal_rate(benign), kl, rounds, source, bound)
 
     def search(self, first: Stats, candidates, rounds: int, progress: bool):
         """Every candidate (layers, weight, source) through up to ``rounds`` rounds, measured after each (one trial

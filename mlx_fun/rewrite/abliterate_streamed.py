@@ -148,7 +148,7 @@ class StreamedAbliteration(Abliteration):
             arrays = {"dirs": stats.dirs, "norms": stats.norms,
                       **{f"group{j}": g for j, (_, _, g) in enumerate(stats.groups)}}
             if r == 1:
-                arrays["reference"] = _numpy(self._capture_reference)
+                arrays["reference"] = _numpy(self._bound_reference)
             return ({"counts": [stats.refused, stats.harmful, stats.answered, stats.benign],
                      "groups": [[k, n] for k, n, _ in stats.groups]}, arrays)
 
@@ -156,7 +156,7 @@ class StreamedAbliteration(Abliteration):
             if value is None:
                 return None
             if r == 1:
-                self._capture_reference = _mlx(arrays["reference"])
+                self._bound_reference = _mlx(arrays["reference"])
             groups = [(k, n, arrays[f"group{j}"]) for j, (k, n) in enumerate(value["groups"])]
             return Stats(*value["counts"], arrays["dirs"], arrays["norms"], groups)
 
@@ -182,9 +182,9 @@ class StreamedAbliteration(Abliteration):
 
         return self._phase(label, lambda: compute(layers, weight, rounds, source, original), encode, decode)
 
-    def _capture_kl(self, r: int) -> float:
-        compute = super()._capture_kl
-        return self._phase(f"round {r}'s capture KL", lambda: compute(r), lambda kl: (kl, {}),
+    def _bound_kl(self, r: int) -> float:
+        compute = super()._bound_kl
+        return self._phase(f"round {r}'s held-out KL", lambda: compute(r), lambda kl: (kl, {}),
                            lambda value, _: float(value))
 
     def search(self, first, candidates, rounds: int, progress: bool):

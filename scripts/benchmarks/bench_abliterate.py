@@ -20,7 +20,11 @@ are unchanged. Directions from
 the *train* prompt sets; refusal rate (greedy, 16 tokens, ``mlx_fun.observe.refusal.is_refusal``) and benign first-token
 KL on the held-out *test* sets (other phrasings, two categories never seen in training); the held-out harmful
 prompts' last-token residual projected on the first direction, averaged over the abliterated layers, before and
-after; the model's size on disk before and after. Writes the table and what it means to --output.
+after; the model's size on disk before and after. Beside each format's default run, its control: as many random
+unit directions (orthonormal, the same on every layer as the single direction is) removed from the same layers and
+the embedding at the same weight, ``--seeds`` seeds, each measured like the abliterated model (held-out harmful and
+hand-written harmful refusals, benign first-token KL) with a verdict: "beyond control" only when abliteration's
+refusal rate lies below the controls' whole range. Writes the table and what it means to --output.
 """
 
 from __future__ import annotations
@@ -71,6 +75,53 @@ r = abliterate.run(model=model, harmful_dataset=d / "harmful_train.jsonl", benig
 print(json.dumps({"wall": time.perf_counter() - t, "before": r.before.row(), "after": r.after.row(),
                   "code": str(Path(abliterate.__file__).parents[2])}))
 """
+
+
+def random_control(model_dir, run, data: Path, n: int, seeds: int) -> list[tuple]:
+    """``run`` (a job result) beside ``seeds`` random controls on ``model_dir``: the same number of orthonormal
+    unit directions (one vector on every layer, as the single direction), removed from the same layers and the
+    embedding at the same weight (:func:`mlx_fun.rewrite.abliterate.apply`). Rows ``(label, held-out harmful
+    refusal, hw harmful refusal, benign first-token KL)``: the abliterated model's measured the same way first."""
+    import numpy as np
+
+    from mlx_fun.jobs.common import load_moe
+    from mlx_fun.observe.refusal import first_token_logprobs, mean_kl, refusal_rate
+    from mlx_fun.rewrite.abliterate import apply, restore
+
+    harmful = read(data / "harmful_test.jsonl")[:n]
+    hand = read(data / "harmful_handwritten_test.jsonl")
+    benign = read(data / "benign_test.jsonl")[:n]
+    model, tok, _config, adapter = load_moe(model_dir)
+    prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in benign]
+    reference = first_token_logprobs(model, prompts)
+
+    def measured(label, m, t):
+        return (label, refusal_rate(answer(m, t, harmful)), refusal_rate(answer(m, t, hand)),
+                mean_kl(reference, first_token_logprobs(m, prompts)))
+
+    rows = [measured("original", model, tok)]
+    abl, abl_tok, _, _ = load_moe(run.output)
+    rows.append(measured("abliterated", abl, abl_tok))
+    del abl
+    k = sum(len(r.dirs) for r in run.rounds)
+    shape = np.asarray(run.directions).shape  # (decoder layers, hidden)
+    for seed in range(seeds):
+        q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((shape[1], k)))
+        stack = np.repeat(q.T[:, None, :], shape[0], axis=1)  # (k, L, H): one unit vector per direction, every layer
+        _, undo = apply(adapter, stack, run.layers, weight=run.weight,
+                        embed=None if run.direction_layer is None else stack[:, run.direction_layer])
+        rows.append(measured(f"random direction (seed {seed})", model, tok))
+        restore(undo)
+    return rows
+
+
+def control_verdict(rows: list[tuple]) -> str:
+    """Abliteration's held-out refusal beside the random directions' (every seed): beyond only below their range."""
+    effect, ctrl = rows[1], rows[2:]
+    lo, hi = min(r[1] for r in ctrl), max(r[1] for r in ctrl)
+    return (f"held-out harmful refusal {effect[1]:.1%} vs random directions {lo:.1%}–{hi:.1%} ({len(ctrl)} seeds; "
+            f"original {rows[0][1]:.1%}): " + ("**beyond control**" if effect[1] < lo else "**not beyond control**")
+            + f"; benign KL {effect[3]:.3f} vs {min(r[3] for r in ctrl):.3f}–{max(r[3] for r in ctrl):.3f}")
 
 
 def _example(model, data, out, pythonpath=None) -> dict:
@@ -144,6 +195,7 @@ def main() -> int:
     ap.add_argument("--eval-samples", type=int, default=128)
     ap.add_argument("--search", type=int, default=0, help="also the --search N rows (0: none)")
     ap.add_argument("--full", action="store_true", help="also the rows of one round, the previous default, ...")
+    ap.add_argument("--seeds", type=int, default=3, help="random-direction controls per format")
     add_report(ap, "abliterate.md")
     ap.add_argument("--quick", action="store_true",
                     help="Only time the README example (abliterate_wall) beside collect over the same prompts "
@@ -190,7 +242,7 @@ def main() -> int:
     if args.search:
         runs += [(F, "all", {"search": args.search}), (Q, "all", {"search": args.search})]
     hand = {k: data / f"{k}_handwritten_test.jsonl" for k in ("harmful", "benign", "lookalike")}
-    before = {}
+    before, controls = {}, {}
     for n, ((fmt, model), target, extra) in enumerate(runs):
         out = tmp / f"out{n}"
         kw = dict(common, **extra, **({"safety_map": report} if target == "safety-experts" else {}))
@@ -207,10 +259,16 @@ def main() -> int:
         row = (fmt, target, how, r.layers, r.weight, r.direction_layer,
                "+".join(str(len(x.dirs)) for x in r.rounds), r.before.harmful_refusal,
                r.after.harmful_refusal, r.before.benign_refusal, r.after.benign_refusal, r.after.benign_kl, p0, p1,
-               dir_size(model), dir_size(out), hw, same)
+               dir_size(model), dir_size(out), hw, same, r.after.held_out_kl)
         rows.append(row)
         print(" | ".join(map(str, row)), flush=True)
-    write_text(args.output, _markdown(rows, args), force=True)  # a report page this script regenerates
+        if target == "all" and not extra and args.seeds:
+            controls[fmt] = random_control(model, r, data, args.eval_samples, args.seeds)
+            for c in controls[fmt]:
+                print(f"{fmt} {c[0]:<28} harmful refusal {c[1]:6.1%}  hw harmful {c[2]:6.1%}  benign KL {c[3]:.3f}",
+                      flush=True)
+            print(f"{fmt}: {control_verdict(controls[fmt])}", flush=True)
+    write_text(args.output, _markdown(rows, args, controls), force=True)  # a report page this script regenerates
     print(f"wrote {args.output}")
     return 0
 
@@ -231,13 +289,32 @@ def unchanged(a: list[str], b: list[str]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
-def _markdown(rows, args) -> str:
+def _controls(controls: dict, args) -> str:
+    """The control table: each format's default run beside random directions of the same count and layers."""
+    if not controls:
+        return ""
+    lines = ["## Against a random direction", "",
+             f"Each format's default run (`all`, seed 0) beside as many random unit directions (orthonormal, one vector "
+             f"on every layer as the single direction) removed from the same layers and the embedding at the same "
+             f"weight, {args.seeds} seeds, all measured alike here: greedy 16-token replies to the first "
+             f"{args.eval_samples} held-out harmful template prompts and the hand-written harmful ones, and the "
+             f"benign first-token KL on the first {args.eval_samples} held-out benign template prompts (so the "
+             "abliterated row can differ a little from the table above, whose evaluation draws a random subset). "
+             "\"beyond control\": the refusal rate below every seed's.", "",
+             "| format | model | harmful refusal | hw harmful | benign KL |", "|---|---|---|---|---|"]
+    for fmt, rows in controls.items():
+        lines += [f"| {fmt} | {label} | {h:.1%} | {hw:.1%} | {kl:.3f} |" for label, h, hw, kl in rows]
+    lines += [""] + [f"- {fmt}: {control_verdict(rows)}." for fmt, rows in controls.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _markdown(rows, args, controls=None) -> str:
     table = "\n".join(
         f"| {fmt} | {target} | {how} | {','.join(map(str, layers))} | {w:g} | "
         f"{'per-layer' if src is None else src} | {nr} | {h0:.1%} → {h1:.1%} | {hw[0]:.1%} → {hw[1]:.1%} | "
-        f"{b0:.1%} → {b1:.1%} | {kl:.3f} | {same:.1%} | {p0:.2f} → {p1:.2f} | "
+        f"{b0:.1%} → {b1:.1%} | {kl:.3f} | {hkl:.3f} | {same:.1%} | {p0:.2f} → {p1:.2f} | "
         f"{s0 / 1e6:.1f} → {s1 / 1e6:.1f} MB |"
-        for fmt, target, how, layers, w, src, nr, h0, h1, b0, b1, kl, p0, p1, s0, s1, hw, same in rows)
+        for fmt, target, how, layers, w, src, nr, h0, h1, b0, b1, kl, p0, p1, s0, s1, hw, same, hkl in rows)
     return f"""# Abliteration on the bundled refusing chat model
 
 `python -m scripts.benchmarks.bench_abliterate{f' --search {args.search}' if args.search else ''}{' --full' if args.full else ''}`
@@ -250,19 +327,21 @@ held-out benign prompts (other phrasings, and two harm categories the model neve
 "projection": the held-out harmful prompts' mean last-token residual · the first round's direction, averaged over
 the abliterated layers, before → after. Defaults: `--direction single` (measured after the layer with the largest
 un-normalised difference, removed from every layer's writers and the embedding), `--phrasings 4` (one direction per
-refusal phrasing a round), `--rounds 2` (a later round that takes the *train* benign prompts' KL over 0.5 is
+refusal phrasing a round), `--rounds 2` (a later round that takes the held-out benign prompts' KL over 0.5 is
 undone), seed 0 for the prompt subsets (train and held-out); `search`: `--search N` (layers × direction
-layer × weight, each measured after every round; fewest refusals with KL ≤ 0.5). "rounds": directions removed in
+layer × weight, each measured after every round; fewest refusals with held-out KL ≤ 0.5). "rounds": directions removed in
 each round. "hw harmful": the hand-written harmful prompts (never trained on) refused, before → after;
 "unchanged": benign replies (the hand-written benign and lookalike prompts and the held-out template ones) whose
-first 16 greedy tokens abliteration left as they were.
+first 16 greedy tokens abliteration left as they were. "held-out KL": the first-token KL on the 32 benign
+prompts drawn beside the capture ones and kept out of the directions (`--kl-holdout`), where `--max-kl` is checked.
 
-| format | target | settings | layers | weight | direction layer | rounds | harmful refusal | hw harmful | benign refusal | benign KL | unchanged | projection | size |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| format | target | settings | layers | weight | direction layer | rounds | harmful refusal | hw harmful | benign refusal | benign KL | held-out KL | unchanged | projection | size |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {table}
 
 {_summary(rows)}
-"""
+
+{_controls(controls or {}, args)}"""
 
 
 def _summary(rows) -> str:

@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--calib-samples", type=int, default=128, help="Calibration samples per domain")
     p.add_argument("--max-eval-samples", type=int, default=48, help="Test samples per domain")
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--random-seeds", type=int, default=3)
+    p.add_argument("--random-seeds", type=int, default=5)
     p.add_argument("--no-merge", action="store_true", help="Skip the REAM rows")
     p.add_argument("--merge-group-sizes", default="16,4",
                    help="REAM --max-group-size values to run (16 is the default of `mlx-fun merge`)")
@@ -283,6 +283,38 @@ def interpretation(rows) -> list[str]:
     return out
 
 
+def control_lines(rows) -> list[str]:
+    """One verdict line per (fraction, calibration domain, method): the method's perplexity on that domain's
+    held-out text beside its control's (random pruning: every seed's range; REAM merging: REAP pruning at the same
+    count), "beyond control" only when it lies outside the control's whole range on the better side."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in rows if r["fraction"] > 0}):
+        seeds = [r for r in rows if r["method"].startswith("random-s") and r["fraction"] == fraction]
+        for d in DOMAINS:
+            ppl = f"{d}_ppl"
+            rnd = [s[ppl] for s in seeds]
+            sel = {r["method"]: r for r in rows if r["fraction"] == fraction and r["calibration"] == d}
+            for m in METRICS:
+                v = sel[m][ppl]
+                out.append(f"- {fraction:.0%}, {d} calibration, {d} ppl: {m} {v:.2f} vs random pruning "
+                           f"{min(rnd):.2f}–{max(rnd):.2f} ({len(rnd)} seeds): "
+                           + _verdict(v, [min(rnd), max(rnd)]))
+            for name in sorted(k for k in sel if k.startswith("ream-merge")):
+                v, reap = sel[name][ppl], sel["reap"][ppl]
+                out.append(f"- {fraction:.0%}, {d} calibration, {d} ppl: {name} {v:.2f} vs REAP pruning to the "
+                           f"same {sel[name]['experts']} experts {reap:.2f}: " + _verdict(v, [reap]))
+    return out
+
+
+def _verdict(value: float, control: list[float]) -> str:
+    """Lower is better (perplexity): beyond the control only below its whole range."""
+    if value < min(control):
+        return "**beyond control** (lower)."
+    if value > max(control):
+        return "**worse than control**."
+    return "**not beyond control** (within its range)."
+
+
 def _down_note(model_dir) -> str:
     """What group size 64 does to this model's expert down projections (their input is the expert width)."""
     from mlx_fun.model.io import read_config
@@ -344,6 +376,11 @@ def write_report(args, rows, config, model_dir, elapsed, calib, test, saliency):
                 + ", ".join(f"{k} {v:.2f}" for v, k in ranked)
                 + f". REAP {'<' if sel['reap'][f'{d}_ppl'] < sel['freq'][f'{d}_ppl'] else '≥'} freq, "
                 f"REAP {'<' if sel['reap'][f'{d}_ppl'] < rnd[f'{d}_ppl'] else '≥'} random.")
+    lines += ["", "## Against the controls", "",
+              "Each method beside the control that would expose it, on the held-out test split: a saliency "
+              "criterion against random pruning (every seed), REAM merging against REAP pruning to the same "
+              "number of experts. \"beyond control\": outside the controls' whole range.", ""]
+    lines += control_lines(rows)
     rho = {d: spearman_reap_freq(saliency[d]) for d in DOMAINS}
     lines += ["", "Rank correlation between REAP and freq scores (mean over layers): "
               + ", ".join(f"{d} calibration {v:.2f}" for d, v in rho.items()) + "."]
