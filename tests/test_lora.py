@@ -121,10 +121,9 @@ def test_prune_writes_the_fused_weights_and_names_the_adapter(tuned, collected, 
     assert f"with the lora adapter `{adapter.name}` fused into it" in card and str(adapter.parent) not in card
 
 
-def test_merge_fuses_the_adapter_into_what_it_writes(tuned, collected, tmp_path):
+def test_merge_fuses_the_adapter_into_what_it_writes(tuned, tmp_path):
     model, adapter = tuned
-    res = run("merge", "--model", model, "--adapter-path", adapter, "--saliency", collected["tuned"],
-              "--n-prune", 2, "--dataset", SAMPLE, "--max-samples", 4, "--max-tokens", 32, "--max-similarity-tokens",
+    res = run("merge", "--model", model, "--adapter-path", adapter, "--n-prune", 2, "--dataset", SAMPLE, "--max-samples", 4, "--max-tokens", 32, "--max-similarity-tokens",
               16, "--max-alignment-tokens", 16, "--seed", 0, "--output", tmp_path / "merged")
     assert res.exit_code == 0, res.output
     fused, _, _ = load_model(model, adapter_path=adapter)

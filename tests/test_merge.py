@@ -159,7 +159,7 @@ def test_merging_a_shuffled_copy_gives_back_the_original(model_type, alignment):
     keep = {p: [e for e in range(E) if e != 1] for p in range(L)}
     sal = np.tile(np.array([10.0, 5.0] + [1.0] * (E - 2)), (L, 1))
     meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal,
-                       **small(alignment=alignment, max_group_size=2))  # fmt: skip
+                       **small(alignment=alignment, max_group_size=2, saliency_source="file"))  # fmt: skip
     assert all(g["0"] == [0, 1] and all(len(m) == 1 for c, m in g.items() if c != "0")
                for g in meta["group_map"].values())  # fmt: skip
     prune_model(ref_adapter, keep)
@@ -183,7 +183,8 @@ def test_groups_of_one_equal_prune_bitwise(make_model, model_type, bits):
 
     # nothing to merge: every expert a centroid, groups of one, changes nothing
     meta = merge_model(model, adapter, SAMPLES, keep_map={p: list(range(E)) for p in range(L)},
-                       saliency=np.ones((L, E)), **small(max_group_size=1, alignment="none"))  # fmt: skip
+                       saliency=np.ones((L, E)), **small(max_group_size=1, alignment="none",
+                                                         saliency_source="file"))  # fmt: skip
     assert all(len(m) == 1 for g in meta["group_map"].values() for m in g.values())
     assert np.array_equal(_logits(model, BATCH), original)
 
@@ -191,7 +192,8 @@ def test_groups_of_one_equal_prune_bitwise(make_model, model_type, bits):
     keep = {p: [0, 2, 3, 5, 6, 7] for p in range(L)}
     sal = np.zeros((L, E))
     sal[:, keep[0]] = np.arange(1, 7)
-    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal, **small(alignment="none"))
+    meta = merge_model(model, adapter, SAMPLES, keep_map=keep, saliency=sal,
+                       **small(alignment="none", saliency_source="file"))
     assert sum(len(m) for m in meta["group_map"]["0"].values()) == E  # 1 and 4 did join a group
     pruned, _, pconfig = load_model(src)
     padapter = get_adapter(pruned, pconfig)
@@ -213,16 +215,16 @@ CASES = [(mt, None, "affine") for mt in FAMILIES] + [(mt, 4, "affine") for mt in
 
 @pytest.mark.parametrize("model_type,bits,mode", CASES, ids=lambda v: str(v))
 def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make_model, model_type, bits, mode):
-    """Every family, float and 4-bit (and mxfp4 / nvfp4): the merged model loads with plain mlx-lm, has a pruned
-    model's size and differs from it; merged streamed (issue 43) it is the same, bit for bit."""
+    """Every family, float and 4-bit (and mxfp4 / nvfp4), with the default layerwise saliency (issue 45): the
+    merged model loads with plain mlx-lm, has a pruned model's size and differs from it; merged streamed (issue 43)
+    it is the same, bit for bit."""
     from .test_stream_merge import check_streamed_merge
 
     src = _src(make_model, model_type, bits, mode)
     model, _, config = load_model(src)
     adapter = get_adapter(model, config)
-    L, E = len(adapter.moe_layers()), adapter.num_experts
-    sal = np.random.default_rng(3).random((L, E))
-    how = dict(saliency=sal, **small(n_prune=2, max_group_size=3))
+    E = adapter.num_experts
+    how = small(n_prune=2, max_group_size=3)
     if adapter.layerwise_reason:  # layers that cannot be replayed one at a time: one line, nothing merged
         with pytest.raises(UserError, match=f"which {model_type} does not allow: .*; use prune"):
             merge_model(model, adapter, SAMPLES, **how)
@@ -233,6 +235,7 @@ def test_merged_model_loads_with_plain_mlx_lm_and_has_pruned_size(tmp_path, make
     check_streamed_merge(src, how, tmp_path / "ckpt", (model, adapter, meta))  # the same weights, bit for bit
     _check_groups(meta, E, E - 2, 3)
     assert meta["method"] == "ream" and meta["merged_num_experts"] == E - 2 == adapter.num_experts
+    assert all(len(s) == E and min(s) > 0 for s in meta["saliency"].values())
     merged_logits = _logits(model)
     assert np.isfinite(merged_logits).all()
     out = save_model_dir(model, adapter.config, tmp_path / "merged", source=src,
@@ -319,9 +322,9 @@ def test_merge_runs_each_layer_once_per_batch_plus_once_per_moe_layer():
             return _cls.__call__(self, *a, **k)
 
         layer.__class__ = type(f"Counted{i}", (cls,), {"__call__": counted})
-    merge_model(model, adapter, SAMPLES, saliency=np.ones((3, 8)),
+    merge_model(model, adapter, SAMPLES,
                 **small(n_prune=2, batch_size=1, max_similarity_tokens=100, max_alignment_tokens=8))  # fmt: skip
-    n = len(SAMPLES)  # every token is captured, so every batch runs the capture pass
+    n = len(SAMPLES)  # the layerwise saliency reads every token, so every batch runs the capture pass
     assert adapter.moe_layers() == [1, 2, 3]
     assert calls == [n, 2 * n, 2 * n, n]  # dense 0: propagate; MoE 1, 2: capture + propagate; last: capture only
 
@@ -345,9 +348,15 @@ def test_merge_cli_end_to_end(tmp_path, saliency_file):
                  "--alignment", "greedy", "--max-group-size", 3, "--seed", 1)  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "8 → 5" in result.output and "size on disk" in result.output and "Wrote" in result.output
+    # the default saliency is measured during the merge (issue 45): the file given is not read, and one line says so
+    assert (f"Warning: --saliency {sal} is not read: with --saliency-source layerwise (the default, REAM's own) "
+            "each layer's saliency is measured during the merge; pass --saliency-source file") in result.output
     meta = json.loads((out / "ream_metadata.json").read_text())
     assert meta["method"] == "ream" and meta["original_num_experts"] == 8 and meta["merged_num_experts"] == 5
-    assert meta["metric"] == "reap" and meta["alignment"] == "greedy" and meta["similarity_mode"] == "gated"
+    assert meta["saliency_source"] == "layerwise" and meta["metric"].startswith("ream layerwise")
+    assert all(c == sorted(np.argsort(-np.array(meta["saliency"][layer]), kind="stable")[:5].tolist())
+               for layer, c in meta["centroid_map"].items())  # each layer's 5 most salient, as measured
+    assert meta["alignment"] == "greedy" and meta["similarity_mode"] == "gated"
     _check_groups(meta, 8, 5, 3)
     assert json.loads((out / "config.json").read_text())["num_experts"] == 5
     reloaded, _ = mlx_lm.load(str(out))
@@ -361,7 +370,8 @@ def test_merge_cli_end_to_end(tmp_path, saliency_file):
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "b" / "ream_metadata.json").read_text())
     assert meta["centroid_map"] == {"0": [0, 1, 2, 3, 4, 5], "1": [0, 1, 2, 3, 4, 5]}
-    assert meta["similarity_mode"] == "average" and meta["metric"].startswith("reap")
+    # the list fixes the centroids only: the layerwise saliency still weights the averages
+    assert meta["similarity_mode"] == "average" and meta["metric"].startswith("ream layerwise")
 
 
 def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, saliency_file):
@@ -378,8 +388,8 @@ def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, sal
 
     model, sal = saliency_file
     before = tree(model)
-    base = ("merge", "--model", model, "--saliency", sal, "--n-prune", 3, "--dataset", SAMPLE, "--max-tokens", 16,
-            "--max-samples", 4)
+    base = ("merge", "--model", model, "--saliency-source", "file", "--saliency", sal, "--n-prune", 3, "--dataset",
+            SAMPLE, "--max-tokens", 16, "--max-samples", 4)
     _error(run(*base, "--output", tmp_path / "merged", "--max-group-size", 1),
            "5 centroids × --max-group-size 1 hold 5 of the 8 experts per layer, so 3 would fit in no group; pass "
            "--max-group-size 2 or more, or merge at most 0 experts per layer at this size")
@@ -388,6 +398,11 @@ def test_a_max_group_size_with_no_room_for_every_expert_is_refused(tmp_path, sal
     assert got.exit_code == 0, got.output
     meta = json.loads((tmp_path / "merged" / "ream_metadata.json").read_text())
     _check_groups(meta, 8, 5, 2)
+    from mlx_fun.observe.saliency import SaliencyAccumulator
+
+    assert meta["saliency_source"] == "file" and meta["metric"] == "reap"  # the file's ranking, chosen up front
+    np.testing.assert_allclose([meta["saliency"][k] for k in ("0", "1")],
+                               SaliencyAccumulator.load(sal).ranking_scores("reap", over="experts"))
     for bad in (0, 1.5, True):
         with pytest.raises(UserError, match=rf"^max_group_size= must be a whole number of experts >= 1, got {bad}"):
             merge_job.run(model=model, saliency=sal, selection=Selection(n_prune=3), dataset=SAMPLE,
@@ -406,8 +421,10 @@ def test_merge_cli_errors(tmp_path, saliency_file, make_model):
     out = tmp_path / "out"
     base = ("merge", "--model", model, "--dataset", SAMPLE, "--output", out)
     _error(run(*base, "--saliency", sal, "--n-prune", 7), "top_k is 2")
-    _error(run(*base, "--n-prune", 1), "--saliency", "--expert-list")
-    _error(run(*base, "--saliency", sal), "needs --n-prune")
+    _error(run(*base), "give --n-prune (how many experts to merge away per layer) or --expert-list")
+    _error(run(*base, "--n-prune", 1, "--model-wide"), "--model-wide ranks --saliency up front", "--saliency-source file")
+    _error(run(*base, "--saliency-source", "file", "--n-prune", 1), "--saliency", "--expert-list")
+    _error(run(*base, "--saliency-source", "file", "--saliency", sal), "needs --n-prune")
     _error(run(*base, "--saliency", tmp_path / "x.npz", "--n-prune", 1), "--saliency", "does not exist")
     _error(run("merge", "--model", model, "--dataset", tmp_path / "d.jsonl", "--output", out, "--saliency", sal,
                "--n-prune", 1), "--dataset", "does not exist")  # fmt: skip
@@ -417,8 +434,8 @@ def test_merge_cli_errors(tmp_path, saliency_file, make_model):
                "--n-prune", 1), "is the input given to --model")  # fmt: skip
     _error(run(*base, "--saliency", sal, "--n-prune", 1, "--ignore-experts", "1"), "--model-wide")
     other = make_model("qwen3_moe", num_experts=16)
-    _error(run("merge", "--model", other, "--dataset", SAMPLE, "--output", out, "--saliency", sal, "--n-prune", 1),
-           "does not match")  # fmt: skip
+    _error(run("merge", "--model", other, "--dataset", SAMPLE, "--output", out, "--saliency", sal, "--n-prune", 1,
+               "--saliency-source", "file"), "does not match")  # fmt: skip
     lst = tmp_path / "l.json"
     lst.write_text(json.dumps({"format": "mlx-fun-expert-list", "layers": {"0": {"remove": [1]}}}))
     _error(run(*base, "--expert-list", lst), "different numbers of experts")
@@ -438,7 +455,6 @@ def test_merge_refuses_checkpoints_whose_layers_read_earlier_layers(model_type, 
     cfg = tiny_config(model_type, **overrides)
     model = build_model(cfg)
     adapter = get_adapter(model, cfg)
-    sal = np.ones((len(adapter.moe_layers()), adapter.num_experts))
     with pytest.raises(UserError, match=f"{match}.*use prune"):
-        merge_model(model, adapter, SAMPLES, saliency=sal, **small(n_prune=2))
+        merge_model(model, adapter, SAMPLES, **small(n_prune=2))
     assert adapter.num_experts == 8

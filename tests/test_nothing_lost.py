@@ -165,7 +165,8 @@ def test_saliency_of_another_model_type_or_top_k_is_refused(tmp_path, qwen_model
                      tmp_path / "out"), "model_type is mixtral in the file but qwen3_moe in the model")
     topk = tmp_path / "topk.npz"
     _like(saliency, top_k=4).save(topk)
-    expect_error(run("merge", "--model", qwen_model, "--saliency", topk, "--n-prune", 2, "--dataset", SAMPLE,
+    expect_error(run("merge", "--model", qwen_model, "--saliency-source", "file", "--saliency", topk, "--n-prune", 2,
+                     "--dataset", SAMPLE,
                      "--output", tmp_path / "out"), "top_k is 4 in the file but 2 in the model")
     assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
 
@@ -206,7 +207,8 @@ def test_saliency_of_other_weights_warns_once_and_stats_merge_keeps_where_it_cam
     res = run("quantize", "--model", tuned, "--saliency", saliency, "--cold-layers", 1, "--cold-bits", 2,
               "--expert-bits", 4, "--expert-group-size", 32, "--output", tmp_path / "q-tuned")
     assert res.exit_code == 0 and len(_collected_on(res.output)) == 1, res.output
-    res = run("merge", "--model", tuned, "--saliency", saliency, "--n-prune", 2, "--dataset", SAMPLE,
+    res = run("merge", "--model", tuned, "--saliency-source", "file", "--saliency", saliency, "--n-prune", 2,
+              "--dataset", SAMPLE,
               "--max-samples", 2, "--max-tokens", 16, "--output", tmp_path / "m-tuned")
     assert res.exit_code == 0 and len(_collected_on(res.output)) == 1, res.output
     copy = shutil.copytree(qwen_model, tmp_path / "copy-of-the-model")  # the same weights elsewhere: no warning

@@ -102,7 +102,8 @@ def test_merge_refuses_a_metric_that_ranks_nothing(tmp_path, qwen_model):
     sal = save(tmp_path / "s.npz", data)
     before = digest(sal)
     out = tmp_path / "m"
-    refused(run("merge", "--model", qwen_model, "--saliency", sal, "--n-prune", 2, "--dataset", SAMPLE,
+    refused(run("merge", "--model", qwen_model, "--saliency-source", "file", "--saliency", sal, "--n-prune", 2,
+                "--dataset", SAMPLE,
                 "--output", out, "--metric", "ean"),
             needles=(f"--saliency {sal} cannot rank experts by --metric ean", "can rank by reap"), absent=(out,))
     assert digest(sal) == before

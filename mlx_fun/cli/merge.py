@@ -20,11 +20,14 @@ def command(**kwargs):
 
     \b
     Examples (on the bundled model; filtered_experts.json: docs/guide/commands.md):
-      mlx-fun merge --model data/tiny-moe --saliency code.npz --n-prune 8 --dataset corpus/code/train.jsonl \\
+      mlx-fun merge --model data/tiny-moe --n-prune 8 --dataset corpus/code/train.jsonl \\
           --output merged --max-samples 16 --max-tokens 512 --seed 42
       mlx-fun merge --model data/tiny-moe --expert-list filtered_experts.json --dataset corpus/code/train.jsonl \\
           --output merged-list --max-samples 16 --max-tokens 512
 
+    Each layer's centroids are its most salient experts (or the expert list's kept ones). The saliency is
+    REAM's own by default (--saliency-source layerwise): measured as the layer is reached, on the hidden states
+    of the already merged layers before it; --saliency-source file ranks by the --saliency file instead.
     Each non-centroid expert joins its most similar centroid with room (groups of at most --max-group-size);
     members'
     neurons are aligned to the centroid's and the group is averaged with saliency weights; the centroid's

@@ -35,8 +35,10 @@ class MergeResult:
     peak_bytes: int = 0  # this process's peak resident memory at the end
 
 
-SALIENCY = Opt("Saliency .npz from `mlx-fun collect`: picks the centroids (with --n-prune) and weights the averages "
-               "(with --expert-list: only weights them).", missing="pass the .npz `mlx-fun collect` wrote")
+SALIENCY = Opt("Saliency .npz from `mlx-fun collect`, read only with --saliency-source file: picks the centroids "
+               "(with --n-prune) and weights the averages (with --expert-list: only weights them). With the default "
+               "--saliency-source layerwise it is not read (a warning says so).",
+               missing="pass the .npz `mlx-fun collect` wrote")
 EXPERT_LIST = Opt("JSON/CSV list of experts per layer; its kept experts are the centroids (replaces --n-prune).",
                   missing="pass a JSON or CSV expert list (see README)")
 CALIBRATION_DATA = Opt("Calibration data for similarity and alignment (JSONL or a directory, as for collect).",
@@ -63,8 +65,10 @@ def run(
 ) -> MergeResult:
     """Merge ``model``'s routed experts around the most salient ones (REAM) into ``output``.
 
-    Centroids: the ``E − selection.n_prune`` most salient experts of ``saliency``, or the kept experts of
-    ``expert_list`` (``saliency`` then only weights the averages). Calibration hidden states are carried through the
+    Centroids: the ``E − selection.n_prune`` most salient experts of each layer, or the kept experts of
+    ``expert_list``. The saliency that ranks them and weights the averages (``ream.saliency_source``): ``layerwise``
+    (the default, REAM's own: measured per layer during the merge, :mod:`mlx_fun.rewrite.ream_saliency`;
+    ``saliency`` is then not read, and a warning says so) or ``file`` (``saliency``, ranked up front). Calibration hidden states are carried through the
     layers by the layered driver (:class:`mlx_fun.model.layered.LayerDriver`); quantized experts are re-quantized
     with their own bits / group size / mode. See :mod:`mlx_fun.rewrite.merge` for the method.
 
@@ -86,7 +90,7 @@ def run(
     name the adapter.
     """
     checked = check_moe(model)  # before anything else: a wrong --model is the likeliest mistake
-    _check(saliency, expert_list, selection, settings)
+    _check(saliency, expert_list, selection, settings, ream)
     plan = stream_choice(stream_layers, [(model, checked[1], checked[0])], doing="merging", log=log,
                          tokens=calibration.max_samples * calibration.max_tokens)
     stream = plan.layers
@@ -115,7 +119,16 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
 
     adapter, stream = job_.adapter, plan.layers
     moe_layers, E = adapter.moe_layers(), adapter.num_experts
-    keep_map, scores, warnings = _centroids(adapter, saliency, expert_list, selection, model)
+    layerwise, warnings = ream.saliency_source == "layerwise", []
+    if layerwise and (saliency is not None or selection.metric != "reap"):
+        unread = (f"{param('saliency')} {saliency}" if saliency is not None else f"{param('metric')} "
+                  f"{selection.metric}")
+        warnings.append(f"{unread} is not read: with {param('saliency_source')} layerwise (the default, REAM's own) "
+                        f"each layer's saliency is measured during the merge; pass {param('saliency_source')} file to "
+                        f"rank and weight by the file.")
+        saliency = None
+    keep_map, scores, more = _centroids(adapter, saliency, expert_list, selection, model)
+    warnings += more
     n_kept = len(keep_map[0])
     check_group_room(n_kept, E, ream.max_group_size)
     for line in warnings:
@@ -123,7 +136,7 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
     samples = calibration.load(dataset, job_.tokenizer)
     log(f"{adapter.model_type}: {len(moe_layers)} MoE layers × {E} experts → {n_kept} centroids; "
         f"{len(samples)} samples, {engine.total_tokens(samples):,} tokens; similarity {ream.similarity_mode}, "
-        f"alignment {ream.alignment}")
+        f"alignment {ream.alignment}; saliency {ream.saliency_source}")
     warnings += warn_past_context(samples, job_.config, log)
     nbytes, checkpoint = pruned_nbytes(adapter, n_kept), None
     if stream:  # the merged layers are written twice: to the checkpoint, then copied into the output
@@ -133,11 +146,12 @@ def _merge(job_: Loaded, *, model, saliency, expert_list, dataset, output, selec
                                        ream=dataclasses.asdict(ream), **_read_hashes(saliency, expert_list))
         nbytes += max(0, nbytes - (dir_size(checkpoint.path) if checkpoint.path.is_dir() else 0))
     job_.res.require_space(nbytes)
-    metadata = merge_model(job_.model, adapter, samples, keep_map=keep_map, saliency=scores, selection=selection,
+    metadata = merge_model(job_.model, adapter, samples, keep_map=None if layerwise and expert_list is None else
+                           keep_map, saliency=scores, selection=selection,
                            ream=ream, calibration=calibration, pad_id=pad_id(job_.tokenizer),
                            token_budget=job_.budget, progress=settings.progress, checkpoint=checkpoint, log=log,
                            spill=plan.spill_dir(job_.res) if stream else None)
-    metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list),
+    metadata.update(n_prune=selection.n_prune, model_wide=selection.model_wide, source=str(saliency or expert_list or "layerwise"),
                     expert_list=None if expert_list is None else str(expert_list), dataset=str(dataset),
                     mlx_fun_version=__version__, **lora.recorded(adapter_path))
     log(f"Saving merged model to {output} ...")
@@ -155,11 +169,18 @@ def _read_hashes(saliency, expert_list) -> dict:
             for name, path in (("saliency", saliency), ("expert_list", expert_list))}
 
 
-def _check(saliency, expert_list, selection: Selection, settings: RunSettings) -> None:
+def _check(saliency, expert_list, selection: Selection, settings: RunSettings, ream: Ream) -> None:
     """merge's argument rules between its parameters, one-line ``UserError`` s before anything loads (the rules
     within ``selection``, ``ream`` and ``settings`` held when they were built)."""
     n_prune = selection.n_prune
-    if saliency is None and expert_list is None:
+    if ream.saliency_source == "layerwise":
+        if expert_list is None and n_prune is None:
+            raise UserError(f"give {param('n_prune')} (how many experts to merge away per layer) or "
+                            f"{param('expert_list')} to choose the centroids.")
+        if selection.model_wide:
+            raise UserError(f"{param('model_wide')} ranks {param('saliency')} up front; the layerwise saliency is "
+                            f"measured layer by layer during the merge: pass {param('saliency_source')} file.")
+    elif saliency is None and expert_list is None:
         raise UserError(f"give {param('saliency')} (with {param('n_prune')}) or {param('expert_list')} to choose the "
                         f"centroids.")
     if expert_list is None and n_prune is None:
@@ -177,8 +198,11 @@ def _check(saliency, expert_list, selection: Selection, settings: RunSettings) -
 
 def _centroids(adapter, saliency, expert_list, selection: Selection, model):
     """``(keep_map, scores, warnings)``: the centroids per MoE position, from ``expert_list`` or the ``saliency``
-    ranking (``scores``: its checked ranking scores, ``None`` without ``saliency``); ``model``: the model directory
+    ranking (``scores``: its checked ranking scores, ``None`` without ``saliency``; neither given: ``n_prune``
+    checked on uniform scores, the layerwise merge choosing the centroids); ``model``: the model directory
     (a warning when ``saliency`` was collected on other weights)."""
+    import numpy as np
+
     from ..rewrite.merge import select_centroids
     from ..observe.saliency import SaliencyAccumulator
     from ..experts.selection import check_keep_counts, parse_expert_ranges
@@ -200,7 +224,7 @@ def _centroids(adapter, saliency, expert_list, selection: Selection, model):
     else:
         ignore = selection.ignore_experts
         keep_map = select_centroids(
-            adapter, scores, selection.n_prune, model_wide=selection.model_wide,
+            adapter, np.ones((len(moe_layers), E)) if scores is None else scores, selection.n_prune, model_wide=selection.model_wide,
             min_experts_per_layer=selection.min_experts_per_layer,
             ignore_experts=parse_expert_ranges(ignore, E) if ignore else None)
     warnings += check_keep_counts(keep_map, E, adapter.top_k, groups=adapter.groups, moe_layer_indices=moe_layers)

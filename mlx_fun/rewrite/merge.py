@@ -2,9 +2,15 @@
 
 Per MoE layer (position ``pos`` among ``adapter.moe_layers()``):
 
-1. **Centroids** — the experts that stay: the ``E − n_prune`` most salient (:func:`select_centroids`, the
-   ``bottom`` strategy of :mod:`mlx_fun.experts.selection`, so model-wide selection, ``--ignore-experts`` and group
-   balance work as in prune) or the kept experts of an expert list.
+1. **Centroids** — the experts that stay: the ``E − n_prune`` most salient (the ``bottom`` strategy of
+   :mod:`mlx_fun.experts.selection`, with group balance as in prune) or the kept experts of an expert list.
+   **Saliency** (``Ream.saliency_source``): ``layerwise`` (the default, REAM's own,
+   :mod:`mlx_fun.rewrite.ream_saliency`): each layer's mean ``p² ‖y‖`` over its routed tokens, measured in step 2
+   on the hidden states of the already merged layers, so each layer's centroids are chosen as it is reached
+   (:func:`layer_centroids`); ``file``: a collect file's scores, all layers ranked up front
+   (:func:`select_centroids`: model-wide selection and ``--ignore-experts`` as in prune). The saliency also
+   orders the centroids in step 4 and weights the averages in step 6; ``ream_metadata.json`` records it per
+   layer (``saliency``) with its ``saliency_source``.
 2. **Capture** — calibration tokens reach the layer through the already merged layers before it (see
    *Sequential* below). A :class:`ReamCaptureTap` on the hooked MoE call (``moe_hook``; routing is never
    re-implemented) keeps the block's input ``x``, raw router logits and routing of a fixed random subset of
@@ -81,6 +87,7 @@ from ..datasets.calibration import Calibration
 from ..experts.selection import Selection
 from .merge_options import ALIGNMENTS, SIMILARITY_MODES, Ream, check_max_group_size  # noqa: F401 - re-exported
 from .prune import check_keep_map, prune_block, pruned_config
+from .ream_saliency import LAYERWISE_METRIC, ReamSaliency, batch_of_tokens, routed_contributions, routed_saliency
 
 if TYPE_CHECKING:
     from ..observe.checkpoint import StreamCheckpoint
@@ -122,15 +129,20 @@ def select_centroids(
 
 # ================================================================================================ capture
 class ReamCaptureTap:
-    """Keeps the MoE input, raw router logits and routing of the selected tokens of one layer (lazily).
+    """Keeps the MoE input, raw router logits and routing of the selected tokens of one layer (lazily), and, with
+    ``saliency`` (:class:`~mlx_fun.rewrite.ream_saliency.ReamSaliency`), adds every token's ``p² ‖y‖`` to it.
 
     ``layer`` is the block position to capture (``None``: capture nothing); ``select`` the flat token
-    positions (into the block's ``(N, D)`` view of its input) of the current batch.
+    positions (into the block's ``(N, D)`` view of its input) of the current batch (``None``: none of them);
+    ``token_batches`` the saliency batch of each of the batch's tokens
+    (:func:`~mlx_fun.rewrite.ream_saliency.batch_of_tokens`).
     """
 
-    def __init__(self):
+    def __init__(self, saliency=None):
         self.layer: int | None = None
         self.select: mx.array | None = None
+        self.saliency = saliency
+        self.token_batches: np.ndarray | None = None
         self.records: list[tuple[mx.array, mx.array, mx.array, mx.array]] = []
         self._x = None
 
@@ -139,20 +151,26 @@ class ReamCaptureTap:
             self._x = h
 
     def __call__(self, layer, inds, weights, logits, y):
-        if layer != self.layer or self.select is None:
+        if layer != self.layer:
             return
         x, self._x = self._x, None
-        sel = self.select
-        record = (
-            x.reshape(-1, x.shape[-1])[sel],
-            logits.reshape(-1, logits.shape[-1])[sel].astype(mx.float32),
-            inds.reshape(-1, inds.shape[-1])[sel],
-            weights.reshape(-1, weights.shape[-1])[sel].astype(mx.float32),
-        )
+        sel, record, contrib = self.select, (), None
+        if sel is not None:
+            record = (
+                x.reshape(-1, x.shape[-1])[sel],
+                logits.reshape(-1, logits.shape[-1])[sel].astype(mx.float32),
+                inds.reshape(-1, inds.shape[-1])[sel],
+                weights.reshape(-1, weights.shape[-1])[sel].astype(mx.float32),
+            )
+        if self.saliency is not None:
+            contrib = routed_contributions(inds, logits, y)
         # evaluated batch by batch: one batch's attention alive at a time, as in a plain forward (evaluating all
         # batches' captures at once in take() held every batch's attention scores together)
-        mx.eval(record)
-        self.records.append(record)
+        mx.eval([*record, *([] if contrib is None else [contrib])])
+        if record:
+            self.records.append(record)
+        if contrib is not None:
+            self.saliency.add(self.token_batches, np.array(inds), np.array(contrib))
 
     def take(self):
         """``(x, logits, inds, weights)`` of everything captured since the last call, concatenated and evaluated."""
@@ -212,20 +230,6 @@ def dense_expert_stats(experts, x: mx.array, logits: mx.array, chunk_elems: int 
         mean_py.append(np.array(parts[1]))
         norms.append(np.array(parts[2]))
     return DenseStats(np.concatenate(mean_y), np.concatenate(mean_py), np.concatenate(norms, axis=1))
-
-
-def routed_saliency(norms: np.ndarray, inds: np.ndarray, weights: np.ndarray, num_experts: int) -> np.ndarray:
-    """REAP of the captured tokens: mean over the tokens routed to ``e`` of router weight × ‖y[t, e]‖."""
-    inds = np.asarray(inds).astype(np.int64)
-    w = np.asarray(weights, dtype=np.float64)
-    rows = np.broadcast_to(np.arange(inds.shape[0])[:, None], inds.shape)
-    total = np.zeros(num_experts)
-    count = np.zeros(num_experts)
-    np.add.at(total, inds.reshape(-1), (w * norms[rows, inds]).reshape(-1))
-    np.add.at(count, inds.reshape(-1), 1.0)
-    out = np.zeros(num_experts)
-    np.divide(total, count, out=out, where=count > 0)
-    return out
 
 
 # ================================================================================================ grouping
@@ -425,11 +429,15 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
                 spill=None) -> dict:
     """Merge ``model``'s experts in place (REAM) and return the ``ream_metadata.json`` content.
 
-    Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the ``E − selection.n_prune``
-    most salient experts of ``saliency`` ((L, E) scores, higher = more important; ``selection.metric`` names them
-    in the metadata). ``saliency`` also orders the centroids and weights the averages; without it the REAP score of
-    the captured calibration tokens is used. ``ream`` (:class:`~mlx_fun.rewrite.merge_options.Ream`): how experts
-    are merged; ``calibration``: its ``seed`` draws the token subsets and ``batch_size`` batches the forwards.
+    Saliency (``ream.saliency_source``): ``layerwise`` (the default, REAM's own) measures each layer's saliency
+    during the merge on the hidden states the merged earlier layers give it
+    (:mod:`mlx_fun.rewrite.ream_saliency`; ``saliency`` must then be ``None``); ``file``: ``saliency`` ((L, E)
+    scores, higher = more important; ``selection.metric`` names them in the metadata), or, without it, the REAP
+    score (renormalised router weight × ‖y‖) of the similarity tokens. The saliency orders the centroids and
+    weights the averages. Centroids: ``keep_map`` ({MoE position: kept experts}) or, when it is ``None``, the
+    ``E − selection.n_prune`` most salient experts of each layer (layerwise: chosen as the layer is reached).
+    ``ream`` (:class:`~mlx_fun.rewrite.merge_options.Ream`): how experts are merged; ``calibration``: its ``seed``
+    draws the token subsets and ``batch_size`` batches the forwards (and the layerwise saliency's means).
     ``samples`` are token-id lists (calibration data). The new config is ``adapter.config`` afterwards.
 
     ``checkpoint`` (:class:`mlx_fun.observe.checkpoint.StreamCheckpoint`): streamed
@@ -443,20 +451,18 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
     n_prune, metric, seed = selection.n_prune, selection.metric, calibration.seed
     similarity_mode, alignment, max_group_size = ream.similarity_mode, ream.alignment, ream.max_group_size
     max_similarity_tokens, max_alignment_tokens = ream.max_similarity_tokens, ream.max_alignment_tokens
+    layerwise = ream.saliency_source == "layerwise"
     moe_layers = adapter.moe_layers()
     L, E = len(moe_layers), adapter.num_experts
-    scores = None
-    if saliency is not None:
-        scores = np.asarray(saliency, dtype=np.float64)
-        if scores.shape != (L, E):
-            raise UserError(
-                f"saliency scores have shape {scores.shape} but the model has {L} MoE layers × {E} experts; "
-                "collect them on this model."
-            )
+    scores = _file_scores(saliency, L, E, layerwise)
     if keep_map is None:
-        if scores is None or n_prune is None:
-            raise ValueError("give keep_map, or saliency and n_prune")
-        keep_map = select_centroids(adapter, scores, n_prune)
+        if n_prune is None or (scores is None and not layerwise):
+            raise ValueError("give keep_map, or n_prune (and, with saliency_source='file', saliency)")
+        # layerwise: every rule of the selection checked now, the centroids chosen as each layer is reached
+        keep_map = select_centroids(adapter, np.ones((L, E)) if layerwise else scores, n_prune)
+        choose = layerwise
+    else:
+        choose = False
     keep_map = {p: sorted(int(e) for e in keep_map.get(p, range(E))) for p in range(L)}
     n_kept = check_keep_map(adapter, keep_map)
     if adapter.groups and n_kept % adapter.groups[0]:
@@ -485,49 +491,58 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
     align_rows = mx.array(np.sort(order[:max_alignment_tokens]).astype(np.int32))
     n_tokens = driver.n_tokens
 
-    tap = ReamCaptureTap()
-    centroid_map, group_map = {}, {}
+    acc = ReamSaliency(E, -(-len(samples) // calibration.batch_size)) if layerwise else None
+    tap = ReamCaptureTap(acc)
+    centroid_map, group_map, saliency_map = {}, {}, {}
     # every expert on the similarity tokens, a few experts at a time: each chunk's outputs no larger than one
     # forward's hidden state (token budget × hidden), so merging never peaks above the forward it replays
     chunk_elems = engine.token_budget(token_budget) * int(driver.batches[0].h.shape[-1])
 
     def select(batch) -> bool:
         tap.select = selects[batch.index]
+        if acc is not None:  # the layerwise saliency reads every token
+            tap.token_batches = batch_of_tokens(batch.rows, batch.valid, calibration.batch_size)
+            return True
         return tap.select is not None
 
     def on_layer(i: int) -> None:
         if i not in moe_layers:
             return
         pos = moe_layers.index(i)
-        tap.layer = pos  # 1. capture the block's input / logits / routing of the selected tokens
+        tap.layer = pos  # 1. capture the block's input / logits / routing of the selected tokens (and saliency)
+        if acc is not None:
+            acc.reset()
         driver.replay(i, before=select)
         tap.layer, tap.select = None, None
         x, logits, inds, rweights = tap.take()
-        groups = _merge_block(
-            adapter, adapter.block(i), keep_map[pos], x, logits, inds, rweights,
-            None if scores is None else scores[pos], sim_rows, align_rows,
+        sal = acc.scores() if acc is not None else None if scores is None else scores[pos]
+        if choose:
+            keep_map[pos] = layer_centroids(adapter, sal, n_prune)
+        groups, sal = _merge_block(
+            adapter, adapter.block(i), keep_map[pos], x, logits, inds, rweights, sal, sim_rows, align_rows,
             similarity_mode, alignment, max_group_size, chunk_elems,
         )  # fmt: skip   2. rewrite; the driver then propagates through the merged layer
         centroid_map[str(i)] = keep_map[pos]
         group_map[str(i)] = {str(c): [int(e) for e in m] for c, m in sorted(groups.items())}
+        saliency_map[str(i)] = [float(v) for v in sal]
 
+    maps = {"centroid_map": centroid_map, "group_map": group_map, "saliency": saliency_map}
     with driver, moe_hook.hooked(adapter, [tap]):
         if checkpoint is None:
             driver.run(on_layer, progress=progress, desc="merge")
         else:
             from .merge_stream import run_streamed
 
-            run_streamed(driver, on_layer, checkpoint, {"centroid_map": centroid_map, "group_map": group_map},
-                          progress=progress, log=log or (lambda _line: None))
+            run_streamed(driver, on_layer, checkpoint, maps, progress=progress, log=log or (lambda _line: None))
     layer_seconds = {str(i): driver.seconds[i] for i in moe_layers}
     adapter.config = pruned_config(adapter, adapter.config, n_kept)
     return {
         "method": "ream",
         "original_num_experts": E,
         "merged_num_experts": n_kept,
-        "metric": metric if scores is not None else "reap (calibration tokens)",
-        "centroid_map": centroid_map,
-        "group_map": group_map,
+        "saliency_source": ream.saliency_source,
+        "metric": (LAYERWISE_METRIC if layerwise else metric if scores is not None else "reap (calibration tokens)"),
+        **maps,
         "similarity_mode": similarity_mode,
         "alignment": alignment,
         "max_group_size": max_group_size,
@@ -541,10 +556,31 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
     }
 
 
+def _file_scores(saliency, L: int, E: int, layerwise: bool) -> np.ndarray | None:
+    """``saliency`` as checked (L, E) float64 scores (``None`` when not given); refused with a layerwise source."""
+    if saliency is None:
+        return None
+    if layerwise:
+        raise UserError(f"a saliency file is read only with {param('saliency_source')} file; the layerwise source "
+                        f"measures each layer's saliency during the merge: drop the file or pass "
+                        f"{param('saliency_source')} file.")
+    scores = np.asarray(saliency, dtype=np.float64)
+    if scores.shape != (L, E):
+        raise UserError(f"saliency scores have shape {scores.shape} but the model has {L} MoE layers × {E} experts; "
+                        "collect them on this model.")
+    return scores
+
+
+def layer_centroids(adapter: MoEAdapter, saliency_row: np.ndarray, n_prune: int) -> list[int]:
+    """The ``E − n_prune`` most salient experts of one layer's ``saliency_row`` (:func:`select_centroids`' rules:
+    ties to the lower index, group balance of group-limited routers)."""
+    return select_centroids(adapter, np.asarray(saliency_row, dtype=np.float64)[None, :], n_prune)[0]
+
 
 def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_row, sim_rows, align_rows,
-                 similarity_mode, alignment, max_group_size, chunk_elems) -> dict[int, list[int]]:  # fmt: skip
-    """Similarity → groups → aligned weighted averages → write; returns the groups."""
+                 similarity_mode, alignment, max_group_size, chunk_elems) -> tuple[dict[int, list[int]], np.ndarray]:  # fmt: skip
+    """Similarity → groups → aligned weighted averages → write; returns the groups and the saliency used
+    (``scores_row``, or, when it is ``None``, the REAP of the similarity tokens)."""
     experts = adapter.experts(block)
     E = logits.shape[-1]
     xs, ls = x[sim_rows], logits[sim_rows]
@@ -566,4 +602,4 @@ def _merge_block(adapter, block, centroids, x, logits, inds, rweights, scores_ro
             continue  # nothing merged into this centroid: keep its tensors as they are
         merged[c] = merge_group(experts, [m for m, _ in use], [wt for _, wt in use], x_align, alignment)
     write_merged(adapter, block, sorted(centroids), merged)
-    return groups
+    return groups, sal

@@ -22,6 +22,7 @@ from ..errors import UserError, param
 
 SIMILARITY_MODES = ("gated", "average")
 ALIGNMENTS = ("hungarian", "greedy", "none")
+SALIENCY_SOURCES = ("layerwise", "file")
 
 
 def check_max_group_size(max_group_size) -> None:
@@ -37,7 +38,9 @@ class Ream(Group):
     ``similarity_mode``: ``gated`` or ``average`` (:mod:`mlx_fun.rewrite.merge`, step 3); ``alignment``:
     ``hungarian``, ``greedy`` or ``none`` (step 5); ``max_group_size``: most experts per group, centroid included
     (REAM's C); ``max_similarity_tokens``: tokens every expert is run on to measure similarity;
-    ``max_alignment_tokens``: the first that many of them align neurons. Every field is checked when a Ream is
+    ``max_alignment_tokens``: the first that many of them align neurons; ``saliency_source``: ``layerwise`` (REAM's
+    saliency measured during the merge, :mod:`mlx_fun.rewrite.ream_saliency`) or ``file`` (the collect file's,
+    chosen up front). Every field is checked when a Ream is
     built (:class:`mlx_fun.core.options.Group`); :func:`mlx_fun.rewrite.merge.merge_model` takes it whole."""
 
     similarity_mode: str = option(
@@ -53,9 +56,17 @@ class Ream(Group):
     max_alignment_tokens: int = option(256, "Tokens (subset of the similarity tokens) whose activations align "
                                        "neurons.", type=click.IntRange(min=1))
 
+    saliency_source: str = option(
+        "layerwise", "Where the centroids and the merge weights come from. layerwise (REAM's own): each layer's "
+        "saliency is measured during the merge on the hidden states of the already merged layers (router "
+        "probability squared times expert output norm, over the tokens routed to the expert); --saliency is not "
+        "read. file: the --saliency file's metric, ranked up front (--model-wide, --metric and --ignore-experts "
+        "apply). --expert-list fixes the centroids in both; the saliency then only weights the averages.",
+        type=click.Choice(SALIENCY_SOURCES))
+
     def __post_init__(self) -> None:
         check_max_group_size(self.max_group_size)  # its own message ("a whole number of experts") before the range's
         super().__post_init__()
 
 
-__all__ = ["ALIGNMENTS", "Ream", "SIMILARITY_MODES", "check_max_group_size"]
+__all__ = ["ALIGNMENTS", "Ream", "SALIENCY_SOURCES", "SIMILARITY_MODES", "check_max_group_size"]

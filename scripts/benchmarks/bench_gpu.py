@@ -157,6 +157,7 @@ def bench_decode(model, args, out: dict) -> None:
 
 def bench_merge(model, adapter, samples, args, out: dict) -> None:
     from mlx_fun.rewrite.merge import merge_model
+    from mlx_fun.rewrite.merge_options import Ream
     from mlx_fun.experts.selection import Selection
     from mlx_fun.datasets.calibration import Calibration
 
@@ -165,6 +166,7 @@ def bench_merge(model, adapter, samples, args, out: dict) -> None:
     n_prune, E = adapter.num_experts // 4, adapter.num_experts
     scores = out.pop("accumulator").scores("reap")
     secs, _ = timed(lambda: merge_model(model, adapter, rows, saliency=scores, selection=Selection(n_prune=n_prune),
+                                        ream=Ream(saliency_source="file"),
                                         calibration=Calibration(seed=0, batch_size=8)))
     out["merge_s"] = secs
     print(f"merge {n_prune} of {E} experts × {len(adapter.moe_layers())} layers: {secs:.1f} s "

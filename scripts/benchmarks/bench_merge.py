@@ -74,7 +74,7 @@ def time_merge(args, layers: int, samples, saliency_row) -> tuple[float, dict]:
         t0 = time.perf_counter()
         meta = merge_model(
             model, adapter, samples, saliency=sal, selection=Selection(n_prune=args.n_prune),
-            ream=Ream(alignment=args.alignment, max_group_size=args.max_group_size,
+            ream=Ream(alignment=args.alignment, max_group_size=args.max_group_size, saliency_source="file",
                       max_similarity_tokens=args.similarity_tokens, max_alignment_tokens=args.alignment_tokens),
             calibration=Calibration(seed=0),
         )  # fmt: skip
@@ -109,6 +109,7 @@ def rss_child(kind: str, n_samples: int) -> None:
     from mlx_fun.datasets.samples import pad_id
     from mlx_fun.model.io import load_model
     from mlx_fun.rewrite.merge import merge_model
+    from mlx_fun.rewrite.merge_options import Ream
     from mlx_fun.datasets.calibration import Calibration
     from mlx_fun.experts.selection import Selection
 
@@ -124,7 +125,8 @@ def rss_child(kind: str, n_samples: int) -> None:
     elif kind == "merge":
         scores = np.random.default_rng(0).random((len(adapter.moe_layers()), adapter.num_experts))
         merge_model(model, adapter, samples, saliency=scores, selection=Selection(n_prune=adapter.num_experts // 4),
-                    calibration=Calibration(seed=0, batch_size=8), pad_id=pad_id(tokenizer))
+                    ream=Ream(saliency_source="file"), calibration=Calibration(seed=0, batch_size=8),
+                    pad_id=pad_id(tokenizer))
     tokens = engine.total_tokens(samples)
     captures = tokens * config["hidden_size"] * 4 + 512 * (config["hidden_size"] + adapter.num_experts + 2 * adapter.top_k) * 4
     mx.synchronize()

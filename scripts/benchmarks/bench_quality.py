@@ -136,7 +136,7 @@ def main(argv=None):
             for size in ([] if args.no_merge else [int(c) for c in args.merge_group_sizes.split(",")]):
                 model, ad = fresh()
                 t0 = time.perf_counter()
-                merge_model(model, ad, calib[d], saliency=saliency[d].scores("reap"),
+                merge_model(model, ad, calib[d],  # merge's default: REAM's layerwise saliency (issue 45)
                             selection=Selection(n_prune=n_prune), ream=Ream(max_group_size=size),
                             calibration=Calibration(seed=0), pad_id=pad)
                 print(f"  merged in {time.perf_counter() - t0:.1f} s", flush=True)

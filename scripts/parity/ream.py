@@ -13,11 +13,13 @@ runs as its ``merge.py`` runs it (``Merger`` with its defaults: REAP saliency, R
 the batch file it expects (``data/<name>_b<N>_seq<L>_qwen3_seed<seed>.pt`` under the work directory); its
 ``pseudo_group`` is wrapped to record each layer's saliency, similarity and groups. Printed:
 
-1. per layer, the centroids and groups of both, and how alike the two similarity matrices rank expert pairs;
+1. per layer, the centroids and groups of both, how alike the two similarity matrices rank expert pairs, and how
+   close our layerwise saliency (``merge``'s default, ``--saliency-source layerwise``) is to the reference's;
 2. the merged weights of ours given the reference's groups, centroids and saliency (``group_experts`` made to
    return the reference's groups) against the reference's merged weights: max abs difference per layer;
 3. held-out perplexity (code and prose test splits, mlx-fun's evaluator for every model, the reference's merged
-   model loaded back with mlx_lm) of: the original, REAP pruning, our merge, the reference's merge, ours on the
+   model loaded back with mlx_lm) of: the original, REAP pruning, our merge (default, layerwise saliency), our
+   merge ranked and weighted by collect's REAP (``--saliency-source file``), the reference's merge, ours on the
    reference's groups.
 """
 
@@ -218,19 +220,22 @@ def main_side(args) -> int:
     prune_model(ad, keep)
     score("prune (REAP)", model)
     model, ad = fresh()
+    how = dict(selection=Selection(n_prune=n_prune), pad_id=pad,
+               calibration=Calibration(seed=args.seed, batch_size=args.batch_size))
     with Recorded() as ours:
-        merge_model(model, ad, calib, saliency=saliency.scores("reap"), selection=Selection(n_prune=n_prune),
-                    ream=Ream(max_group_size=args.group_size), calibration=Calibration(seed=args.seed,
-                                                                                        batch_size=args.batch_size),
-                    pad_id=pad)
+        merge_model(model, ad, calib, ream=Ream(max_group_size=args.group_size), **how)
     score("merge (mlx-fun)", model)
+    model, ad = fresh()
+    merge_model(model, ad, calib, saliency=saliency.scores("reap"),
+                ream=Ream(max_group_size=args.group_size, saliency_source="file"), **how)
+    score("merge (mlx-fun, --saliency-source file)", model)
     ref_model, _, _ = load_model(work / "ref" / "merged")
     score("merge (reference)", ref_model)
     model, ad = fresh()
     ref_sal = np.array([r["saliency"] for r in ref_layers])
     with Recorded(forced=ref_layers):
         merge_model(model, ad, calib, keep_map={p: r["centroids"] for p, r in enumerate(ref_layers)},
-                    saliency=ref_sal, ream=Ream(max_group_size=args.group_size),
+                    saliency=ref_sal, ream=Ream(max_group_size=args.group_size, saliency_source="file"),
                     calibration=Calibration(seed=args.seed, batch_size=args.batch_size), pad_id=pad)
     score("merge (mlx-fun, reference groups)", model)
     compare_groups(ours.layers, ref_layers)
@@ -253,11 +258,16 @@ def compare_groups(ours: list[dict], theirs: list[dict]) -> None:
         same_groups = sum(g_o.get(c) == m for c, m in g_r.items())
         merged_o = {c: m for c, m in g_o.items() if len(m) > 1}
         merged_r = {c: m for c, m in g_r.items() if len(m) > 1}
+        sal_o, sal_r = np.asarray(o["saliency"]), np.array(r["saliency"])
+        sal_rho = spearmanr(sal_o, sal_r).statistic
+        sal_rel = np.abs(sal_o - sal_r).max() / np.abs(sal_r).max()
         rows.append([str(pos), f"{len(set(cent_o) & set(cent_r))}/{len(cent_r)}", f"{same_groups}/{len(g_r)}",
                      f"{rho:.3f}", f"{max(S_o[iu]):.3f}/{min(S_o[iu]):.3f}", f"{max(S_r[iu]):.3f}/{min(S_r[iu]):.3f}",
+                     f"{sal_rho:.3f}", f"{sal_rel:.2e}", f"{sal_o.max():.4g}/{sal_r.max():.4g}",
                      str(merged_o), str(merged_r)])
     table(["layer", "same centroids", "same groups", "similarity rank corr", "ours max/min", "ref max/min",
-           "mlx-fun groups of >1", "reference groups of >1"], rows)
+           "saliency rank corr", "saliency max diff / ref max", "saliency max ours/ref", "mlx-fun groups of >1",
+           "reference groups of >1"], rows)
 
 
 def compare_weights(ours_model, ref_model, adapter) -> None:
@@ -287,7 +297,7 @@ def report(args, ppl: dict) -> int:
             for name, v in ppl.items()]
     table(["model", *(f"{d}/test ppl" for d in DOMAINS)], rows)
     prune = ppl["prune (REAP)"]
-    for name in ("merge (mlx-fun)", "merge (reference)"):
+    for name in ("merge (mlx-fun)", "merge (mlx-fun, --saliency-source file)", "merge (reference)"):
         beats = [d for d in DOMAINS if ppl[name][d][0] < prune[d][0]]
         print(f"verdict: {name} {'beats' if beats else 'does not beat'} REAP pruning"
               + (f" on {', '.join(beats)}" if beats else "") + " at the same expert count")
