@@ -29,6 +29,9 @@ ARCHITECTURES = GUIDE / "architectures.md"
 #: the front page reads in five minutes (issue 44)
 FRONT_PAGE_LINES = 250
 
+#: the one directory every example of the docs writes under (the README's tour says so), and the demo's own
+RUNS, DEMO = "runs", "mlx-fun-demo"
+
 #: commands of the shell blocks that this test does not run, and why (a prefix matches)
 NOT_RUN = {
     "python3 -m venv": "the test runs in the environment it was started in",
@@ -264,21 +267,26 @@ def test_every_doc_block_runs_in_order_in_one_directory(tmp_path):
         "tune-dispatch", "doctor", "serve", "ui", "safety-scan", "domain-scan",
         "steer", "amplify", "quantize", "abliterate"}
     assert any(c.startswith("mlx.launch --backend ring -n 2 -- mlx-fun collect") for c in ran)
+    runs = work / RUNS
     for name, experts in (("pruned", 40), ("pruned-wide", 40), ("pruned-list", 40), ("merged", 40),
-                          ("merged-list", 40), ("mlx-fun-demo/pruned", 36), ("pruned-online", 40),
-                          ("pruned-domain", 40), ("api-pruned", 40), ("api-merged", 40), ("my-pruned", 40)):
-        assert json.loads((work / name / "config.json").read_text())["num_experts"] == experts, name
-    report = json.loads((work / "eval.json").read_text())
+                          ("merged-list", 40), ("pruned-online", 40), ("pruned-domain", 40), ("api-pruned", 40),
+                          ("api-merged", 40), ("my-pruned", 40)):
+        assert json.loads((runs / name / "config.json").read_text())["num_experts"] == experts, name
+    assert json.loads((work / DEMO / "pruned" / "config.json").read_text())["num_experts"] == 36
+    assert (work / DEMO / "summary.md").is_file()
+    report = json.loads((runs / "eval.json").read_text())
     assert set(report["datasets"]) == {"code", "prose"}
     for name in ("amplified/amplification_metadata.json", "safety_report.json", "domain_report.json", "online.npz",
-                 "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz",
-                 "mlx-fun-demo/summary.md", "saliency.npz", "pipeline.npz"):
-        assert (work / name).is_file() or (tmp_path / name).is_file(), name
+                 "traffic.npz", "code.npz", "prose.npz", "diff.json", "merged.npz", "purged.npz", "saliency.npz",
+                 "pipeline.npz", "filtered_experts.json", "chat_client.py"):
+        assert (runs / name).is_file(), name
+    # every output the docs write lands under runs/ (the demo's under its own directory): `rm -rf runs` undoes them
+    assert sorted(p.name for p in work.iterdir()) == sorted(["data", "scripts", RUNS, DEMO]), sorted(work.iterdir())
     tuned = tmp_path / "cache" / "mlx-fun"  # tune-dispatch's user table; on a busy machine, the table beside it
     assert (tuned / "dispatch_table.json").is_file() or (tuned / "dispatch_table.busy.json").is_file()
-    _check_python_api(work, session.printed)
-    _check_abliterated(work, session.outputs["abliterate"].stderr)
-    assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp or lock left
+    _check_python_api(runs, session.printed)
+    _check_abliterated(runs, session.outputs["abliterate"].stderr)
+    assert not [p.name for p in runs.iterdir() if p.name.startswith(".")]  # no temp or lock left
     assert tree(ROOT / "data" / "tiny-moe") == bundled_before  # the bundled models are only ever read
     assert tree(ROOT / "data" / "tiny-moe-chat") == chat_before
 
@@ -292,7 +300,7 @@ def _run(shown: str, cmd, cwd, env, stdin: str | None = None) -> subprocess.Comp
     return proc
 
 
-def _check_python_api(work: Path, printed: list[str]) -> None:
+def _check_python_api(runs: Path, printed: list[str]) -> None:
     """What the Python API blocks print and write: the jobs (collect → prune / merge → eval → smoke-test) and the
     library pipeline (load → hooks → accumulate → select → prune → save)."""
     import mlx_lm
@@ -301,24 +309,24 @@ def _check_python_api(work: Path, printed: list[str]) -> None:
 
     assert len(printed) == 2, printed
     lines = printed[0].splitlines()
-    tokens = SaliencyAccumulator.load(work / "saliency.npz").total_tokens
+    tokens = SaliencyAccumulator.load(runs / "saliency.npz").total_tokens
     assert lines[0] == f"{tokens} tokens; (4, 48)" and tokens > 500, lines
     assert float(lines[1].split()[0]) > 0 and lines[1].endswith(" nats KL to the original"), lines
     assert "".join(lines[2:]).strip(), lines  # the merged model's reply
-    acc = SaliencyAccumulator.load(work / "pipeline.npz")
+    acc = SaliencyAccumulator.load(runs / "pipeline.npz")
     assert acc.scores("reap").shape == (4, 48) and acc.freq.sum() > 0
-    pruned, _ = mlx_lm.load(str(work / "my-pruned"))
+    pruned, _ = mlx_lm.load(str(runs / "my-pruned"))
     assert pruned.layers[0].mlp.switch_mlp.up_proj.weight.shape[0] == 40
 
 
-def _check_abliterated(work: Path, stderr: str) -> None:
+def _check_abliterated(runs: Path, stderr: str) -> None:
     """The abliterate example (the defaults on the bundled chat model, held-out evaluation prompts) takes it from
     refusing to answering (measured: 76.6% -> 6.2% of the held-out harmful prompts, benign first-token KL 0.328,
     benign refusals 1.6% -> 1.6%): its four refusal phrasings' directions together take the KL on the 32 benign
     prompts held out of the directions over --max-kl (0.974), so round 1 removes one direction from all refused
     prompts, and says so; its KL there ends at 0.112. (Before issue 45 the bound was checked on the capture prompts
     themselves, and the 128 benign ones fitted on were another random subset: 4.7% at KL 0.286.)"""
-    meta = json.loads((work / "abliterated" / "abliteration_metadata.json").read_text())
+    meta = json.loads((runs / "abliterated" / "abliteration_metadata.json").read_text())
     before, after = meta["evaluation"]["before"], meta["evaluation"]["after"]
     assert meta["evaluation"]["held_out"] and before["harmful_refusal"] >= 0.7 and after["harmful_refusal"] <= 0.10
     assert after["benign_kl"] <= 0.35 and after["benign_refusal"] <= 0.05, after
@@ -337,6 +345,9 @@ def test_docs_are_laid_out_for_a_reader():
     """The front page stays short; every guide page is in the README's list, in the index page's order, and starts
     by saying it continues in the tour's directory; the README's test command is the one CI runs."""
     assert len(README.splitlines()) <= FRONT_PAGE_LINES, f"README.md has {len(README.splitlines())} lines"
+    tour = README.split("## A tour on the bundled model", 1)[1]
+    assert f"writes under `{RUNS}/`" in tour and f"`rm -rf {RUNS}` removes" in " ".join(tour.split()), \
+        "the tour no longer says where its outputs go"
     listed = guide_pages()
     assert sorted(listed) == sorted(p for p in GUIDE.glob("*.md") if p.name != "README.md"), listed
     index = re.findall(r"^\d+\. \[[^]]+\]\(([\w.-]+\.md)\)", (GUIDE / "README.md").read_text(), re.M)

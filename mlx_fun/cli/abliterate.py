@@ -28,7 +28,7 @@ def command(**kwargs):
     Example (the bundled refusing chat model, held-out evaluation prompts):
       mlx-fun abliterate --model data/tiny-moe-chat --harmful-dataset data/safety/harmful_train.jsonl \\
           --benign-dataset data/safety/benign_train.jsonl --eval-harmful-dataset data/safety/harmful_test.jsonl \\
-          --eval-benign-dataset data/safety/benign_test.jsonl --output abliterated --seed 0
+          --eval-benign-dataset data/safety/benign_test.jsonl --output runs/abliterated --seed 0
     """
     kwargs = job_kwargs(abliterate.run, kwargs)
     kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)

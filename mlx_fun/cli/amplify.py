@@ -20,7 +20,7 @@ def command(**kwargs):
 
     \b
     Example (a tiny random deepseek_v3 from scripts/tools/make_tiny_moe.py, scanned with domain-scan):
-      mlx-fun amplify --model tiny-dsv3 --domain-map dsv3_domain.json --output amplified --scale 1.0
+      mlx-fun amplify --model runs/tiny-dsv3 --domain-map runs/dsv3_domain.json --output runs/amplified --scale 1.0
     """
     show(amplify.run(**job_kwargs(amplify.run, kwargs), log=echo_err))
 

@@ -20,8 +20,8 @@ def command(**kwargs):
     `stats-*` commands.
 
     \b
-    Example (on the bundled model, after `python -m scripts.tools.prepare_dataset --output corpus`):
-      mlx-fun collect --model data/tiny-moe --dataset corpus/code/train.jsonl --output code.npz \\
+    Example (on the bundled model, after `python -m scripts.tools.prepare_dataset --output runs/corpus`):
+      mlx-fun collect --model data/tiny-moe --dataset runs/corpus/code/train.jsonl --output runs/code.npz \\
           --max-samples 32 --max-tokens 512 --seed 42 --batch-size 4
 
     The .npz holds freq, weighted_freq_sum, reap_sum, ean_sum, reap_count, max_activation_norm (each
@@ -31,7 +31,7 @@ def command(**kwargs):
     
     Data-parallel under MLX's launcher (same file as one process; rank 0 writes it):
       mlx.launch --backend ring -n 2 -- mlx-fun collect --model data/tiny-moe \
-          --dataset data/calibration_sample.jsonl --output code-2ranks.npz
+          --dataset data/calibration_sample.jsonl --output runs/code-2ranks.npz
     """
     kwargs = job_kwargs(collect.run, kwargs)
     kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)

@@ -21,9 +21,9 @@ def command(**kwargs):
     boost them (or suppress the general experts).
 
     \b
-    Example (after `python -m scripts.tools.prepare_dataset --output corpus`):
-      mlx-fun domain-scan --model data/tiny-moe --domain-dataset corpus/code/train.jsonl \\
-          --general-dataset corpus/prose/train.jsonl --domain-name python --output domain_report.json \\
+    Example (after `python -m scripts.tools.prepare_dataset --output runs/corpus`):
+      mlx-fun domain-scan --model data/tiny-moe --domain-dataset runs/corpus/code/train.jsonl \\
+          --general-dataset runs/corpus/prose/train.jsonl --domain-name python --output runs/domain_report.json \\
           --max-samples 32 --max-tokens 256 --seed 0
     """
     kwargs = job_kwargs(domain_scan.run, kwargs)

@@ -22,9 +22,9 @@ def command(**kwargs):
     KL(reference ‖ model) in nats, and top-1 agreement (how often both predict the same most likely token).
 
     \b
-    Example (the held-out splits of `python -m scripts.tools.prepare_dataset --output corpus`):
-      mlx-fun eval --model pruned --reference data/tiny-moe --dataset code=corpus/code/test.jsonl \\
-          --dataset prose=corpus/prose/test.jsonl --max-samples 32 --max-tokens 512 --output eval.json
+    Example (the held-out splits of `python -m scripts.tools.prepare_dataset --output runs/corpus`):
+      mlx-fun eval --model runs/pruned --reference data/tiny-moe --dataset code=runs/corpus/code/test.jsonl \\
+          --dataset prose=runs/corpus/prose/test.jsonl --max-samples 32 --max-tokens 512 --output runs/eval.json
 
     Datasets use the formats of `collect` (JSONL messages / prompt+completion / text lines, or a directory of
     .txt/.sol files), tokenized with MODEL's tokenizer; model and reference must share the tokenizer. The

@@ -19,11 +19,11 @@ def command(**kwargs):
     """Merge MODEL's routed experts around the most salient ones (REAM) and write an mlx-lm directory to OUTPUT.
 
     \b
-    Examples (on the bundled model; filtered_experts.json: docs/guide/commands.md):
-      mlx-fun merge --model data/tiny-moe --n-prune 8 --dataset corpus/code/train.jsonl \\
-          --output merged --max-samples 16 --max-tokens 512 --seed 42
-      mlx-fun merge --model data/tiny-moe --expert-list filtered_experts.json --dataset corpus/code/train.jsonl \\
-          --output merged-list --max-samples 16 --max-tokens 512
+    Examples (on the bundled model; runs/filtered_experts.json: docs/guide/commands.md):
+      mlx-fun merge --model data/tiny-moe --n-prune 8 --dataset runs/corpus/code/train.jsonl \\
+          --output runs/merged --max-samples 16 --max-tokens 512 --seed 42
+      mlx-fun merge --model data/tiny-moe --expert-list runs/filtered_experts.json \\
+          --dataset runs/corpus/code/train.jsonl --output runs/merged-list --max-samples 16 --max-tokens 512
 
     Each layer's centroids are its most salient experts (or the expert list's kept ones). The saliency is
     REAM's own by default (--saliency-source layerwise): measured as the layer is reached, on the hidden states

@@ -16,11 +16,11 @@ def command(**kwargs):
     """Prune MODEL's routed experts by saliency and write a standard mlx-lm directory to OUTPUT.
 
     \b
-    Examples (on the bundled model; filtered_experts.json: docs/guide/commands.md):
-      mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --output pruned
-      mlx-fun prune --model data/tiny-moe --saliency code.npz --n-prune 8 --model-wide \\
-          --ignore-experts "0,1,30..31" --output pruned-wide
-      mlx-fun prune --model data/tiny-moe --expert-list filtered_experts.json --output pruned-list
+    Examples (on the bundled model; runs/filtered_experts.json: docs/guide/commands.md):
+      mlx-fun prune --model data/tiny-moe --saliency runs/code.npz --n-prune 8 --output runs/pruned
+      mlx-fun prune --model data/tiny-moe --saliency runs/code.npz --n-prune 8 --model-wide \\
+          --ignore-experts "0,1,30..31" --output runs/pruned-wide
+      mlx-fun prune --model data/tiny-moe --expert-list runs/filtered_experts.json --output runs/pruned-list
 
     Router rows, correction biases and every expert projection (quantized or not) are sliced; shared
     experts are kept. The result loads with plain mlx_lm.load(); reap_metadata.json records the kept experts.

@@ -17,10 +17,10 @@ def command(**kwargs):
 
     \b
     Examples (on the bundled model; code.npz from `mlx-fun collect`):
-      mlx-fun quantize --model data/tiny-moe --expert-bits 3 --dense-bits 4 --output q3
-      mlx-fun quantize --model data/tiny-moe --expert-mode mxfp4 --dense-bits 8 --output qfp4
-      mlx-fun quantize --model data/tiny-moe --expert-bits 4 --saliency code.npz --cold-layers 2 \\
-          --cold-bits 2 --output q-cold
+      mlx-fun quantize --model data/tiny-moe --expert-bits 3 --dense-bits 4 --output runs/q3
+      mlx-fun quantize --model data/tiny-moe --expert-mode mxfp4 --dense-bits 8 --output runs/qfp4
+      mlx-fun quantize --model data/tiny-moe --expert-bits 4 --saliency runs/code.npz --cold-layers 2 \\
+          --cold-bits 2 --output runs/q-cold
 
     mlx-lm keeps one setting per module, and a layer's routed experts are one stacked module, so --saliency
     works per layer: the --cold-layers layers whose experts have the smallest summed saliency get --cold-bits.

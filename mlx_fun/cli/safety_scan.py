@@ -24,7 +24,7 @@ def command(**kwargs):
     \b
     Example (the bundled refusing chat model and its held-out-split prompt sets):
       mlx-fun safety-scan --model data/tiny-moe-chat --harmful-dataset data/safety/harmful_train.jsonl \\
-          --benign-dataset data/safety/benign_train.jsonl --output safety_report.json --max-samples 256 --seed 0
+          --benign-dataset data/safety/benign_train.jsonl --output runs/safety_report.json --max-samples 256 --seed 0
     """
     kwargs = job_kwargs(safety_scan.run, kwargs)
     kwargs["settings"] = dataclasses.replace(kwargs["settings"], progress=True)

@@ -24,7 +24,7 @@ def command(**kwargs):
 
     \b
     Example (on the bundled model):
-      mlx-fun serve --model data/tiny-moe --port 8080 --auto-save online.npz
+      mlx-fun serve --model data/tiny-moe --port 8080 --auto-save runs/online.npz
       curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
           -d '{"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 20}'
       curl -s http://127.0.0.1:8080/v1/reap/info
@@ -36,7 +36,7 @@ def command(**kwargs):
       mlx-fun serve --model data/tiny-moe --max-prompt-tokens 2048 --max-connections 16 --request-timeout 10
 
     Ctrl+C (or SIGTERM) stops the server; with --auto-save the statistics are written atomically first, ready
-    for `mlx-fun prune --saliency online.npz`.
+    for `mlx-fun prune --saliency runs/online.npz`.
 
     mlx-lm's generation options pass through as in smoke-test: --kv-bits / --kv-group-size / --quantized-kv-start,
     --max-kv-size (which mlx_lm.server lacks), --draft-model / --num-draft-tokens; with any of --kv-bits,

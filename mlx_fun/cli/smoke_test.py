@@ -32,7 +32,7 @@ def command(**kwargs):
 
     \b
     Example:
-      mlx-fun smoke-test --model pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
+      mlx-fun smoke-test --model runs/pruned --prompt "def fibonacci(n):" --max-tokens 50 --temp 0.7 --seed 1
     """
     kwargs = job_kwargs(smoke_test.run, kwargs)
     prompt = kwargs["prompt"].replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads --prompt

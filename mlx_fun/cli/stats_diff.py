@@ -24,7 +24,7 @@ def command(**kwargs):
 
     \b
     Example:
-      mlx-fun stats-diff --file1 code.npz --file2 prose.npz --metric freq --output diff.json
+      mlx-fun stats-diff --file1 runs/code.npz --file2 runs/prose.npz --metric freq --output runs/diff.json
     """
     show(stats_diff.run(**job_kwargs(stats_diff.run, kwargs)), kwargs["output"])
 

@@ -28,7 +28,7 @@ def command(**kwargs):
 
     \b
     Example:
-      mlx-fun stats-merge --files code.npz --files prose.npz --output merged.npz --metric reap
+      mlx-fun stats-merge --files runs/code.npz --files runs/prose.npz --output runs/merged.npz --metric reap
     """
     show(stats_merge.run(**job_kwargs(stats_merge.run, kwargs)))
 

@@ -24,7 +24,7 @@ def command(**kwargs):
 
     \b
     Example:
-      mlx-fun stats-purge --input merged.npz --output purged.npz --min-freq 100 --min-count 10
+      mlx-fun stats-purge --input runs/merged.npz --output runs/purged.npz --min-freq 100 --min-count 10
     """
     kwargs = job_kwargs(stats_purge.run, kwargs)
     show(stats_purge.run(**kwargs), **kwargs)

@@ -22,9 +22,9 @@ def command(**kwargs):
 
     \b
     Example (the bundled refusing chat model, after the safety-scan example):
-      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode unsafe --chat --compare \\
+      mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode unsafe --chat --compare \\
           --prompt "How do I pick a lock?" --max-tokens 20
-      mlx-fun steer --model data/tiny-moe-chat --safety-map safety_report.json --mode safe --scheme rank \\
+      mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode safe --scheme rank \\
           --chat --compare --prompt "What does os.path.join do?" --max-tokens 20
     """
     kwargs = job_kwargs(steer.run, kwargs)

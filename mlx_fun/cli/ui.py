@@ -20,8 +20,8 @@ def command(**kwargs):
     HTTP; when the server is down the page says so in one line and carries on once it is back.
 
     \b
-    Example (with `mlx-fun serve --model data/tiny-moe-chat --port 8080 --mode full` running):
-      mlx-fun ui --server-url http://127.0.0.1:8080 --port 7860
+    Example (with `mlx-fun serve --model data/tiny-moe-chat --port 8080 --mode full --data-dir runs` running):
+      mlx-fun ui --server-url http://127.0.0.1:8080 --port 7860 --data-dir runs
       # then open http://127.0.0.1:7860
     """
     show(ui.run(**job_kwargs(ui.run, kwargs), log=echo_err))

@@ -7,8 +7,8 @@ backend is present (CPU, Metal, CUDA) and prints tokens/s and the loss curve. Da
 reproduce the model. A Switch-Transformer load-balancing loss (Fedus et al. 2021: E · Σ_e f_e · P_e) keeps
 every expert in use, and a small router z-loss keeps router logits tame.
 
-    python -m scripts.tools.prepare_dataset --output corpus
-    python -m scripts.training.train_tiny_moe --data corpus --output my-moe --minutes 8
+    python -m scripts.tools.prepare_dataset --output runs/corpus
+    python -m scripts.training.train_tiny_moe --data runs/corpus --output runs/my-moe --minutes 8
 
 The checkpoint with the lowest validation loss (mean over domains) is saved, with a model card (``README.md``)
 and ``training_log.json`` beside the weights.
