@@ -44,13 +44,11 @@ def main() -> int:
     from mlx_fun import jobs
     from mlx_fun.datasets.calibration import Calibration
     from mlx_fun.rewrite.abliterate_options import Estimate, Evaluation, Projection
-    from scripts.tools.export_transformers import export
+    from scripts.parity.common import exported
 
     work = Path(args.work or tempfile.mkdtemp(prefix="parity-abliterate-"))
     work.mkdir(parents=True, exist_ok=True)
-    hf = work / "transformers"
-    if not (hf / "model.safetensors").is_file():
-        export(Path(args.model), hf)
+    hf = exported(args.model, work)
     data = Path(args.data)
     res = jobs.abliterate.run(
         model=hf, harmful_dataset=data / "harmful_train.jsonl", benign_dataset=data / "benign_train.jsonl",

@@ -46,6 +46,15 @@ def exported(model: str | os.PathLike, work: Path) -> Path:
     return out
 
 
+def sides(args, *, reference, ours) -> int:
+    """A parity script's entry: ``--side reference`` (in the reference's Python) runs ``reference(args)``; otherwise
+    ``ours(args)``, which starts the reference side itself, returns the exit status."""
+    if args.side == "reference":
+        reference(args)
+        return 0
+    return ours(args)
+
+
 def run_reference(module: str, args, extra: list[str]) -> None:
     """Run ``python -m scripts.parity.<module> --side reference`` in ``args.python`` with the common options and
     ``extra``; its output goes to ours; a failure stops the script."""

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from scripts.parity.common import (add_common_args, exported, read_tokens, reference_path, run_reference,
-                                   table, write_tokens)
+                                   sides, table, write_tokens)
 
 DOMAINS = ("code", "prose")
 
@@ -305,11 +305,7 @@ def report(args, ppl: dict) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.side == "reference":
-        reference_side(args)
-        return 0
-    return main_side(args)
+    return sides(parse_args(argv), reference=reference_side, ours=main_side)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from scripts.parity.common import (add_common_args, exported, max_rel, rankings_equal, read_tokens,
-                                   reference_path, run_reference, table, write_tokens)
+                                   reference_path, run_reference, sides, table, write_tokens)
 
 #: ours (SaliencyAccumulator) → the reference observer's state key, per metric
 METRICS = {"freq": "expert_frequency", "weighted_freq": "weighted_expert_frequency_sum", "reap": "reap",
@@ -161,11 +161,7 @@ def compare(args, dataset, samples, ours, ref) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.side == "reference":
-        reference_side(args)
-        return 0
-    return main_side(args)
+    return sides(parse_args(argv), reference=reference_side, ours=main_side)
 
 
 if __name__ == "__main__":

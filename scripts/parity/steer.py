@@ -79,13 +79,11 @@ def main() -> int:
     from mlx_fun.model.io import read_config
     from mlx_fun.observe.refusal import degenerate_rate, first_token_logprobs, greedy_replies, refusal_rate
     from scripts.lib.chat import read
-    from scripts.tools.export_transformers import export
+    from scripts.parity.common import exported
 
     work = Path(args.work or tempfile.mkdtemp(prefix="parity-steer-"))
     work.mkdir(parents=True, exist_ok=True)
-    hf = work / "transformers"
-    if not (hf / "model.safetensors").is_file():
-        export(Path(args.model), hf)
+    hf = exported(args.model, work)
     data = Path(args.data)
     model, tok = load(str(hf))
     adapter = get_adapter(model, read_config(hf))
