@@ -16,12 +16,8 @@ from mlx_fun.adapters import get_adapter
 from mlx_fun.errors import UserError
 from mlx_fun.model.io import load_model
 from mlx_fun.output.model_dir import save_model_dir
-from mlx_fun.rewrite.merge import (
-    align_permutation,
-    alignment_cost,
-    group_experts,
-    merge_model,
-)
+from mlx_fun.rewrite.merge import group_experts, merge_model
+from mlx_fun.rewrite.merge_align import align_permutation, alignment_cost
 from mlx_fun.rewrite.prune import prune_model
 from mlx_fun.rewrite.weights import dense as _dense
 from mlx_fun.rewrite.weights import quantized_like as _quantize_expert

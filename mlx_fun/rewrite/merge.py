@@ -79,20 +79,19 @@ import mlx.core as mx
 import numpy as np
 
 from ..model import engine, moe_hook
-from ..adapters.base import MoEAdapter, expert_projections, intermediate
+from ..adapters.base import MoEAdapter, expert_projections
 from ..errors import UserError, param
 from ..model.layered import LayerDriver
-from .weights import dense, stored, write
+from .weights import stored, write
 from ..datasets.calibration import Calibration
 from ..experts.selection import Selection
 from .merge_options import ALIGNMENTS, SIMILARITY_MODES, Ream, check_max_group_size  # noqa: F401 - re-exported
 from .prune import check_keep_map, prune_block, pruned_config
+from .merge_align import merge_group, unit_rows
 from .ream_saliency import LAYERWISE_METRIC, ReamSaliency, batch_of_tokens, routed_contributions, routed_saliency
 
 if TYPE_CHECKING:
     from ..observe.checkpoint import StreamCheckpoint
-
-_EPS = 1e-12
 
 
 # ================================================================================================ selection
@@ -183,13 +182,9 @@ class ReamCaptureTap:
 
 
 # ================================================================================================ similarity
-def _unit_rows(a: np.ndarray) -> np.ndarray:
-    return a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), _EPS)
-
-
 def cosine_matrix(vectors: np.ndarray) -> np.ndarray:
     """(E, E) cosine similarity of the rows of ``vectors`` (a zero row is similar to nothing)."""
-    u = _unit_rows(np.asarray(vectors, dtype=np.float64))
+    u = unit_rows(np.asarray(vectors, dtype=np.float64))
     return u @ u.T
 
 
@@ -280,111 +275,6 @@ def group_experts(
     return groups
 
 
-# ================================================================================================ alignment
-def alignment_cost(act_c: np.ndarray, act_m: np.ndarray, feat_c: np.ndarray, feat_m: np.ndarray) -> np.ndarray:
-    """(I, I) cost of pairing centroid neuron ``a`` (row) with member neuron ``b`` (column).
-
-    ``act_*`` are (N, I) intermediate activations on the same tokens, ``feat_*`` (I, F) weight features;
-    both are unit-normalised per neuron, and the cost is the sum of the two squared distances.
-    """
-    ac = _unit_rows(np.asarray(act_c, dtype=np.float64).T)
-    am = _unit_rows(np.asarray(act_m, dtype=np.float64).T)
-    fc = _unit_rows(np.asarray(feat_c, dtype=np.float64))
-    fm = _unit_rows(np.asarray(feat_m, dtype=np.float64))
-    return (2.0 - 2.0 * ac @ am.T) + (2.0 - 2.0 * fc @ fm.T)
-
-
-def align_permutation(cost: np.ndarray, method: str = "hungarian") -> np.ndarray:
-    """``perm`` with ``perm[a]`` = the member neuron placed at centroid neuron ``a`` (a permutation of 0..I-1)."""
-    cost = np.asarray(cost, dtype=np.float64)
-    n = cost.shape[0]
-    if method == "none":
-        return np.arange(n)
-    if method == "hungarian":
-        from scipy.optimize import linear_sum_assignment
-
-        rows, cols = linear_sum_assignment(cost)
-        perm = np.empty(n, dtype=np.int64)
-        perm[rows] = cols
-        return perm
-    if method == "greedy":
-        perm = np.full(n, -1, dtype=np.int64)
-        free = np.ones(n, dtype=bool)
-        for a in np.lexsort((np.arange(n), cost.min(axis=1))):  # most confident neurons first
-            row = np.where(free, cost[a], np.inf)
-            b = int(np.argmin(row))
-            perm[a] = b
-            free[b] = False
-        return perm
-    raise UserError(f"unknown alignment '{method}'; choose one of {', '.join(ALIGNMENTS)}.")
-
-
-# ================================================================================================ expert weights
-def expert_weights(experts, e: int) -> dict[str, mx.array | None]:
-    """float32 (out, in) weights of expert ``e`` keyed by projection name (``gate_proj``/``up_proj``/``down_proj``
-    of a SwitchGLU, ``fc1``/``fc2`` of a SwitchMLP), and their biases under ``<name>_bias`` (``None`` where absent)."""
-    ins, out_name = expert_projections(experts)
-    out: dict[str, mx.array | None] = {}
-    for name in (*ins, out_name):
-        lin = getattr(experts, name)
-        out[name] = dense(lin, e)
-        out[name + "_bias"] = lin["bias"][e].astype(mx.float32) if "bias" in lin else None
-    return out
-
-
-def intermediate_activations(experts, w: dict, x: mx.array) -> mx.array:
-    """(N, I) activations of one expert on ``x`` (N, D), through the family's own activation function."""
-    pre = {}
-    for name in expert_projections(experts)[0]:
-        pre[name] = x @ w[name].T
-        if w[name + "_bias"] is not None:
-            pre[name] = pre[name] + w[name + "_bias"]
-    return intermediate(experts, pre)
-
-
-def weight_features(experts, w: dict) -> mx.array:
-    """(I, F): the input projections' rows ‖ the output projection's column of every intermediate neuron."""
-    ins, out_name = expert_projections(experts)
-    return mx.concatenate([w[name] for name in ins] + [w[out_name].T], axis=1)
-
-
-def permute_expert(experts, w: dict, perm: np.ndarray) -> dict:
-    """Expert weights with intermediate neuron ``perm[a]`` moved to position ``a``."""
-    ins, out_name = expert_projections(experts)
-    p = mx.array(perm.astype(np.int32))
-    out = dict(w)
-    for key in ins:
-        out[key] = w[key][p]
-        if w[key + "_bias"] is not None:
-            out[key + "_bias"] = w[key + "_bias"][p]
-    out[out_name] = w[out_name][:, p]
-    return out
-
-
-def merge_group(
-    experts, members: Sequence[int], weights: Sequence[float], x_align: mx.array | None, alignment: str
-) -> dict:
-    """Saliency-weighted average of the members (``members[0]`` is the centroid) after aligning each onto it."""
-    base = expert_weights(experts, members[0])
-    need_align = alignment != "none"
-    if need_align:
-        act_c = np.array(intermediate_activations(experts, base, x_align))
-        feat_c = np.array(weight_features(experts, base))
-    merged = {k: (None if v is None else v * float(weights[0])) for k, v in base.items()}
-    for m, wt in zip(members[1:], weights[1:]):
-        w = expert_weights(experts, m)
-        if need_align:
-            cost = alignment_cost(
-                act_c, np.array(intermediate_activations(experts, w, x_align)), feat_c, np.array(weight_features(experts, w))
-            )
-            w = permute_expert(experts, w, align_permutation(cost, alignment))
-        for k, v in w.items():
-            if v is not None:
-                merged[k] = merged[k] + v * float(wt)
-        mx.eval([v for v in merged.values() if v is not None])
-    return merged
-
-
 # ================================================================================================ writing
 def write_merged(adapter: MoEAdapter, block, kept: list[int], merged: dict[int, dict]) -> None:
     """Slice ``block`` to ``kept`` (sorted centroids; router rows of the centroids stay) and put the merged
@@ -455,21 +345,7 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
     moe_layers = adapter.moe_layers()
     L, E = len(moe_layers), adapter.num_experts
     scores = _file_scores(saliency, L, E, layerwise)
-    if keep_map is None:
-        if n_prune is None or (scores is None and not layerwise):
-            raise ValueError("give keep_map, or n_prune (and, with saliency_source='file', saliency)")
-        # layerwise: every rule of the selection checked now, the centroids chosen as each layer is reached
-        keep_map = select_centroids(adapter, np.ones((L, E)) if layerwise else scores, n_prune)
-        choose = layerwise
-    else:
-        choose = False
-    keep_map = {p: sorted(int(e) for e in keep_map.get(p, range(E))) for p in range(L)}
-    n_kept = check_keep_map(adapter, keep_map)
-    if adapter.groups and n_kept % adapter.groups[0]:
-        raise UserError(
-            f"this router picks experts in {adapter.groups[0]} groups, so the centroid count ({n_kept}) must be "
-            f"divisible by {adapter.groups[0]}; merge the same number of experts in every group."
-        )
+    keep_map, choose, n_kept = _centroids(adapter, keep_map, scores, n_prune, layerwise)
     samples = [list(s) for s in samples if len(s)]
     if not samples:
         raise UserError("no calibration tokens: the dataset gave no non-empty samples.")
@@ -482,13 +358,7 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
     # ---- calibration hidden states, carried through the layers by the layered driver
     driver = LayerDriver(model, adapter, samples, batch_size=calibration.batch_size, pad_id=pad_id,
                          token_budget=token_budget, spill=spill)
-    n_capture = max(max_similarity_tokens, max_alignment_tokens)
-    rng = np.random.default_rng(seed)
-    selects, n_cap = _token_subsets([b.valid for b in driver.batches], n_capture, rng)
-    selects = [mx.array(sel.astype(np.int32)) if len(sel) else None for sel in selects]
-    order = rng.permutation(n_cap)  # random rank of every captured token (they arrive in batch order)
-    sim_rows = mx.array(np.sort(order[:max_similarity_tokens]).astype(np.int32))
-    align_rows = mx.array(np.sort(order[:max_alignment_tokens]).astype(np.int32))
+    selects, n_cap, sim_rows, align_rows = _capture_rows(driver, max_similarity_tokens, max_alignment_tokens, seed)
     n_tokens = driver.n_tokens
 
     acc = ReamSaliency(E, -(-len(samples) // calibration.batch_size)) if layerwise else None
@@ -554,6 +424,41 @@ def merge_model(model, adapter: MoEAdapter, samples: Sequence[Sequence[int]], *,
         "layer_seconds": layer_seconds,
         "seconds": round(time.perf_counter() - t_start, 3),
     }
+
+
+def _centroids(adapter: MoEAdapter, keep_map, scores, n_prune, layerwise: bool) -> tuple[dict, bool, int]:
+    """``(keep_map, choose, n_kept)``: the centroids of every MoE position (``keep_map`` as given, or the
+    ``E − n_prune`` most salient of ``scores``; layerwise, placeholders that every rule of the selection has
+    checked, chosen again as each layer is reached: ``choose``) and how many each layer keeps."""
+    L, E = len(adapter.moe_layers()), adapter.num_experts
+    choose = False
+    if keep_map is None:
+        if n_prune is None or (scores is None and not layerwise):
+            raise ValueError("give keep_map, or n_prune (and, with saliency_source='file', saliency)")
+        keep_map = select_centroids(adapter, np.ones((L, E)) if layerwise else scores, n_prune)
+        choose = layerwise
+    keep_map = {p: sorted(int(e) for e in keep_map.get(p, range(E))) for p in range(L)}
+    n_kept = check_keep_map(adapter, keep_map)
+    if adapter.groups and n_kept % adapter.groups[0]:
+        raise UserError(
+            f"this router picks experts in {adapter.groups[0]} groups, so the centroid count ({n_kept}) must be "
+            f"divisible by {adapter.groups[0]}; merge the same number of experts in every group."
+        )
+    return keep_map, choose, n_kept
+
+
+def _capture_rows(driver: LayerDriver, max_similarity_tokens: int, max_alignment_tokens: int, seed):
+    """``(selects, n_captured, similarity rows, alignment rows)``: which tokens of each batch are captured (a random
+    subset of ``max(max_similarity_tokens, max_alignment_tokens)``, drawn with ``seed``; None: none of the batch)
+    and, in capture order, the rows each measurement reads."""
+    rng = np.random.default_rng(seed)
+    selects, n_cap = _token_subsets([b.valid for b in driver.batches],
+                                    max(max_similarity_tokens, max_alignment_tokens), rng)
+    selects = [mx.array(sel.astype(np.int32)) if len(sel) else None for sel in selects]
+    order = rng.permutation(n_cap)  # random rank of every captured token (they arrive in batch order)
+    sim_rows = mx.array(np.sort(order[:max_similarity_tokens]).astype(np.int32))
+    align_rows = mx.array(np.sort(order[:max_alignment_tokens]).astype(np.int32))
+    return selects, n_cap, sim_rows, align_rows
 
 
 def _file_scores(saliency, L: int, E: int, layerwise: bool) -> np.ndarray | None:
