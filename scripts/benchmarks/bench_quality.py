@@ -269,10 +269,15 @@ def interpretation(rows) -> list[str]:
     merges = [r for r in rows if r["method"] == "ream-merge"]
     if merges:
         m = get("ream-merge", top, "code")
+        other = [(d, o) for d, o in (("code", "prose"), ("prose", "code"))]
+        wins = [f"{f:.0%} {d}-calibrated on {o}" for f in sorted({r["fraction"] for r in merges}) for d, o in other
+                if get("ream-merge", f, d)[f"{o}_ppl"] < get("reap", f, d)[f"{o}_ppl"]]
         out.append(
-            f"- REAM merging (default `--max-group-size 16`, REAP centroids) against REAP pruning with the same "
-            f"centroids: {m['code_ppl']:.2f} vs {reap['code_ppl']:.2f} code perplexity at {top:.0%} "
-            f"({'better' if m['code_ppl'] < reap['code_ppl'] else 'worse'} than pruning).")
+            f"- REAM merging (the defaults: REAM's own layerwise saliency, `--max-group-size 16`) against REAP pruning "
+            f"to the same number of experts: {m['code_ppl']:.2f} vs {reap['code_ppl']:.2f} code perplexity at "
+            f"{top:.0%} with code calibration ({'better' if m['code_ppl'] < reap['code_ppl'] else 'worse'} than "
+            f"pruning); on the domain it was not calibrated on, merging is lower in {len(wins)} of "
+            f"{2 * len({r['fraction'] for r in merges})} cases" + (f" ({', '.join(wins)})." if wins else "."))
         small = sorted({r["method"] for r in rows if r["method"].startswith("ream-merge C=")})
         if small:
             out.append(
