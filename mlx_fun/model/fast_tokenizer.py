@@ -279,24 +279,24 @@ class FastTokenizer:
         template = self.chat_template if chat_template is None else chat_template
         if template is None:  # transformers' error, without importing it
             raise ValueError(NO_TEMPLATE)
+        def transformers_own():
+            return self._real().apply_chat_template(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=tokenize, return_dict=return_dict, **kwargs)
+
         options = {key: value for key, value in kwargs.items() if key in _TRANSFORMERS_OPTIONS}
         if (not _plain_chat(conversation) or not _plain(tools) or not _plain(documents) or not _plain(kwargs)
                 or continue_final_message not in (False, True) or (tokenize and return_dict)
                 or not isinstance(template, str) or any(value not in (None, False) for value in options.values())
                 or (continue_final_message and add_generation_prompt)):
-            return self._real().apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=tokenize, return_dict=return_dict, **kwargs)
+            return transformers_own()
         variables = {key: value for key, value in kwargs.items() if key not in _TRANSFORMERS_OPTIONS}
         text = render(template, [dict(m) for m in conversation], tools=tools, documents=documents,
                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                       **{**self.special_tokens_map, **variables})
-        if text is None:  # transformers' error of continue_final_message
-            return self._real().apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                continue_final_message=continue_final_message, tokenize=tokenize, return_dict=return_dict,
-                **kwargs)
+        if text is None:  # transformers' error of continue_final_message (add_generation_prompt is False here)
+            return transformers_own()
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
