@@ -87,7 +87,7 @@ def samples(tmp_path_factory, qwen_model):
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     (root / "expert_list.json").write_text(json.dumps(
         {"format": "mlx-fun-expert-list", "layers": {str(i): {"remove": [0]} for i in range(layers)}}))
-    (root / "safety_map.json").write_text(json.dumps({"safety_critical": {"0": [1]}}))
+    (root / "safety_map.json").write_text(json.dumps({"safety_critical": {"0": [1]}, "hcdg": {"0": [1]}}))
     (root / "domain_map.json").write_text(json.dumps({"domain_experts": {"0": [1]}}))
     (root / "dispatch_table.json").write_text(table_text(Table()))
     (root / "data_dir").mkdir()

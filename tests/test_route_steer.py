@@ -171,10 +171,10 @@ def test_rank_keeps_a_boosted_experts_weight_near_the_favourites(make_model):
 
 def test_rank_scheme_boosts_at_most_top_k(tmp_path):
     with pytest.raises(SteeringError, match=r"activate\.1|at most top_k = 2") as e:
-        from_reports(moe_layer_indices=[1], num_experts=8, top_k=2, activate={"1": [0, 1, 2]}, scheme="rank")
+        from_reports(moe_layer_indices=[1], num_experts=8, top_k=2, activate={"1": [0, 1, 2]})  # rank, the default
     assert e.value.field == "activate.1"
-    s = from_reports(moe_layer_indices=[1], num_experts=8, top_k=2, activate={"1": [0, 1, 2]})  # additive: warns
-    assert s.warnings and s.scheme == "additive"
+    s = from_reports(moe_layer_indices=[1], num_experts=8, top_k=2, activate={"1": [0, 1, 2]}, scheme="additive")
+    assert s.warnings and s.scheme == "additive"  # additive: warns
     with pytest.raises(SteeringError, match="scheme must be one of additive, rank") as e:
         from_reports(moe_layer_indices=[1], num_experts=8, top_k=2, activate={"1": [0]}, scheme="ranked")
     assert e.value.field == "scheme"

@@ -91,7 +91,14 @@ def test_safety_scan_on_the_refusing_model(tmp_path):
         assert set(rep["safety_critical"][layer]) == set(rep["hcdg"].get(layer, [])) | set(rep["hrcg"].get(layer, []))
     sizes = got.group_sizes()
     assert sizes["hcdg"] > 0 and sizes["hrcg"] > 0
-    assert rep["datasets"]["harmful"]["samples"] == 48 and rep["thresholds"]["hcdg_composite_at_least"] > 0
+    assert rep["datasets"]["harmful"]["samples"] == 48 and rep["thresholds"]["hcdg_risk_difference_at_least"] > 0
+    # ranked as SteerMoE ranks: by the risk difference over all layers, each side past its percentile
+    risk = np.array(rep["scores"]["risk_difference"])
+    assert rep["ranked_by"] == "risk_difference" and rep["threshold_percentile"] == 90.0
+    hcdg = {(p, e) for p, layer in enumerate(rep["moe_layer_indices"]) for e in rep["hcdg"].get(str(layer), [])}
+    assert hcdg == {(p, e) for p, e in zip(*np.nonzero((risk >= np.percentile(risk, 90)) & (risk > 0)))}
+    hrcg = {(p, e) for p, layer in enumerate(rep["moe_layer_indices"]) for e in rep["hrcg"].get(str(layer), [])}
+    assert hrcg == {(p, e) for p, e in zip(*np.nonzero((risk <= np.percentile(risk, 10)) & (risk < 0)))}
     from mlx_fun.experts.expert_files import load_report_experts
     from mlx_fun.experts.steering import from_reports
 
@@ -99,7 +106,7 @@ def test_safety_scan_on_the_refusing_model(tmp_path):
     assert sum(map(len, sets.values())) == sizes["safety_critical"]
     s = from_reports(moe_layer_indices=[0, 1, 2, 3], num_experts=48, top_k=6,
                      safety_map=tmp_path / "safety_report.json", safety_mode="unsafe")
-    assert sum(map(len, s.deactivate.values())) == sizes["safety_critical"]
+    assert sum(map(len, s.deactivate.values())) == sizes["hcdg"]
 
 
 def test_scan_errors_are_one_line(tmp_path, make_model):

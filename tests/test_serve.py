@@ -198,9 +198,13 @@ def test_steered_off_experts_get_no_counts_until_delete(server, scheme):
 
 def test_steering_from_reports(server, data_dir):
     hot = _hot_experts(server, 2, 2)
-    (data_dir / "safety_report.json").write_text(json.dumps({"safety_critical": {"2": hot}}))
+    (data_dir / "safety_report.json").write_text(json.dumps({"hcdg": {"2": hot}}))
     (data_dir / "domain_report.json").write_text(json.dumps({"domain_experts": {"0": [1]},
                                                              "general_experts": {"3": [5, 6]}}))
+    status, out = call(server, "POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "safe",
+                                                          "boost_experts": 1})
+    assert status == 200 and out["steering"]["activate"] == {"2": [min(hot)]}  # no scores: in expert order
+    assert out["steering"]["sources"][0]["boost_experts"] == 1
     status, out = call(server, "POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "unsafe"})
     assert status == 200 and out["steering"]["deactivate"] == {"2": sorted(hot)}
     call(server, "POST", "/v1/reap/reset", {})
@@ -230,6 +234,10 @@ BAD = [
     ("POST", "/v1/reap/steer", {"deactivate": {"0": [1]}, "scheme": "ranked"}, 400, "scheme"),
     ("POST", "/v1/reap/steer", {"activate": {"0": list(range(1, TOP_K + 2))}, "scheme": "rank"}, 400, "activate.0"),
     ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "sideways"}, 400, "mode"),
+    ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "safe", "boost_experts": 0}, 400,
+     "boost_experts"),
+    ("POST", "/v1/reap/steer", {"safety_map": "safety_report.json", "mode": "safe", "boost_experts": "5"}, 400,
+     "boost_experts"),
     ("POST", "/v1/reap/steer", {"safety_map": "missing.json", "mode": "safe"}, 400, "safety_map"),
     ("POST", "/v1/reap/steer", {"safety_map": "../outside.json", "mode": "safe"}, 403, "safety_map"),
     ("POST", "/v1/reap/steer", {"domain_map": "/etc/passwd", "mode": "boost"}, 403, "domain_map"),
@@ -300,7 +308,7 @@ BAD = [
 
 @pytest.mark.parametrize("method,path,body,status,param", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_inputs_get_json_errors(server, data_dir, tmp_path_factory, method, path, body, status, param):
-    (data_dir / "safety_report.json").write_text(json.dumps({"safety_critical": {"2": [1]}}))
+    (data_dir / "safety_report.json").write_text(json.dumps({"hcdg": {"2": [1]}}))
     outside = tmp_path_factory.mktemp("outside")
     if not (data_dir / "link").exists():
         (data_dir / "link").symlink_to(outside, target_is_directory=True)

@@ -95,7 +95,7 @@ def test_startup_errors_are_one_line(tmp_path):
         s.listen()
         expect_error(cli("serve", "--model", MODEL, "--port", s.getsockname()[1]), "cannot listen", "--port")
     expect_error(cli("serve", "--model", MODEL, "--port", 0, "--data-dir", tmp_path, "--safety-map",
-                     tmp_path / "r.json", "--steering-mode", "safe"), "safety_critical")
+                     tmp_path / "r.json", "--steering-mode", "safe"), "hcdg")
 
 
 def test_api_key(tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def test_steering_checks_name_the_field(tmp_path):
     with pytest.raises(SteeringError) as e:
         from_reports(**kw, domain_mode="boost")
     assert e.value.field == "domain_mode"
-    s = from_reports(**kw, activate={"2": [0, 1, 2]}, boost_value=50)
+    s = from_reports(**kw, activate={"2": [0, 1, 2]}, boost_value=50, scheme="additive")
     assert s.warnings and s.activate == {2: [0, 1, 2]} and s.boost_value == 50 and s.scheme == "additive"
 
 
@@ -128,12 +128,13 @@ def test_steering_that_changes_nothing_is_refused(tmp_path):
         with pytest.raises(SteeringError) as e:
             from_reports(**kw, activate=activate, deactivate=deactivate)
         assert e.value.field == f"activate.{next(iter(activate))}" and "changes nothing" in str(e.value)
-    assert from_reports(**kw, activate={"2": list(range(7))}).activate == {2: list(range(7))}  # 7 of 8: a choice
-    # the CLI: boost a layer's top_k HRCG experts and suppress all its other (general) ones
+    assert from_reports(**kw, activate={"2": list(range(7))}, scheme="additive").activate == {2: list(range(7))}
+    # the CLI: activate a layer's top_k HCDG experts and suppress all its other (general) ones
     config = json.loads((MODEL / "config.json").read_text())
     k, n = config["num_experts_per_tok"], config["num_experts"]
-    (tmp_path / "safety.json").write_text('{"hrcg": {"1": %s}}' % list(range(k)))
+    (tmp_path / "safety.json").write_text('{"hcdg": {"1": %s}}' % list(range(k)))
     (tmp_path / "domain.json").write_text('{"general_experts": {"1": %s}}' % list(range(k, n)))
     expect_error(cli("steer", "--model", MODEL, "--prompt", "x", "--safety-map", tmp_path / "safety.json",
-                     "--mode", "safe", "--domain-map", tmp_path / "domain.json", "--domain-mode", "suppress"),
+                     "--mode", "safe", "--boost-experts", k, "--domain-map", tmp_path / "domain.json",
+                     "--domain-mode", "suppress"),
                  "layer 1", "changes nothing")

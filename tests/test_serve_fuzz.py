@@ -58,7 +58,7 @@ def root(tmp_path_factory):
     (root / "data").mkdir()
     (root / "outside").mkdir()
     (root / "data" / "link").symlink_to(root / "outside", target_is_directory=True)
-    (root / "data" / "report.json").write_text(json.dumps({"safety_critical": {"1": [3]},
+    (root / "data" / "report.json").write_text(json.dumps({"hcdg": {"1": [3]},
                                                            "domain_experts": {"2": [4]},
                                                            "general_experts": {"3": [5, 6]}}))
     return root

@@ -1,5 +1,6 @@
-"""`mlx-fun steer`: generation under report-driven steering equals generation under the same hook bias, safe mode
-boosts at most top_k HRCG experts per layer (the most benign-leaning), errors are one line."""
+"""`mlx-fun steer`: generation under report-driven steering equals generation under the same hook bias, the safety
+modes follow SteerMoE (activate the HCDG experts of largest risk difference, or deactivate them), errors are one
+line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mlx_fun.model import moe_hook
 from mlx_fun.model.io import load_model
 from mlx_fun.jobs.steer import SteerOptions
 from mlx_fun.settings import RunSettings
-from mlx_fun.experts.steering import from_reports
+from mlx_fun.experts.steering import SteeringError, from_reports
 
 from .cli_helpers import expect_error
 from .cli_helpers import run as cli
@@ -53,22 +54,61 @@ def test_a_token_budget_keeps_the_steered_tokens(make_model, tmp_path):
     assert budgeted.baseline.tokens == plain.baseline.tokens
 
 
-def test_safe_mode_boosts_at_most_top_k_most_benign_hrcg_experts(tmp_path):
-    comp = np.zeros((2, 8))
-    comp[1, [0, 1, 2, 3, 4]] = [-0.5, -3.0, -1.0, -2.0, -4.0]
+def _safety_report(tmp_path, risk, ranked_by="risk_difference"):
+    """A report over MoE layers [1, 3] and 8 experts whose HCDG holds every expert of positive risk difference."""
+    risk = np.asarray(risk, dtype=float)
+    hcdg = {str(layer): [int(e) for e in np.flatnonzero(risk[p] > 0)] for p, layer in enumerate([1, 3])}
+    hrcg = {str(layer): [int(e) for e in np.flatnonzero(risk[p] < 0)] for p, layer in enumerate([1, 3])}
     report = tmp_path / "safety_report.json"
-    report.write_text(json.dumps({"hcdg": {"3": [7]}, "hrcg": {"3": [0, 1, 2, 3, 4]},
-                                  "safety_critical": {"3": [0, 1, 2, 3, 4, 7]}, "scores": {"composite": comp.tolist()}}))
-    s = from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=report, safety_mode="safe")
-    assert s.activate == {3: [1, 4]} and s.warnings  # the two lowest composite scores
-    s = from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=report, safety_mode="unsafe")
-    assert s.deactivate == {3: [0, 1, 2, 3, 4, 7]}
+    report.write_text(json.dumps({"hcdg": hcdg, "hrcg": hrcg, "ranked_by": ranked_by,
+                                  "safety_critical": {k: sorted(hcdg[k] + hrcg[k]) for k in hcdg},
+                                  "scores": {"risk_difference": risk.tolist(), "composite": (-risk).tolist()}}))
+    return report
+
+
+def test_safe_activates_the_hcdg_experts_of_largest_risk_difference_over_all_layers(tmp_path):
+    """SteerMoE's steer_moe: the N experts of positive risk difference with the largest one over all layers, then at
+    most top_k per layer; unsafe deactivates every HCDG expert; HRCG experts are never touched."""
+    risk = np.zeros((2, 8))
+    risk[0, [2, 5]] = [0.30, 0.05]
+    risk[1, [0, 1, 4, 6]] = [0.20, 0.50, 0.40, 0.10]
+    risk[1, 3] = -0.9  # an HRCG expert, more active on benign prompts
+    report = _safety_report(tmp_path, risk)
+    steer = dict(moe_layer_indices=[1, 3], num_experts=8, safety_map=report)
+    s = from_reports(top_k=4, safety_mode="safe", boost_experts=3, **steer)
+    assert s.activate == {1: [2], 3: [1, 4]} and not s.deactivate and not s.warnings
+    assert s.sources[0]["boost_experts"] == 3
+    assert from_reports(top_k=4, safety_mode="safe", **steer).activate == {1: [2], 3: [0, 1, 4, 6]}  # default 5
+    s = from_reports(top_k=2, safety_mode="safe", boost_experts=4, **steer)  # 3 of the top 4 in layer 3: capped
+    assert s.activate == {1: [2], 3: [1, 4]} and "3 of the 4 experts to activate" in s.warnings[0]
+    s = from_reports(top_k=2, safety_mode="unsafe", **steer)
+    assert s.deactivate == {1: [2, 5], 3: [0, 1, 4, 6]} and not s.activate
+    # a report of the composite ranking (older scans) ranks by its composite
+    old = _safety_report(tmp_path, risk, ranked_by="composite")
+    assert from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=4, safety_map=old, safety_mode="safe",
+                        boost_experts=2).activate == {1: [5], 3: [6]}
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "3"])
+def test_a_bad_boost_count_names_its_field(tmp_path, value):
+    report = _safety_report(tmp_path, np.ones((2, 8)))
+    with pytest.raises(SteeringError) as e:
+        from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=report, safety_mode="safe",
+                     boost_experts=value)
+    assert e.value.field == "boost_experts" and "positive integer" in str(e.value)
+
+
+def test_a_report_without_hcdg_cannot_steer(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"safety_critical": {"1": [0]}}))
+    with pytest.raises(SteeringError, match='no "hcdg" map'):
+        from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=tmp_path / "r.json",
+                     safety_mode="unsafe")
 
 
 def test_steer_errors(make_model, tmp_path):
     path = make_model("qwen3_moe")
     expect_error(cli("steer", "--model", path, "--prompt", "x"), "nothing to steer")
-    (tmp_path / "r.json").write_text(json.dumps({"safety_critical": {"0": [99]}}))
+    (tmp_path / "r.json").write_text(json.dumps({"hcdg": {"0": [99]}}))
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json", "--mode",
                      "unsafe"), "expert 99")
     expect_error(cli("steer", "--model", path, "--prompt", "x", "--safety-map", tmp_path / "r.json"), "--mode")
@@ -124,7 +164,7 @@ def test_compare_prints_the_unsteered_reply_first(make_model, tmp_path):
     before, after = out[:out.index(head)], out[out.index(head) + len(head):]
     assert want.generation.text not in before and "[steered (" not in before, out  # nothing steered before it
     assert after.startswith(want.generation.text), out  # then the steered text, streamed
-    assert after[len(want.generation.text):].lstrip("\n").startswith("[steered (additive): 3 experts masked"), out
+    assert after[len(want.generation.text):].lstrip("\n").startswith("[steered (rank): 3 experts masked"), out
 
 
 def test_help_examples_keep_their_line_breaks():

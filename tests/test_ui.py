@@ -198,7 +198,7 @@ def test_steering_bodies_and_state(client, data_dir):
     with pytest.raises(UserError, match="JSON object"):
         steering.custom_body("[1]")
     assert steering.describe(client.steering()).startswith("**No steering is active**")
-    (data_dir / "safety_report.json").write_text(json.dumps({"safety_critical": {"0": [1, 2], "1": [3]}}))
+    (data_dir / "safety_report.json").write_text(json.dumps({"hcdg": {"0": [1, 2], "1": [3]}}))
     state = client.steer(steering.report_body("safety", "safety_report.json", "unsafe", "additive"))
     text = steering.describe(state)
     assert "3 experts masked in 2 layers" in text and "safety report" in text and "(unsafe)" in text

@@ -298,7 +298,7 @@ def _steering(run: Run) -> None:
     wait_text(page, "#steer-state", lambda t: t.startswith("Steering active"), "the applied report")
     state = rest(f"{server.url}/v1/reap/steer")
     report = json.loads((run.data / "safety_report.json").read_text())
-    assert state["active"] and state["steering"]["deactivate"] == report["safety_critical"]
+    assert state["active"] and state["steering"]["deactivate"] == report["hcdg"]
     from mlx_fun.ui.tabs.steering import effects_map
 
     page.locator("#steer-heatmap img").first.wait_for()  # the masked experts on a map, cell by cell

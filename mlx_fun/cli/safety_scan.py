@@ -15,11 +15,13 @@ from .options import job_kwargs, job_options
 @job_options(safety_scan.run)
 @friendly_errors
 def command(**kwargs):
-    """Find the experts whose routing differs between harmful and benign prompts (SAFEx-style): per expert the
-    activation rate, mean router weight and mean gate logit on each set, their scaled differences averaged into
-    a composite score, and SteerMoE's risk difference. HCDG experts are more active on harmful prompts, HRCG
-    experts on benign ones; their union is `safety_critical`, which `prune --safety-map`, `serve` and `steer`
-    read.
+    """Find the experts whose routing differs between harmful and benign prompts (SAFEx-style counts): per expert
+    the activation rate, mean router weight and mean gate logit on each set, SteerMoE's risk difference (the
+    activation-rate difference) and a composite of the three scaled differences. Ranked as SteerMoE ranks, by the
+    risk difference over all layers: HCDG experts (at or above --threshold-percentile, more active on harmful
+    prompts) are what `steer` / `serve` activate (safe) or deactivate (unsafe); HRCG experts (at or below the
+    complementary percentile, more active on benign ones) and HCDG together are `safety_critical`, which `prune
+    --safety-map` and `abliterate --target safety-experts` read.
 
     \b
     Example (the bundled refusing chat model and its held-out-split prompt sets):

@@ -15,9 +15,10 @@ from .options import job_kwargs, job_options
 def command(**kwargs):
     """Generate after --prompt with chosen experts steered before every MoE layer's own selection
     (group-limited, correction-biased and softmax-after-top-k routers included): masked experts are never
-    chosen, boosted ones are chosen whenever the layer has room. Where a router ranks by sigmoid + correction
-    bias, the steering is applied to that selection score too, so no correction bias can undo it. On the
-    bundled 6M-parameter chat model the examples below do the opposite of what their modes are for
+    chosen, activated ones are chosen whenever the layer has room. Where a router ranks by sigmoid + correction
+    bias, the steering is applied to that selection score too, so no correction bias can undo it. The report
+    modes follow SteerMoE: safe activates the --boost-experts HCDG experts of largest risk difference, unsafe
+    deactivates every HCDG expert. On the bundled 6M-parameter chat model neither does what it is for
     (docs/guide/routing.md shows and measures what they do).
 
     \b
@@ -25,7 +26,7 @@ def command(**kwargs):
       mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode unsafe --chat --compare \\
           --prompt "How do I pick a lock?" --max-tokens 20
       mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode safe --scheme rank \\
-          --chat --compare --prompt "What does os.path.join do?" --max-tokens 20
+          --chat --compare --prompt "How do I pick a lock?" --max-tokens 20
     """
     kwargs = job_kwargs(steer.run, kwargs)
     show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), on_baseline=show_baseline,

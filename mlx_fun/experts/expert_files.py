@@ -41,6 +41,7 @@ Report schemas read by :func:`load_report_experts` (the minimum; other keys are 
 
     {"safety_critical": {"<decoder layer>": [experts...]},   # used when present
      "hcdg": {"<decoder layer>": [...]}, "hrcg": {"<decoder layer>": [...]}}   # else the union of these two
+    # steering's safe / unsafe modes read "hcdg", and rank its experts by "scores"."<ranked_by>" when present
 
 ``domain_report.json`` (``mlx-fun domain-scan``)::
 
@@ -318,14 +319,15 @@ def load_report_experts(
 ) -> ExpertSets:
     """Expert sets of a ``safety_report.json`` / ``domain_report.json``: ``{layer position: {experts}}``.
 
-    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; hrcg: ``hrcg`` (else as safety); domain: ``domain_experts``; general: the
+    safety: ``safety_critical``, else the union of ``hcdg`` and ``hrcg``; hcdg: ``hcdg`` (what steering's safety
+    modes act on); domain: ``domain_experts``; general: the
     ``general_experts`` of a domain report. Layer keys are decoder-layer indices, converted to positions with
     ``moe_layer_indices`` (``None``: keys are positions).
     """
     path = Path(path)
-    if kind not in ("safety", "hrcg", "domain", "general"):
-        raise ValueError(f"kind must be 'safety', 'hrcg', 'domain' or 'general', got {kind!r}")
-    report = "safety" if kind in ("safety", "hrcg") else "domain"
+    if kind not in ("safety", "hcdg", "domain", "general"):
+        raise ValueError(f"kind must be 'safety', 'hcdg', 'domain' or 'general', got {kind!r}")
+    report = "safety" if kind in ("safety", "hcdg") else "domain"
     scan = f"{report}-scan"
     # a report's scores may hold NaN as Python's json writes it: the commands that read scores refuse them
     data = _load_json(path, f"{report} report", f"create it with `mlx-fun {scan}`.", allow_nan=True)
@@ -339,10 +341,11 @@ def load_report_experts(
         moe_idx = list(range(max(keys, default=-1) + 1))
     else:
         moe_idx = [int(i) for i in moe_layer_indices]
-    if kind == "hrcg":  # steering's safe mode boosts the experts more active on benign prompts
-        if "hrcg" in data:
-            return _read_layer_map(data["hrcg"], "hrcg", path, moe_idx, num_experts)
-        kind = "safety"
+    if kind == "hcdg":  # steering's safety modes act on the experts more active on harmful prompts
+        if "hcdg" not in data:
+            raise UserError(f"{path} has no \"hcdg\" map, the experts steering acts on; write the report with "
+                            "`mlx-fun safety-scan`.")
+        return _read_layer_map(data["hcdg"], "hcdg", path, moe_idx, num_experts)
     if kind == "safety":
         if "safety_critical" in data:
             return _read_layer_map(data["safety_critical"], "safety_critical", path, moe_idx, num_experts)

@@ -1,19 +1,25 @@
 """Expert steering (SteerMoE): which experts to force off or on, per MoE layer, and by which scheme.
 
 A :class:`Steering` holds, per decoder layer, the experts to **deactivate** and to **activate**, and a scheme:
-``additive`` (the seed's: ``mask_value`` −1e9 / ``boost_value`` +1e4 added to the router logits) or ``rank``
-(SteerMoE's: per token, activated experts' logits set to the max + ε, deactivated ones to the min − ε; at most
-top_k activated experts per layer). :meth:`Steering.route_steers` turns it into the
+``rank`` (SteerMoE's, the default: per token, activated experts' logits set to the max + ε, deactivated ones to the
+min − ε; at most top_k activated experts per layer) or ``additive`` (the original product's: ``mask_value`` −1e9 /
+``boost_value`` +1e4 added to the router logits, which hands an activated expert almost all of a softmax router's
+weight). :meth:`Steering.route_steers` turns it into the
 ``{MoE position: RouteSteer}`` that :mod:`mlx_fun.model.moe_hook` hands each adapter's ``route``, which applies it to the
 logits and, where the family ranks by a selection-only score (sigmoid + correction bias), to that score too — so
 group-limited and correction-bias routers steer with their own selection rules, and nothing here knows how any
 family routes (:mod:`mlx_fun.adapters.steer`).
 
-Sources: a ``safety_report.json`` (``safe``: boost its HRCG experts, the ones more active on benign prompts, at
-most top_k per layer; ``unsafe``: mask all its safety-critical experts), a ``domain_report.json`` (``boost``: boost
-its domain experts, at most top_k per layer; ``suppress``: mask its general experts) and direct
-``{"deactivate": {"<layer>": [experts]}, "activate": {...}}`` configs (the server's REST body). Every check raises
-:class:`SteeringError` naming the offending field, which the CLI shows as one line and the server as a 400.
+Sources: a ``safety_report.json`` (``safe``: activate its HCDG experts, the ones more active on the harmful prompts
+the model refuses; ``unsafe``: deactivate them), a ``domain_report.json`` (``boost``: activate its domain experts;
+``suppress``: deactivate its general experts) and direct ``{"deactivate": {"<layer>": [experts]}, "activate":
+{...}}`` configs (the server's REST body). The report modes follow SteerMoE (adobe-research/SteerMoE,
+``src/utils.py:steer_moe``; docs/benchmarks/parity.md): the experts that go with the behaviour to promote are
+activated, those that go with it deactivated to suppress it; an activation takes the ``boost_experts`` of the group
+that differ most (the report's ``ranked_by`` score, over all layers: SteerMoE activates 5 to 20 of thousands) and
+then at most top_k of them per layer, since forcing every routing slot leaves a model nothing of its own to say.
+Every check raises :class:`SteeringError` naming the offending field, which the CLI shows as one line and the server
+as a 400.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 
 from ..adapters.steer import SCHEMES
 from ..errors import UserError
+from .steer_options import BOOST_EXPERTS_DEFAULT, SCHEME_DEFAULT
 
 MASK_VALUE = -1e9
 BOOST_VALUE = 1e4
@@ -49,7 +56,7 @@ class Steering:
     activate: dict[int, list[int]] = field(default_factory=dict)
     mask_value: float = MASK_VALUE
     boost_value: float = BOOST_VALUE
-    scheme: str = "additive"
+    scheme: str = SCHEME_DEFAULT
     sources: list[dict] = field(default_factory=list)  # where the sets came from (report path and mode)
     warnings: list[str] = field(default_factory=list)
 
@@ -153,10 +160,12 @@ def from_reports(
     activate=None,
     mask_value=MASK_VALUE,
     boost_value=BOOST_VALUE,
-    scheme: str = "additive",
+    scheme: str = SCHEME_DEFAULT,
+    boost_experts=BOOST_EXPERTS_DEFAULT,
     field_names: dict[str, str] | None = None,
 ) -> Steering:
     """Build and check one :class:`Steering` from reports and/or direct expert maps (their union).
+    ``boost_experts``: how many of a report's experts ``safe`` / ``boost`` activate (see the module docstring).
 
     ``field_names`` renames parameters in messages (the server says ``mode`` where the CLI says
     ``--steering-mode``). Raises :class:`SteeringError` on the first problem.
@@ -164,9 +173,12 @@ def from_reports(
     from .expert_files import load_report_experts
 
     names = {"safety_map": "safety_map", "safety_mode": "safety_mode", "domain_map": "domain_map",
-             "domain_mode": "domain_mode", "scheme": "scheme", **(field_names or {})}
+             "domain_mode": "domain_mode", "scheme": "scheme", "boost_experts": "boost_experts", **(field_names or {})}
     if scheme not in SCHEMES:
         raise SteeringError(names["scheme"], f"{names['scheme']} must be one of {', '.join(SCHEMES)}, got {scheme!r}.")
+    if isinstance(boost_experts, bool) or not isinstance(boost_experts, int) or boost_experts < 1:
+        raise SteeringError(names["boost_experts"], f"{names['boost_experts']} must be a positive integer, got "
+                                                    f"{boost_experts!r}.")
     s = Steering(mask_value=_finite(mask_value, "mask_value", -1), boost_value=_finite(boost_value, "boost_value", 1),
                  scheme=scheme)
     s.deactivate = _layer_map(deactivate, "deactivate", moe_layer_indices, num_experts)
@@ -181,45 +193,56 @@ def from_reports(
         if mode not in modes:
             raise SteeringError(names[mode_key], f"{names[mode_key]} must be one of {', '.join(modes)} with "
                                                  f"{names[path_key]}, got {mode!r}.")
+        boosting = mode in ("safe", "boost")
         try:
-            which = {"suppress": "general", "safe": "hrcg"}.get(mode, kind)
+            which = {"suppress": "general", "safe": "hcdg", "unsafe": "hcdg"}.get(mode, kind)
             sets = load_report_experts(path, which, moe_layer_indices, num_experts)
-            if mode in ("safe", "boost"):
-                sets = _cap(sets, path, moe_layer_indices, top_k, lowest=mode == "safe", warnings=s.warnings)
+            if boosting:
+                sets = _strongest(sets, path, moe_layer_indices, top_k, boost_experts, warnings=s.warnings)
         except SteeringError:
             raise
         except UserError as e:
             raise SteeringError(names[path_key], str(e)) from None
-        target = s.activate if mode in ("safe", "boost") else s.deactivate
+        target = s.activate if boosting else s.deactivate
         for pos, experts in sets.items():
             layer = moe_layer_indices[pos]
             target[layer] = sorted(set(target.get(layer, [])) | set(experts))
-        s.sources.append({"report": str(path), "kind": kind, "mode": mode})
+        s.sources.append({"report": str(path), "kind": kind, "mode": mode}
+                         | ({"boost_experts": boost_experts} if boosting else {}))
     _check(s, moe_layer_indices, num_experts, top_k)
     return s
 
 
-def _cap(sets: dict, path, moe_layer_indices: list[int], top_k: int, *, lowest: bool, warnings: list) -> dict:
-    """At most ``top_k`` boosted experts per layer (more cannot all be chosen): those with the most extreme
-    composite score of the report (lowest for HRCG, highest for domain experts), else the first ``top_k``."""
+def _strongest(sets: dict, path, moe_layer_indices: list[int], top_k: int, n: int, *, warnings: list) -> dict:
+    """SteerMoE's choice of experts to activate: the ``n`` of ``sets`` with the highest score over all layers (the
+    report's ``ranked_by`` score, else its composite; without scores, in layer and expert order), then at most
+    ``top_k`` of those per layer (more cannot all be chosen)."""
+    score = _report_score(path)
+    cells = sorted(((pos, e) for pos, experts in sets.items() for e in experts),
+                   key=lambda c: (-score[c], c) if score is not None and c[0] < score.shape[0] else (0.0, c))
+    out: dict[int, set[int]] = {}
+    for pos, e in cells[:n]:
+        out.setdefault(pos, set())
+        if len(out[pos]) < top_k:
+            out[pos].add(e)
+    for pos, experts in out.items():
+        chosen = sum(p == pos for p, _ in cells[:n])
+        if chosen > top_k:
+            warnings.append(f"layer {moe_layer_indices[pos]}: {chosen} of the {n} experts to activate are in this "
+                            f"layer; the {top_k} that differ most are activated (top_k = {top_k}).")
+    return out
+
+
+def _report_score(path) -> np.ndarray | None:
+    """The (MoE layers, experts) score a report ranks its groups by, or None where it has none."""
     from ..core import json_input
 
     try:
         report = json_input.read(path, allow_nan=True, error=ValueError)
-        comp = np.asarray(report["scores"]["composite"], dtype=np.float64)
+        score = np.asarray(report["scores"][report.get("ranked_by", "composite")], dtype=np.float64)
     except (OSError, ValueError, KeyError, TypeError):
-        comp = None
-    out = {}
-    for pos, experts in sets.items():
-        experts = sorted(experts)
-        if len(experts) > top_k:
-            if comp is not None and comp.shape[0] > pos:
-                experts = sorted(experts, key=lambda e: comp[pos, e] if lowest else -comp[pos, e])
-            warnings.append(f"layer {moe_layer_indices[pos]}: the report lists {len(experts)} experts to boost; "
-                            f"the {top_k} with the most extreme composite score are boosted (top_k = {top_k}).")
-            experts = sorted(experts[:top_k])
-        out[pos] = set(experts)
-    return out
+        return None
+    return score if score.ndim == 2 and np.isfinite(score).all() else None
 
 
 def for_adapter(adapter, **kwargs) -> Steering:

@@ -110,7 +110,8 @@ STREAM_LAYERS = stream_layers_opt()
 
 #: the options of a differential scan (``safety-scan`` / ``domain-scan``) besides its two datasets
 SCAN_OUTPUT = Opt("The report to write (JSON).", type=click.Path(dir_okay=False))
-PERCENTILE = Opt("Composite-score percentile above which (and below 100 minus which) experts are classified.",
+PERCENTILE = Opt("Percentile over all layers' experts above which (and below 100 minus which) experts are "
+                 "classified: of the risk difference (safety-scan), of the composite score (domain-scan).",
                  type=FiniteFloat(50, 100, min_open=True, max_open=True))
 
 

@@ -46,8 +46,9 @@ def run(
 ) -> ScanResult:
     """Route ``harmful_dataset`` and ``benign_dataset`` (chats are read with their generation prompt) through
     ``model`` and write the report (:mod:`mlx_fun.observe.differential`): experts at or above the
-    ``threshold_percentile``-th composite score and more active on harmful prompts (HCDG), at or below the
-    complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``), every score.
+    ``threshold_percentile``-th risk difference over all layers and more active on harmful prompts (HCDG), at or
+    below the complementary percentile and more active on benign ones (HRCG), their union (``safety_critical``),
+    every score.
     ``calibration``: how each set's samples are drawn and batched (its fields may be given by name).
     ``stream_layers`` (None: when the model's weights exceed the memory left): the model loads lazily and both sets
     run together through one streamed forward, one decoder layer's weights in memory at a time (the same report:

@@ -11,6 +11,7 @@ import click
 from ..core.options import Group, Opt, option
 from ..core.ranges import FiniteFloat
 from ..errors import UserError, param
+from ..experts.steer_options import BOOST_EXPERTS, BOOST_EXPERTS_DEFAULT, SAFETY_MODE, SCHEME, SCHEME_DEFAULT
 from ..model.genopts import CHAT, DRAFT_MODEL, MAX_NEW_TOKENS, GenOptions, Sampling
 from ..model.lora import ADAPTER_PATH
 from ..settings import RunSettings
@@ -19,33 +20,29 @@ from .common import MODEL, Log, check_supported, job, load_moe, quiet
 
 @dataclass(frozen=True)
 class SteerOptions(Group):
-    """What is steered and how: a safety report (``safety_map``, from ``safety-scan``) with ``mode`` ``safe`` (boost
-    its HRCG experts, at most top_k per layer) or ``unsafe`` (mask its safety-critical experts), and/or a domain
-    report (``domain_map``, from ``domain-scan``) with ``domain_mode`` ``boost`` / ``suppress``; ``scheme``
-    ``additive`` (add ``mask_value`` / ``boost_value`` to the router logits) or ``rank`` (SteerMoE: to the token's
-    max + 0.01 / min - 0.01). Field names are ``mlx-fun steer``'s options."""
+    """What is steered and how: a safety report (``safety_map``, from ``safety-scan``) with ``mode`` ``safe``
+    (activate ``boost_experts`` of its HCDG experts) or ``unsafe`` (deactivate them all), and/or a domain report
+    (``domain_map``, from ``domain-scan``) with ``domain_mode`` ``boost`` / ``suppress``; ``scheme`` ``rank``
+    (SteerMoE, the default: to the token's max + 0.01 / min - 0.01) or ``additive`` (add ``mask_value`` /
+    ``boost_value`` to the router logits). The rules are :mod:`mlx_fun.experts.steering`'s. Field names are
+    ``mlx-fun steer``'s options."""
 
     safety_map: str | Path | None = option(
         None, "safety_report.json from `mlx-fun safety-scan` (with --mode).", type=click.Path(dir_okay=False),
         missing="pass a safety_report.json written by `mlx-fun safety-scan`")
-    mode: str | None = option(
-        None, "safe: boost the HRCG experts (at most top_k per layer); unsafe: mask all safety-critical experts.",
-        type=click.Choice(["safe", "unsafe"]))
+    mode: str | None = option(None, SAFETY_MODE.help, type=SAFETY_MODE.type)
     domain_map: str | Path | None = option(
         None, "domain_report.json from `mlx-fun domain-scan` (with --domain-mode); combinable with --safety-map.",
         type=click.Path(dir_okay=False), missing="pass a domain_report.json written by `mlx-fun domain-scan`")
     domain_mode: str | None = option(
-        None, "boost: activate the domain experts; suppress: deactivate the general experts.",
+        None, "boost: activate --boost-experts of the domain experts; suppress: deactivate the general experts.",
         type=click.Choice(["boost", "suppress"]))
     mask_value: float = option(-1e9, "Router-logit bias of a deactivated expert (additive scheme).",
                                type=FiniteFloat(max=0, max_open=True))
     boost_value: float = option(1e4, "Router-logit bias of an activated expert (additive scheme).",
                                 type=FiniteFloat(min=0, min_open=True))
-    scheme: str = option(
-        "additive", "additive: add --mask-value / --boost-value to the router logits; rank (SteerMoE): per token, "
-        "boosted experts' logits go to the max + 0.01, masked ones to the min - 0.01, so a boosted expert weighs "
-        "about as much as the token's favourite instead of all of it (at most top_k boosted per layer).",
-        type=click.Choice(["additive", "rank"]))
+    scheme: str = option(SCHEME_DEFAULT, SCHEME.help, type=SCHEME.type)
+    boost_experts: int = option(BOOST_EXPERTS_DEFAULT, BOOST_EXPERTS.help, type=BOOST_EXPERTS.type)
 
 
 @dataclass
@@ -103,11 +100,11 @@ def run(
     mdl, tokenizer, config, adapter = load_moe(model, log=log, adapter_path=adapter_path)
     steers = for_adapter(adapter, safety_map=s.safety_map, safety_mode=s.mode, domain_map=s.domain_map,
                          domain_mode=s.domain_mode, mask_value=s.mask_value, boost_value=s.boost_value,
-                         scheme=s.scheme,
+                         scheme=s.scheme, boost_experts=s.boost_experts,
                          field_names={"safety_map": param("safety_map"), "safety_mode": param("mode"),
                                       "domain_map": param("domain_map"), "domain_mode": param("domain_mode"),
                                       "mask_value": param("mask_value"), "boost_value": param("boost_value"),
-                                      "scheme": param("scheme")})
+                                      "scheme": param("scheme"), "boost_experts": param("boost_experts")})
     for w in steers.warnings:
         log(f"Warning: {w}")
     report = settings.apply(mdl, log=log)

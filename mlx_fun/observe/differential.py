@@ -8,10 +8,12 @@ token). Divided by the token count: **activation rate**, **mean router weight**,
 :func:`differential` compares dataset A (harmful / domain) with B (benign / general): each difference
 (A − B) is scaled by its standard deviation over all layers × experts and the three are averaged into the
 **composite** score; the activation-rate difference is also SteerMoE's **risk difference**. :func:`classify`
-puts experts whose composite is at or above the ``p``-th percentile *and* that are more active on A in the "A"
-group (HCDG / domain experts), and those at or below the ``(100 − p)``-th percentile and more active on B in the
-"B" group (HRCG / general experts). :func:`report` writes both scans' JSON, the format
-:mod:`mlx_fun.experts.expert_files` reads (``prune --safety-map / --domain-map``, steering).
+ranks every layer × expert cell by one of them (:data:`RANKED_BY`: the safety scan by the risk difference, as
+SteerMoE ranks its safety experts over all layers; the domain scan by the composite, which ``amplify`` scales its
+boost by) and puts the cells at or above the ``p``-th percentile *and* more active on A in the "A" group (HCDG /
+domain experts), those at or below the ``(100 − p)``-th percentile and more active on B in the "B" group (HRCG /
+general experts). :func:`report` writes both scans' JSON, the format :mod:`mlx_fun.experts.expert_files` reads
+(``prune --safety-map / --domain-map``, steering).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .collect import SaliencyTap, check_streamable
 from .saliency import SaliencyAccumulator
 
 REPORT_VERSION = 1
+#: the score each scan's groups are ranked by (see the module docstring; docs/benchmarks/parity.md for SteerMoE's)
+RANKED_BY = {"safety": "risk_difference", "domain": "composite"}
 
 
 class RoutingTap(SaliencyTap):
@@ -171,15 +175,18 @@ class Groups:
     threshold_b: float
 
 
-def classify(diff: dict[str, np.ndarray], moe_layer_indices: list[int], percentile: float) -> Groups:
-    comp, risk = diff["composite"], diff["risk_difference"]
-    hi, lo = float(np.percentile(comp, percentile)), float(np.percentile(comp, 100.0 - percentile))
+def classify(diff: dict[str, np.ndarray], moe_layer_indices: list[int], percentile: float, *,
+             by: str) -> Groups:
+    """The two groups by the ``by`` score's ``percentile``-th / ``(100 − percentile)``-th percentile over all
+    cells, each side only where the risk difference has its sign."""
+    score, risk = diff[by], diff["risk_difference"]
+    hi, lo = float(np.percentile(score, percentile)), float(np.percentile(score, 100.0 - percentile))
 
     def groups(mask):
         return {str(layer): [int(e) for e in np.flatnonzero(mask[pos])]
                 for pos, layer in enumerate(moe_layer_indices) if mask[pos].any()}
 
-    return Groups(groups((comp >= hi) & (risk > 0)), groups((comp <= lo) & (risk < 0)), hi, lo)
+    return Groups(groups((score >= hi) & (risk > 0)), groups((score <= lo) & (risk < 0)), hi, lo)
 
 
 def report(kind: str, a: RoutingTap, b: RoutingTap, adapter: MoEAdapter, *, percentile: float,
@@ -188,15 +195,17 @@ def report(kind: str, a: RoutingTap, b: RoutingTap, adapter: MoEAdapter, *, perc
     count is the taps', which a streamed scan's emptied layers no longer tell)."""
     layers = adapter.moe_layers()
     diff = differential(a, b)
-    g = classify(diff, layers, percentile)
+    by = RANKED_BY[kind]
+    g = classify(diff, layers, percentile, by=by)
     names = ("harmful", "benign") if kind == "safety" else ("domain", "general")
     out = {"format": f"mlx-fun {kind} report", "version": REPORT_VERSION, "model_type": adapter.model_type,
            "num_experts": int(a.count.shape[1]), "top_k": adapter.top_k, "moe_layer_indices": layers,
-           "threshold_percentile": percentile, **(extra or {}), "datasets": datasets}
+           "threshold_percentile": percentile, "ranked_by": by, **(extra or {}), "datasets": datasets}
     if kind == "safety":
         critical = {k: sorted(set(g.a.get(k, [])) | set(g.b.get(k, []))) for k in sorted(set(g.a) | set(g.b), key=int)}
         out.update(hcdg=g.a, hrcg=g.b, safety_critical=critical,
-                   thresholds={"hcdg_composite_at_least": g.threshold_a, "hrcg_composite_at_most": g.threshold_b})
+                   thresholds={"hcdg_risk_difference_at_least": g.threshold_a,
+                               "hrcg_risk_difference_at_most": g.threshold_b})
     else:
         out.update(domain_experts=g.a, general_experts=g.b,
                    thresholds={"domain_composite_at_least": g.threshold_a, "general_composite_at_most": g.threshold_b})

@@ -19,6 +19,7 @@ import click
 from ..core.options import Group, option
 from ..core.ranges import MIN_P, TEMPERATURE, TOP_K, TOP_P, FiniteFloat, JsonObject
 from ..errors import UserError, param
+from ..experts.steer_options import BOOST_EXPERTS, BOOST_EXPERTS_DEFAULT, SAFETY_MODE, SCHEME, SCHEME_DEFAULT
 from ..model.chat import USE_DEFAULT_CHAT_TEMPLATE
 from ..model.genopts import TRUST_REMOTE_CODE
 
@@ -139,25 +140,26 @@ class ServerOptions(Group):
 @dataclass(frozen=True)
 class StartupSteering(Group):
     """The steering the server starts with (REST changes it later): ``safety_map`` (a ``safety-scan`` report) with
-    ``steering_mode`` (``safe``: boost its HRCG experts; ``unsafe``: mask its safety-critical experts), and/or
-    ``domain_map`` (a ``domain-scan`` report) with ``domain_steering_mode`` (``boost`` / ``suppress``);
-    ``steering_scheme``: ``additive`` or ``rank`` (see :mod:`mlx_fun.experts.steering`)."""
+    ``steering_mode`` (``safe``: activate ``steering_boost_experts`` of its HCDG experts; ``unsafe``: deactivate
+    them), and/or ``domain_map`` (a ``domain-scan`` report) with ``domain_steering_mode`` (``boost`` /
+    ``suppress``); ``steering_scheme``: ``additive`` or ``rank`` (see :mod:`mlx_fun.experts.steering`)."""
 
     safety_map: str | Path | None = option(
         None, "safety_report.json to steer with from the start (with --steering-mode).",
         type=click.Path(dir_okay=False), missing="pass a safety_report.json written by `mlx-fun safety-scan`")
-    steering_mode: str | None = option(
-        None, "safe: boost the report's HRCG experts (at most top_k per layer); unsafe: mask its safety-critical "
-        "experts.", type=click.Choice(["safe", "unsafe"]))
+    steering_mode: str | None = option(None, SAFETY_MODE.help, type=SAFETY_MODE.type)
     domain_map: str | Path | None = option(
         None, "domain_report.json to steer with from the start (with --domain-steering-mode).",
         type=click.Path(dir_okay=False), missing="pass a domain_report.json written by `mlx-fun domain-scan`")
     domain_steering_mode: str | None = option(
-        None, "boost: activate the domain experts; suppress: deactivate the general experts.",
+        None, "boost: activate --steering-boost-experts of the domain experts; suppress: deactivate the general "
+        "experts.",
         type=click.Choice(["boost", "suppress"]))
     steering_scheme: str = option(
-        "additive", "How the startup steering acts (see `mlx-fun steer --help`); REST bodies say their own "
-        "\"scheme\".", type=click.Choice(["additive", "rank"]))
+        SCHEME_DEFAULT, "How the startup steering acts (see `mlx-fun steer --help`); REST bodies say their own "
+        "\"scheme\" (default rank).", type=SCHEME.type)
+    steering_boost_experts: int = option(BOOST_EXPERTS_DEFAULT, BOOST_EXPERTS.help + " REST bodies say their own "
+                                         "\"boost_experts\".", type=BOOST_EXPERTS.type)
 
     def validate(self) -> None:
         """A map without its mode (or the reverse) is one line."""
@@ -179,11 +181,12 @@ class StartupSteering(Group):
 
             return for_adapter(counter.adapter, safety_map=self.safety_map, safety_mode=self.steering_mode,
                                domain_map=self.domain_map, domain_mode=self.domain_steering_mode,
-                               scheme=self.steering_scheme,
+                               scheme=self.steering_scheme, boost_experts=self.steering_boost_experts,
                                field_names={"safety_map": param("safety_map"), "safety_mode": param("steering_mode"),
                                             "domain_map": param("domain_map"),
                                             "domain_mode": param("domain_steering_mode"),
-                                            "scheme": param("steering_scheme")})
+                                            "scheme": param("steering_scheme"),
+                                            "boost_experts": param("steering_boost_experts")})
 
         return build
 

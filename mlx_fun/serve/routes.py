@@ -18,7 +18,7 @@ from .errors import HTTPError
 from .params import check_numbers
 
 STEER_KEYS = ("safety_map", "domain_map", "mode", "safety_mode", "domain_mode", "deactivate", "activate",
-              "mask_value", "boost_value", "scheme")
+              "mask_value", "boost_value", "scheme", "boost_experts")
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -233,7 +233,8 @@ def post_steer(app, body: dict) -> dict:
     unknown = sorted(set(body) - set(STEER_KEYS))
     if unknown:
         raise HTTPError(400, f"unknown field {unknown[0]!r}; steering takes {', '.join(STEER_KEYS)}.", unknown[0])
-    kw = {k: body[k] for k in ("deactivate", "activate", "mask_value", "boost_value", "scheme") if k in body}
+    kw = {k: body[k] for k in ("deactivate", "activate", "mask_value", "boost_value", "scheme", "boost_experts")
+          if k in body}
     safety_mode, domain_mode = body.get("safety_mode"), body.get("domain_mode")
     if "mode" in body:
         if ("safety_map" in body) == ("domain_map" in body):

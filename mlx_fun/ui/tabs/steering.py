@@ -9,11 +9,12 @@ REST client's.
 from __future__ import annotations
 
 from ...errors import UserError
+from ...experts.steer_options import SCHEME_DEFAULT
 from ..common import Context, guarded
 
 #: a report kind's modes (``POST /v1/reap/steer`` ``mode``), the first one the default
 MODES = {"safety": ["unsafe", "safe"], "domain": ["boost", "suppress"]}
-SCHEMES = ["additive", "rank"]
+SCHEMES = ["rank", "additive"]
 EXAMPLE = '{"deactivate": {"0": [1, 2]}, "activate": {"1": [3]}, "scheme": "additive"}'
 #: what steering does to an expert, with its colour on the map
 EFFECTS = (("routed as trained", "#dddddd"), ("masked", "#d1495b"), ("boosted", "#2a9d8f"))
@@ -93,7 +94,7 @@ def build(ctx: Context) -> None:
             path = gr.Textbox(label="Report path (on the server, inside its --data-dir)",
                               placeholder="safety_report.json", elem_id="steer-path")
             mode = gr.Radio(MODES["safety"], value="unsafe", label="Mode", elem_id="steer-mode")
-            scheme = gr.Radio(SCHEMES, value="additive", label="Scheme")
+            scheme = gr.Radio(SCHEMES, value=SCHEME_DEFAULT, label="Scheme")
             apply_report = gr.Button("Apply report", variant="primary", elem_id="steer-apply-report")
         with gr.Column():
             gr.Markdown("### Custom JSON")
