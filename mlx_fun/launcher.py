@@ -4,6 +4,7 @@ never tokenize, transformers) out of the process and mlx-lm's tokenizer code out
 gives transformers' ids and prompts (:mod:`mlx_fun.model.fast_tokenizer`), then run the click group, which
 imports the chosen command's module only.
 
+``env.keep_float32`` (float32 matmuls stay float32: MLX's TF32 default changes REAP's near-ties on a GPU) and
 ``maybe_reexec`` must run before anything imports ``mlx``, and the import set-up before anything imports
 ``mlx_lm``, hence the import of the CLI inside ``main``. Both are process-wide, so they happen here, in the console
 entry, and not in the click group (which tests and embedders invoke in their own process).
@@ -20,8 +21,10 @@ def command_name(argv: list[str]) -> str | None:
 
 
 def main():
+    from .core import env
     from .runtime.blas import maybe_reexec
 
+    env.keep_float32()  # before mlx is imported (and carried into the re-exec)
     maybe_reexec()
 
     from .runtime import cpu_load, lean_imports

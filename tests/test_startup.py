@@ -233,3 +233,24 @@ print(tokenizer.encode("def f(x): return x"))
     from mlx_lm import load
 
     assert proc.stdout.strip() == str(load(str(ROOT / "data" / "tiny-moe"))[1].encode("def f(x): return x"))
+
+
+@pytest.mark.parametrize("given, shown", [(None, "full float32 (MLX_ENABLE_TF32=0)"),
+                                          ("1", "TF32 allowed where the hardware has it (MLX_ENABLE_TF32=1)")])
+def test_the_console_keeps_float32_matmuls_in_float32_unless_told(given, shown):
+    """MLX runs float32 matmuls as TF32 on CUDA and Apple M5 unless MLX_ENABLE_TF32=0, read once: the console sets it
+    before mlx is imported (REAP then matches its float32 reference on a GPU, docs/benchmarks/parity.md), and a
+    value the user gave stays. `doctor` says which is in effect."""
+    from mlx_fun.core import env
+
+    environ = {k: v for k, v in os.environ.items() if k != env.TF32} | {"PYTHONPATH": python_path()}
+    if given is not None:
+        environ[env.TF32] = given
+    out = subprocess.run([sys.executable, "-m", "mlx_fun", "doctor"], env=environ, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"float32 matmuls: {shown}" in out.stdout.splitlines(), out.stdout
+    mine = {}
+    assert env.keep_float32(mine) == "0" and mine == {env.TF32: "0"}
+    mine = {env.TF32: ""}
+    assert env.keep_float32(mine) == "" and mine == {env.TF32: ""}  # set, even blank: the user's choice

@@ -5,6 +5,7 @@ of its expert shapes is dispatched (the full line of table entries that the mode
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -69,11 +70,24 @@ def run(*, model: Annotated[str | Path | None, Opt(
         return facts
     facts.update(mlx_lm_compat.report())
     facts.update({"default device": str(mx.default_device()), "backend": backend(mx), "blas": blas_status(),
-                  "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s", "dispatch table": dispatch_table(),
+                  "float32 matmuls": float32_matmuls(), "matmul 512³ float32": f"{matmul_gflops():.1f} GFLOP/s",
+                  "dispatch table": dispatch_table(),
                   "model types": model_types()})
     if model is not None:
         facts["dispatch"] = model_dispatch(model, checked)
     return facts
+
+
+def float32_matmuls() -> str:
+    """Whether MLX may run float32 matmuls as TF32 here (:func:`mlx_fun.core.env.keep_float32`)."""
+    from ..core import env
+
+    value = os.environ.get(env.TF32)
+    if value is None:
+        return f"TF32 allowed where the hardware has it (MLX's default; the mlx-fun console sets {env.TF32}=0)"
+    if value.strip() == "0":
+        return f"full float32 ({env.TF32}=0)"
+    return f"TF32 allowed where the hardware has it ({env.TF32}={value})"
 
 
 def model_dispatch(model, checked: tuple[dict, type]) -> str:

@@ -93,9 +93,11 @@ def reference_side(args) -> None:
 
 # --------------------------------------------------------------------------------------------------- main side
 def main_side(args) -> int:
+    from mlx_fun.core import env
     from mlx_fun.runtime.blas import maybe_reexec
 
-    maybe_reexec()  # as the mlx-fun launcher does, before mlx is imported
+    env.keep_float32()  # as the mlx-fun launcher does, before mlx is imported: float32 stays float32 on a GPU
+    maybe_reexec()
     from mlx_fun import jobs
     from mlx_fun.datasets import corpus
     from mlx_fun.datasets.calibration import Calibration
