@@ -12,7 +12,7 @@ drawn as ``safety-scan`` draws them, seed 0) go to ``safety-scan`` and to the re
 
 1. selection: SAFEx trace.py's per-expert counts vs the scan's; SteerMoE's ``risk_diff`` vs the scan's
    ``risk_difference``; the overlap of SteerMoE's top experts by |risk_diff| (its ranking, over all layers) with
-   the scan's HCDG / HRCG / safety-critical groups (its composite-percentile ranking, per group).
+   the scan's HCDG / HRCG / safety-critical groups (ranked by the risk difference over all layers too).
 2. steering: for each setting (the references' rule on their own choice, our modes, random experts in the same
    layers, 3 seeds), refusal on the held-out hand-written harmful prompts and degenerate replies over all
    evaluation replies, the reference (transformers, SteerMoE's routing block) beside ours (MLX, ``--scheme rank``
@@ -105,16 +105,16 @@ def main() -> int:
     evals = hw_harmful + hw_benign
     logit_prompts = hw_harmful[:8] + hw_benign[:8]
 
-    crit, hcdg = rep["safety_critical"], rep["hcdg"]
     ours_safe = for_adapter(adapter, safety_map=work / "safety_report.json", safety_mode="safe", scheme="rank")
+    ours_unsafe = for_adapter(adapter, safety_map=work / "safety_report.json", safety_mode="unsafe")
     settings = [{"name": "original", "kind": "manual"},
                 {"name": "SteerMoE safe (activate)", "kind": "steermoe", "pos": args.safe_experts, "neg": 0,
                  "reverse": 0},
                 {"name": "SteerMoE unsafe (deactivate)", "kind": "steermoe", "pos": 0, "neg": args.unsafe_experts,
                  "reverse": 1},
-                {"name": "ours unsafe: safety-critical masked", "kind": "manual", "deactivate": crit},
-                {"name": "ours HCDG masked", "kind": "manual", "deactivate": hcdg},
-                {"name": "ours safe: HRCG boosted (rank)", "kind": "manual",
+                {"name": "ours unsafe: HCDG masked", "kind": "manual",
+                 "deactivate": {str(k): v for k, v in ours_unsafe.deactivate.items()}},
+                {"name": "ours safe: HCDG activated (rank)", "kind": "manual",
                  "activate": {str(k): v for k, v in ours_safe.activate.items()}}]
     job = {"sets": {"harmful": harmful, "benign": benign}, "eval": evals, "logit_prompts": logit_prompts,
            "max_tokens": args.max_tokens, "settings": settings}
@@ -123,7 +123,7 @@ def main() -> int:
     chosen = {s["name"]: s for s in ref["settings"]}
     controls = []
     for name, key in (("SteerMoE safe (activate)", "activate"), ("SteerMoE unsafe (deactivate)", "deactivate"),
-                      ("ours unsafe: safety-critical masked", "deactivate")):
+                      ("ours unsafe: HCDG masked", "deactivate"), ("ours safe: HCDG activated (rank)", "activate")):
         counts = per_layer(chosen[name][key])
         for seed in range(3):
             controls.append({"name": f"random {key}d like '{name}' (seed {seed})", "kind": "manual",
