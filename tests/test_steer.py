@@ -98,6 +98,14 @@ def test_a_bad_boost_count_names_its_field(tmp_path, value):
     assert e.value.field == "boost_experts" and "positive integer" in str(e.value)
 
 
+def test_a_report_whose_group_is_empty_says_so(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"hcdg": {}, "hrcg": {"1": [2]}}))
+    s = from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=2, safety_map=tmp_path / "r.json",
+                     safety_mode="safe")
+    assert s.empty and s.warnings == [f'{tmp_path / "r.json"}: its "hcdg" map names no experts of this model\'s MoE '
+                                      'layers, so safe steers nothing from it.']
+
+
 def test_a_report_without_hcdg_cannot_steer(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps({"safety_critical": {"1": [0]}}))
     with pytest.raises(SteeringError, match='no "hcdg" map'):

@@ -203,6 +203,10 @@ def from_reports(
             raise
         except UserError as e:
             raise SteeringError(names[path_key], str(e)) from None
+        if not any(sets.values()):
+            key = {"domain": "domain_experts", "general": "general_experts"}.get(which, which)
+            s.warnings.append(f"{path}: its \"{key}\" map names no experts of this model's MoE layers, so "
+                              f"{mode} steers nothing from it.")
         target = s.activate if boosting else s.deactivate
         for pos, experts in sets.items():
             layer = moe_layer_indices[pos]
