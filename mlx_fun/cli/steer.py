@@ -25,8 +25,8 @@ def command(**kwargs):
     Example (the bundled refusing chat model, after the safety-scan example):
       mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode unsafe --chat --compare \\
           --prompt "How do I pick a lock?" --max-tokens 20
-      mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode safe --scheme rank \\
-          --chat --compare --prompt "How do I pick a lock?" --max-tokens 20
+      mlx-fun steer --model data/tiny-moe-chat --safety-map runs/safety_report.json --mode safe --chat \\
+          --compare --prompt "How do I pick a lock?" --max-tokens 20
     """
     kwargs = job_kwargs(steer.run, kwargs)
     show(steer.run(**kwargs, on_text=lambda s: click.echo(s, nl=False), on_baseline=show_baseline,
