@@ -87,6 +87,10 @@ def test_safe_activates_the_hcdg_experts_of_largest_risk_difference_over_all_lay
     old = _safety_report(tmp_path, risk, ranked_by="composite")
     assert from_reports(moe_layer_indices=[1, 3], num_experts=8, top_k=4, safety_map=old, safety_mode="safe",
                         boost_experts=2).activate == {1: [5], 3: [6]}
+    # scores that do not cover every expert of the group (a hand-edited report): layer and expert order
+    data = json.loads(report.read_text())
+    report.write_text(json.dumps(data | {"scores": {"risk_difference": [[1.0]]}}))
+    assert from_reports(top_k=4, safety_mode="safe", boost_experts=3, **steer).activate == {1: [2, 5], 3: [0]}
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "3"])

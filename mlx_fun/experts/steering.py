@@ -219,20 +219,23 @@ def from_reports(
 
 def _strongest(sets: dict, path, moe_layer_indices: list[int], top_k: int, n: int, *, warnings: list) -> dict:
     """SteerMoE's choice of experts to activate: the ``n`` of ``sets`` with the highest score over all layers (the
-    report's ``ranked_by`` score, else its composite; without scores, in layer and expert order), then at most
-    ``top_k`` of those per layer (more cannot all be chosen)."""
+    report's ``ranked_by`` score, else its composite; without scores for every cell, in layer and expert order), then
+    at most ``top_k`` of those per layer (more cannot all be chosen)."""
+    from collections import Counter
+
+    cells = sorted((pos, e) for pos, experts in sets.items() for e in experts)
     score = _report_score(path)
-    cells = sorted(((pos, e) for pos, experts in sets.items() for e in experts),
-                   key=lambda c: (-score[c], c) if score is not None and c[0] < score.shape[0] else (0.0, c))
+    if score is not None and all(pos < score.shape[0] and e < score.shape[1] for pos, e in cells):
+        cells.sort(key=lambda c: -score[c])  # stable: ties keep layer and expert order
+    chosen = cells[:n]
     out: dict[int, set[int]] = {}
-    for pos, e in cells[:n]:
+    for pos, e in chosen:
         out.setdefault(pos, set())
         if len(out[pos]) < top_k:
             out[pos].add(e)
-    for pos, experts in out.items():
-        chosen = sum(p == pos for p, _ in cells[:n])
-        if chosen > top_k:
-            warnings.append(f"layer {moe_layer_indices[pos]}: {chosen} of the {n} experts to activate are in this "
+    for pos, count in sorted(Counter(pos for pos, _ in chosen).items()):
+        if count > top_k:
+            warnings.append(f"layer {moe_layer_indices[pos]}: {count} of the {n} experts to activate are in this "
                             f"layer; the {top_k} that differ most are activated (top_k = {top_k}).")
     return out
 
