@@ -14,8 +14,9 @@ SCHEME_DEFAULT = "rank"
 #: it publishes safety steering for (15 and 20 for the other two; its activations/num_experts.jsonl)
 BOOST_EXPERTS_DEFAULT = 5
 
-SAFETY_MODE = Opt("safe: activate the report's HCDG experts, those more active on the harmful prompts the model "
-                  "refuses (SteerMoE's safe steering; --boost-experts of them); unsafe: deactivate them all.",
+SAFETY_MODE = Opt("safe: activate the strongest of the report's HCDG experts, those more active on the harmful "
+                  "prompts the model refuses (SteerMoE's safe steering; how many: the boost count below); unsafe: "
+                  "deactivate them all.",
                   type=click.Choice(["safe", "unsafe"]))
 BOOST_EXPERTS = Opt("How many of a report's experts safe / boost activate: those that differ most between its two "
                     "prompt sets, over all layers, then at most top_k per layer (SteerMoE activates 5 to 20).",
