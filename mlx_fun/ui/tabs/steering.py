@@ -9,12 +9,12 @@ REST client's.
 from __future__ import annotations
 
 from ...errors import UserError
-from ...experts.steer_options import SCHEME_DEFAULT
+from ...experts.steer_options import SCHEME, SCHEME_DEFAULT
 from ..common import Context, guarded
 
 #: a report kind's modes (``POST /v1/reap/steer`` ``mode``), the first one the default
 MODES = {"safety": ["unsafe", "safe"], "domain": ["boost", "suppress"]}
-SCHEMES = ["rank", "additive"]
+SCHEMES = list(SCHEME.type.choices)  # the CLI's choice, in its order
 EXAMPLE = '{"deactivate": {"0": [1, 2]}, "activate": {"1": [3]}, "scheme": "additive"}'
 #: what steering does to an expert, with its colour on the map
 EFFECTS = (("routed as trained", "#dddddd"), ("masked", "#d1495b"), ("boosted", "#2a9d8f"))
